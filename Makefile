@@ -1,0 +1,26 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both build .venv on first use from
+# the pinned constraints, so a fresh clone needs nothing but Python 3.11 and network access to PyPI.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test run clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m worker demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+run: $(STAMP)
+	$(BIN)/python -m worker run
+
+clean:
+	rm -rf $(VENV) .pytest_cache

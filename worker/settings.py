@@ -1,0 +1,163 @@
+"""Settings: one validated, frozen object built once at start-up from the environment and passed in.
+
+Nothing else in the project reads ``os.environ``. ``load_settings`` raises ``ConfigError`` with one
+line per problem, before any AWS or store call, so a bad deployment fails loudly at start.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.errors import ConfigError
+
+# SQS refuses to keep a message invisible for more than 12 hours from its receipt.
+SQS_MAX_VISIBILITY_S = 43_200
+SQS_MAX_WAIT_S = 20
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", case_sensitive=True)
+
+    # --- queue
+    sqs_queue_url: str | None = Field(None, alias="SQS_QUEUE_URL")
+    sqs_visibility_timeout_s: int = Field(
+        300, alias="SQS_VISIBILITY_TIMEOUT_SECONDS", ge=1, le=SQS_MAX_VISIBILITY_S
+    )
+    sqs_visibility_heartbeat_interval_ms: int = Field(
+        60_000, alias="SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS", ge=1
+    )
+    sqs_retry_visibility_base_s: int = Field(30, alias="SQS_RETRY_VISIBILITY_BASE_SECONDS", ge=0)
+    sqs_retry_visibility_max_s: int = Field(
+        900, alias="SQS_RETRY_VISIBILITY_MAX_SECONDS", ge=0, le=SQS_MAX_VISIBILITY_S
+    )
+    sqs_wait_time_s: int = Field(20, alias="SQS_WAIT_TIME_SECONDS", ge=0, le=SQS_MAX_WAIT_S)
+
+    # --- records
+    mongo_uri: str | None = Field(None, alias="MONGO_URI", repr=False)
+    mongo_database: str = Field("voice", alias="MONGO_DATABASE")
+    mongo_jobs_collection: str = Field("voiceclonings", alias="MONGO_JOBS_COLLECTION")
+    mongo_profiles_collection: str = Field("useraudioprofiles", alias="MONGO_PROFILES_COLLECTION")
+    mongo_connect_max_attempts: int = Field(7, alias="MONGO_CONNECT_MAX_ATTEMPTS", ge=1)
+    mongo_connect_retry_delay_ms: int = Field(1000, alias="MONGO_CONNECT_RETRY_DELAY_MS", ge=0)
+    store_url: str | None = Field(None, alias="STORE_URL")
+
+    # --- artifacts and files
+    s3_bucket: str | None = Field(None, alias="S3_BUCKET")
+    s3_prefix: str = Field("", alias="S3_PREFIX")
+    work_root: str = Field("var/work", alias="WORK_ROOT")
+    pipeline_config: str = Field("config/pipeline.toml", alias="PIPELINE_CONFIG")
+
+    # --- time
+    job_time_limit_s: int = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1)
+    shutdown_grace_s: float = Field(60.0, alias="SHUTDOWN_GRACE_SECONDS", ge=0)
+
+    # --- downloads
+    download_timeout_s: float = Field(60.0, alias="DOWNLOAD_TIMEOUT_SECONDS", gt=0)
+    download_max_bytes: int = Field(2 * 1024**3, alias="DOWNLOAD_MAX_BYTES", ge=1)
+    # Local runs only: lets recordings come from loopback/private hosts (never in production).
+    download_allow_private_hosts: bool = Field(False, alias="DOWNLOAD_ALLOW_PRIVATE_HOSTS")
+
+    # --- observability and identity
+    sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", alias="LOG_LEVEL")
+    log_format: Literal["json", "console"] = Field("json", alias="LOG_FORMAT")
+    worker_id: str = Field(default_factory=_default_worker_id, alias="WORKER_ID")
+
+    # --- AWS
+    aws_endpoint_url: str | None = Field(None, alias="AWS_ENDPOINT_URL")
+    aws_region: str | None = Field(None, alias="AWS_REGION")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        problems = consistency_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, **_other_sources):
+        # Only what load_settings hands in: tests and the CLI stay hermetic from the process env.
+        return (init_settings,)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.sqs_visibility_heartbeat_interval_ms / 1000.0
+
+    @property
+    def mongo_connect_retry_delay_s(self) -> float:
+        return self.mongo_connect_retry_delay_ms / 1000.0
+
+
+def consistency_problems(s: Settings) -> list[str]:
+    """Cross-setting rules, one readable line per broken rule (checked once every field is valid)."""
+    problems = []
+    if s.sqs_visibility_heartbeat_interval_ms >= s.sqs_visibility_timeout_s * 1000:
+        problems.append(
+            f"SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS={s.sqs_visibility_heartbeat_interval_ms} must be "
+            f"shorter than SQS_VISIBILITY_TIMEOUT_SECONDS={s.sqs_visibility_timeout_s} "
+            f"({s.sqs_visibility_timeout_s * 1000} ms), or the message reappears between renewals"
+        )
+    if s.sqs_retry_visibility_base_s > s.sqs_retry_visibility_max_s:
+        problems.append(
+            f"SQS_RETRY_VISIBILITY_BASE_SECONDS={s.sqs_retry_visibility_base_s} must not exceed "
+            f"SQS_RETRY_VISIBILITY_MAX_SECONDS={s.sqs_retry_visibility_max_s}"
+        )
+    if s.job_time_limit_s + s.sqs_visibility_timeout_s > SQS_MAX_VISIBILITY_S:
+        problems.append(
+            f"JOB_TIME_LIMIT_SECONDS={s.job_time_limit_s} plus SQS_VISIBILITY_TIMEOUT_SECONDS="
+            f"{s.sqs_visibility_timeout_s} exceeds the {SQS_MAX_VISIBILITY_S} s SQS allows a message "
+            f"to stay invisible from its receipt"
+        )
+    if s.mongo_uri and s.store_url:
+        problems.append("MONGO_URI and STORE_URL are both set: choose one store")
+    if s.store_url and not s.store_url.startswith("sqlite:///"):
+        problems.append(f"STORE_URL must look like sqlite:///path/to/file.db, got {s.store_url!r}")
+    return problems
+
+
+ENV_NAMES = tuple(f.alias for f in Settings.model_fields.values() if f.alias)
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Build the settings from ``environ`` (default: the process environment) or raise ConfigError."""
+    env = os.environ if environ is None else environ
+    values = {name: env[name] for name in ENV_NAMES if env.get(name, "") != ""}
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise ConfigError(_problem_lines(exc)) from None
+
+
+def daemon_problems(s: Settings) -> list[str]:
+    """What the long-running worker needs beyond valid settings: a queue, a store and a bucket."""
+    problems = []
+    if not s.sqs_queue_url:
+        problems.append("SQS_QUEUE_URL is required: the queue to take jobs from")
+    if not (s.mongo_uri or s.store_url):
+        problems.append("MONGO_URI or STORE_URL is required: where job and profile records live")
+    if not s.s3_bucket:
+        problems.append("S3_BUCKET is required: where the trained artifacts are uploaded")
+    return problems
+
+
+def _problem_lines(exc: ValidationError) -> list[str]:
+    lines: list[str] = []
+    for err in exc.errors(include_url=False):
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:
+            value = err.get("input")
+            shown = "" if value is None or "MONGO_URI" in err["loc"] else f"={value}"
+            lines.append(f"{err['loc'][0]}{shown}: {msg}")
+        else:
+            lines.extend(msg.splitlines())
+    return lines

@@ -1,0 +1,46 @@
+"""A stop request that work can wait on, carrying why it was made.
+
+The heartbeat sets it on lease loss, time limit or cancellation, the loop on shutdown past the grace;
+the handler and the pipeline's stage runner wait on it. The first reason wins: a job stopped for
+shutdown that then loses its lease is still reported as a shutdown.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from worker.errors import Stopped
+
+
+class StopSignal:
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._detail = ""
+
+    def set(self, reason: str, detail: str = "") -> bool:
+        """Request a stop; returns True only for the call that actually set it."""
+        if reason not in Stopped.REASONS:
+            raise ValueError(f"unknown stop reason {reason!r}")
+        with self._lock:
+            if self._reason is not None:
+                return False
+            self._reason, self._detail = reason, detail
+        self._event.set()
+        return True
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._event.wait(timeout_s)
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    def raise_if_set(self) -> None:
+        """Raise ``Stopped`` with the recorded reason when a stop was requested."""
+        if self._reason is not None:
+            raise Stopped(self._reason, self._detail)
