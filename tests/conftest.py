@@ -1,0 +1,64 @@
+"""Shared fixtures: hermetic AWS credentials, moto, and settings built the way the daemon builds them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests never reach real AWS: fake credentials, a fixed region, no instance-metadata lookups.
+for _name, _value in {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}.items():
+    os.environ[_name] = _value
+for _name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+    os.environ.pop(_name, None)
+
+
+@pytest.fixture
+def aws():
+    from moto import mock_aws
+
+    with mock_aws():
+        yield
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A real moto server process on a free loopback port; yields its endpoint URL."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto server did not start")
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(10)

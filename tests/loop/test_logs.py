@@ -1,0 +1,98 @@
+"""Logs: structured, tied to the message, free of bodies and credentials; reporting never changes outcomes."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+import structlog
+
+from worker.errors import DownloadError
+from worker.logs import configure_logging, scrub
+from worker.reporting import Reporter
+
+SECRET_BODY = '{"jobId": "j1", "input": [{"recordingUrl": "https://media.example.com/a.wav?X-Amz-Signature=SECRET123"}]}'
+
+
+@pytest.fixture
+def json_logs():
+    stream = io.StringIO()
+    configure_logging("DEBUG", "json", stream=stream)
+    yield stream
+    structlog.reset_defaults()
+
+
+def test_every_message_line_carries_its_id_and_receive_count_and_no_body(queues, make_worker, json_logs):
+    """Each log line about a message names it and its receive count; the body and signed query never appear."""
+    def handler(message, lease):
+        structlog.get_logger("handler").info("job.step", source="https://media.example.com/a.wav?X-Amz-Signature=SECRET123")
+        time.sleep(0.3)
+        raise DownloadError("fetch of https://media.example.com/a.wav?X-Amz-Signature=SECRET123 timed out")
+
+    worker, _ = make_worker(handler)
+    msg_id = queues.send(SECRET_BODY)
+    worker.run_once()
+    text = json_logs.getvalue()
+    assert "SECRET123" not in text and SECRET_BODY not in text
+    lines = [json.loads(l) for l in text.splitlines()]
+    about_message = [l for l in lines if l["event"].split(".")[0] in ("message", "heartbeat", "job")]
+    assert {l["event"] for l in about_message} >= {"message.received", "job.step", "message.handled"}
+    assert all(l["message_id"] == msg_id and l["receive_count"] == 1 for l in about_message)
+    assert all("timestamp" in l and "level" in l for l in lines)
+
+
+def test_console_format_is_readable(json_logs):
+    """LOG_FORMAT=console renders key=value lines rather than JSON."""
+    stream = io.StringIO()
+    configure_logging("INFO", "console", stream=stream)
+    structlog.get_logger("t").info("worker.started", queue="q")
+    line = stream.getvalue()
+    assert "worker.started" in line and "queue=q" in line and not line.startswith("{")
+
+
+def test_scrub_cuts_queries_userinfo_and_fragments():
+    """URLs lose query strings, fragments and userinfo, keeping scheme, host and path."""
+    assert scrub("get https://u:p@h.example/a/b.wav?sig=1&x=2#frag done") == "get https://h.example/a/b.wav done"
+    assert scrub("s3://bucket/key?versionId=3") == "s3://bucket/key"
+
+
+class BrokenSdk:
+    def __init__(self, fail_init=False):
+        self.fail_init = fail_init
+
+    def init(self, **kw):
+        if self.fail_init:
+            raise RuntimeError("bad dsn")
+
+    def capture_exception(self, exc):
+        raise ConnectionError("sentry unreachable")
+
+
+def test_reporting_failure_is_contained_and_outcome_unchanged(queues, make_worker, json_logs):
+    """A reporter that throws is logged; the message still gets its retry backoff."""
+    reporter = Reporter("https://key@sentry.example/1", sdk=BrokenSdk())
+    assert reporter.enabled
+
+    def handler(message, lease):
+        raise DownloadError("503")
+
+    worker, client = make_worker(handler, reporter=reporter)
+    queues.send()
+    assert worker.run_once() == "retry"
+    assert client.calls[-1][1]["VisibilityTimeout"] == 30
+    assert "reporting.capture_failed" in json_logs.getvalue()
+
+
+def test_reporter_init_failure_is_contained(json_logs):
+    """A reporter whose SDK fails to initialise is disabled, not fatal."""
+    reporter = Reporter("https://key@sentry.example/1", sdk=BrokenSdk(fail_init=True))
+    assert not reporter.enabled
+    reporter.capture(ValueError("x"))
+    assert "reporting.init_failed" in json_logs.getvalue()
+
+
+def test_no_dsn_means_no_reporting():
+    """Without SENTRY_DSN nothing is initialised."""
+    assert not Reporter(None).enabled

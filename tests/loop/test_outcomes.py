@@ -1,0 +1,210 @@
+"""What happens to the message after the handler: ack, retry with backoff, dead-letter, or leave it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.loop.conftest import create_queues
+from tests.loop.fakes import client_error
+from worker.errors import BadRecording, DownloadError, InvalidMessage, Stopped, StoreError
+from worker.loop import retry_delay_s
+
+
+def heartbeat_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("heartbeat-") and t.is_alive()]
+
+
+def test_backoff_for_receive_counts_one_to_seven():
+    """Receive counts 1..7 back off 30, 60, 120, 240, 480, 900, 900 seconds."""
+    assert [retry_delay_s(n) for n in range(1, 8)] == [30, 60, 120, 240, 480, 900, 900]
+
+
+def test_backoff_base_and_cap_are_configurable_and_bounded():
+    """Base and cap come from settings, and a huge receive count stays at the cap."""
+    assert [retry_delay_s(n, 5, 40) for n in range(1, 6)] == [5, 10, 20, 40, 40]
+    assert retry_delay_s(10_000, 30, 900) == 900
+    assert retry_delay_s(0, 30, 900) == 30
+
+
+def test_ack_only_after_the_handler_returned(queues, make_worker):
+    """The delete comes after the handler returned, never while it runs."""
+    events = []
+
+    def handler(message, lease):
+        time.sleep(0.3)
+        events.append(("handler_done", time.monotonic()))
+        return "done"
+
+    worker, client = make_worker(handler)
+    queues.send()
+    assert worker.run_once() == "ack"
+    deletes = [c for c in client.calls if c[0] == "delete_message"]
+    assert len(deletes) == 1
+    assert deletes[0][3] > events[0][1]
+    assert queues.counts() == (0, 0)
+
+
+def test_heartbeat_is_joined_before_the_delete(queues, make_worker):
+    """No heartbeat thread is alive when the delete is sent, and no renewal follows it."""
+    alive_at_delete = []
+
+    def handler(message, lease):
+        time.sleep(0.5)
+
+    worker, client = make_worker(handler)
+    client.faults["delete_message"] = lambda kw: alive_at_delete.append(len(heartbeat_threads()))
+    queues.send()
+    worker.run_once()
+    assert alive_at_delete == [0]
+    ops = client.ops()
+    assert "change_message_visibility" in ops
+    assert ops[-1] == "delete_message"
+
+
+def test_retryable_error_sets_backoff_and_does_not_delete(queues, make_worker):
+    """A retryable failure leaves the message and sets its visibility to the backoff for its receive count."""
+    def handler(message, lease):
+        raise StoreError("store down")
+
+    worker, client = make_worker(handler)
+    queues.send()
+    # Two earlier deliveries that came back: this is the third receive.
+    for _ in range(2):
+        msg = queues.receive_now()[0]
+        queues.sqs.change_message_visibility(QueueUrl=queues.url, ReceiptHandle=msg["ReceiptHandle"], VisibilityTimeout=0)
+    assert worker.run_once() == "retry"
+    assert "delete_message" not in client.ops()
+    last = [c for c in client.calls if c[0] == "change_message_visibility"][-1]
+    assert last[1]["VisibilityTimeout"] == 120
+    assert queues.counts() == (0, 1)
+
+
+def test_failed_backoff_change_still_deletes_nothing(queues, make_worker):
+    """If setting the backoff fails too, the message is left alone: no delete."""
+    def handler(message, lease):
+        raise DownloadError("503 from media host")
+
+    worker, client = make_worker(handler)
+    client.faults["change_message_visibility"] = (
+        lambda kw: client_error("ServiceUnavailable") if kw["VisibilityTimeout"] == 30 else None
+    )
+    queues.send()
+    assert worker.run_once() == "retry"
+    assert "delete_message" not in client.ops()
+    assert queues.counts() == (0, 1)
+
+
+def test_permanent_error_moves_body_to_dlq_with_attributes_then_deletes(queues, make_worker):
+    """A permanent failure copies the body to the DLQ with why, and deletes the original only after that."""
+    def handler(message, lease):
+        raise InvalidMessage(["jobId: field required", "input: must not be empty"])
+
+    worker, client = make_worker(handler)
+    queues.send('{"not": "a job"}', MessageAttributes={"trace": {"DataType": "String", "StringValue": "t-1"}})
+    assert worker.run_once() == "dead_letter"
+    ops = client.ops()
+    assert ops.index("send_message") < ops.index("delete_message")
+    assert queues.counts() == (0, 0)
+    [dead] = queues.receive_now(queues.dlq_url)
+    assert dead["Body"] == '{"not": "a job"}'
+    attrs = {k: v["StringValue"] for k, v in dead["MessageAttributes"].items()}
+    assert attrs["ErrorType"] == "InvalidMessage"
+    assert "jobId: field required" in attrs["ErrorMessage"]
+    assert attrs["ReceiveCount"] == "1"
+    assert attrs["SourceQueue"] == queues.url
+    assert attrs["trace"] == "t-1"
+
+
+def test_dlq_send_failure_never_deletes(queues, make_worker):
+    """When the copy to the DLQ fails, the original is kept (parked at the longest backoff)."""
+    def handler(message, lease):
+        raise BadRecording("recording 0 is not audio")
+
+    worker, client = make_worker(handler)
+    client.faults["send_message"] = lambda kw: client_error("InternalError")
+    queues.send()
+    worker.run_once()
+    assert "delete_message" not in client.ops()
+    assert queues.counts() == (0, 1)
+    assert client.calls[-1][0] == "change_message_visibility"
+    assert client.calls[-1][1]["VisibilityTimeout"] == 900
+
+
+def test_no_dlq_means_no_delete_and_the_longest_backoff(sqs, make_worker):
+    """Without a RedrivePolicy a permanent failure is not deleted; it waits at the maximum backoff."""
+    bare = create_queues(sqs, name="bare", with_dlq=False)
+
+    def handler(message, lease):
+        raise BadRecording("gone")
+
+    from tests.loop.fakes import FaultyClient
+    from worker.loop import Worker
+    from worker.queue import Queue
+    from worker.settings import load_settings
+    from tests.loop.conftest import FAST
+
+    client = FaultyClient(sqs)
+    worker = Worker(load_settings({**FAST, "SQS_QUEUE_URL": bare.url}), Queue(client, bare.url), handler)
+    bare.send()
+    assert worker.run_once() == "dead_letter"
+    assert "delete_message" not in client.ops()
+    assert "send_message" not in client.ops()
+    assert client.calls[-1][1]["VisibilityTimeout"] == 900
+    assert bare.counts() == (0, 1)
+
+
+def test_time_limit_stops_the_handler_and_dead_letters(queues, make_worker):
+    """Past JOB_TIME_LIMIT_SECONDS the handler is told to stop and the job is dead-lettered as TimeLimitExceeded."""
+    def handler(message, lease):
+        assert lease.stop.wait(5)
+        lease.stop.raise_if_set()
+
+    worker, client = make_worker(handler, JOB_TIME_LIMIT_SECONDS=1)
+    queues.send()
+    assert worker.run_once() == "dead_letter"
+    [dead] = queues.receive_now(queues.dlq_url)
+    assert dead["MessageAttributes"]["ErrorType"]["StringValue"] == "TimeLimitExceeded"
+
+
+def test_unexpected_exception_propagates_without_delete(queues, make_worker):
+    """A bug in the handler ends the loop (non-zero exit upstream); the heartbeat is stopped and nothing is deleted."""
+    def handler(message, lease):
+        raise KeyError("bug")
+
+    worker, client = make_worker(handler)
+    queues.send()
+    with pytest.raises(KeyError):
+        worker.run_once()
+    assert heartbeat_threads() == []
+    assert "delete_message" not in client.ops()
+
+
+def test_cancellation_not_recorded_by_handler_is_retried_not_acked(queues, make_worker):
+    """A Stopped(cancelled) escaping the handler is not acknowledged: the redelivery records the cancel."""
+    def handler(message, lease):
+        raise Stopped(Stopped.CANCELLED)
+
+    worker, client = make_worker(handler)
+    queues.send()
+    assert worker.run_once() == "retry"
+    assert "delete_message" not in client.ops()
+
+
+def test_empty_queue_returns_none(queues, make_worker):
+    """An empty long poll does nothing."""
+    worker, client = make_worker(lambda m, l: None)
+    assert worker.run_once() is None
+    assert client.ops() == ["receive_message"]
+
+
+def test_receive_asks_for_the_lease_and_receive_count(queues, make_worker):
+    """The receive itself sets the visibility timeout, one message, the long-poll wait and asks for the receive count."""
+    worker, client = make_worker(lambda m, l: None, SQS_WAIT_TIME_SECONDS=1)
+    queues.send()
+    worker.run_once()
+    kw = client.calls[0][1]
+    assert kw["VisibilityTimeout"] == 2 and kw["MaxNumberOfMessages"] == 1 and kw["WaitTimeSeconds"] == 1
+    assert "ApproximateReceiveCount" in kw["MessageSystemAttributeNames"]

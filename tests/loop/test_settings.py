@@ -1,0 +1,107 @@
+"""Settings are validated once, at start, with one readable line per problem."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from worker.errors import ConfigError
+from worker.settings import daemon_problems, load_settings
+
+BAD = [
+    ({"SQS_VISIBILITY_TIMEOUT_SECONDS": "60", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "60000"},
+     "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=60000 must be shorter than SQS_VISIBILITY_TIMEOUT_SECONDS=60"),
+    ({"SQS_WAIT_TIME_SECONDS": "21"}, "SQS_WAIT_TIME_SECONDS=21: Input should be less than or equal to 20"),
+    ({"SQS_WAIT_TIME_SECONDS": "-1"}, "SQS_WAIT_TIME_SECONDS=-1: Input should be greater than or equal to 0"),
+    ({"SQS_RETRY_VISIBILITY_BASE_SECONDS": "1000"},
+     "SQS_RETRY_VISIBILITY_BASE_SECONDS=1000 must not exceed SQS_RETRY_VISIBILITY_MAX_SECONDS=900"),
+    ({"SQS_VISIBILITY_TIMEOUT_SECONDS": "43201"},
+     "SQS_VISIBILITY_TIMEOUT_SECONDS=43201: Input should be less than or equal to 43200"),
+    ({"JOB_TIME_LIMIT_SECONDS": "43000"},
+     "JOB_TIME_LIMIT_SECONDS=43000 plus SQS_VISIBILITY_TIMEOUT_SECONDS=300 exceeds the 43200 s"),
+    ({"SQS_VISIBILITY_TIMEOUT_SECONDS": "soon"},
+     "SQS_VISIBILITY_TIMEOUT_SECONDS=soon: Input should be a valid integer"),
+    ({"LOG_FORMAT": "xml"}, "LOG_FORMAT=xml: Input should be 'json' or 'console'"),
+    ({"MONGO_URI": "mongodb://h", "STORE_URL": "sqlite:///x.db"}, "MONGO_URI and STORE_URL are both set"),
+    ({"STORE_URL": "postgres://x"}, "STORE_URL must look like sqlite:///path/to/file.db"),
+]
+
+
+@pytest.mark.parametrize("env,line", BAD, ids=[b[1].split("=")[0].split(" ")[0] for b in BAD])
+def test_each_bad_setting_has_its_own_line(env, line):
+    """Each invalid setting or combination is rejected with its own readable line."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith(line)
+
+
+def test_several_problems_give_several_lines():
+    """Three independent cross-setting problems give three lines."""
+    with pytest.raises(ConfigError) as info:
+        load_settings({
+            "SQS_VISIBILITY_TIMEOUT_SECONDS": "30", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "30000",
+            "SQS_RETRY_VISIBILITY_BASE_SECONDS": "1000", "JOB_TIME_LIMIT_SECONDS": "43200",
+        })
+    assert len(info.value.problems) == 3
+
+
+def test_defaults_match_the_design():
+    """With nothing set, the documented defaults apply."""
+    s = load_settings({})
+    assert (s.sqs_visibility_timeout_s, s.heartbeat_interval_s, s.sqs_wait_time_s) == (300, 60.0, 20)
+    assert (s.sqs_retry_visibility_base_s, s.sqs_retry_visibility_max_s) == (30, 900)
+    assert (s.job_time_limit_s, s.mongo_connect_max_attempts, s.download_timeout_s) == (21600, 7, 60.0)
+
+
+def test_the_daemon_needs_a_queue_a_store_and_a_bucket():
+    """The long-running worker refuses to start without a queue, a store and a bucket, one line each."""
+    assert len(daemon_problems(load_settings({}))) == 3
+    ok = load_settings({"SQS_QUEUE_URL": "https://sqs.eu-west-1.amazonaws.com/1/q",
+                        "STORE_URL": "sqlite:///x.db", "S3_BUCKET": "b"})
+    assert daemon_problems(ok) == []
+
+
+def test_the_process_environment_does_not_leak_into_explicit_settings(monkeypatch):
+    """load_settings(env) reads only the mapping it is given."""
+    monkeypatch.setenv("SQS_WAIT_TIME_SECONDS", "99")
+    assert load_settings({}).sqs_wait_time_s == 20
+    with pytest.raises(ConfigError):
+        load_settings()
+
+
+def test_bad_settings_stop_the_process_before_any_aws_call(tmp_path):
+    """`python -m worker run` with bad settings prints one line per problem and exits 2, without touching AWS."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SQS_", "MONGO_", "STORE_", "S3_"))}
+    env.update({
+        "SQS_QUEUE_URL": "http://127.0.0.1:9/000000000000/q",  # nothing listens on port 9
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "SQS_VISIBILITY_TIMEOUT_SECONDS": "30", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "30000",
+        "SQS_WAIT_TIME_SECONDS": "30",
+    })
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "worker", "run"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert any(l.startswith("SQS_WAIT_TIME_SECONDS=30") for l in lines)
+    assert time.monotonic() - started < 20
+    assert "Traceback" not in proc.stderr
+
+
+def test_importing_modules_starts_nothing():
+    """Importing every worker module starts no thread, opens no client and installs no signal handler."""
+    code = (
+        "import signal, threading, importlib, pkgutil, worker\n"
+        "before = signal.getsignal(signal.SIGTERM)\n"
+        "for m in pkgutil.iter_modules(worker.__path__):\n"
+        "    if m.name != '__main__': importlib.import_module('worker.' + m.name)\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "assert signal.getsignal(signal.SIGTERM) is before\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "ok", proc.stderr

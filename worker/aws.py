@@ -1,0 +1,36 @@
+"""boto3 clients built one way: botocore's standard retry mode, timeouts that fit the long poll."""
+
+from __future__ import annotations
+
+import re
+
+import boto3
+from botocore.config import Config
+
+from worker.settings import Settings
+
+_REGION_IN_QUEUE_URL = re.compile(r"^https://sqs[.-]([a-z0-9-]+)\.amazonaws\.com")
+
+
+def region_of(settings: Settings) -> str | None:
+    """AWS_REGION, else the region in an AWS queue URL, else None (boto3's own chain decides)."""
+    if settings.aws_region:
+        return settings.aws_region
+    m = _REGION_IN_QUEUE_URL.match(settings.sqs_queue_url or "")
+    return m.group(1) if m else None
+
+
+def client_config(settings: Settings) -> Config:
+    return Config(
+        region_name=region_of(settings),
+        # Throttling and 5xx are retried by botocore with jittered backoff; there is no retry loop of ours.
+        retries={"mode": "standard", "max_attempts": 5},
+        connect_timeout=5,
+        # A long poll holds the connection for up to SQS_WAIT_TIME_SECONDS: reading must outlast it.
+        read_timeout=settings.sqs_wait_time_s + 10,
+    )
+
+
+def make_client(service: str, settings: Settings, session: boto3.session.Session | None = None):
+    session = session or boto3.session.Session()
+    return session.client(service, config=client_config(settings), endpoint_url=settings.aws_endpoint_url)

@@ -1,0 +1,185 @@
+"""The heartbeat: keeps one received message invisible while the handler works on it.
+
+One thread per message. Every ``interval_s`` it sets the message's visibility back to the full timeout
+(a reset, never an addition), then runs the handler's renewal callbacks (the store's lease, the cancel
+check) on the same tick. It also watches three clocks for the handler, which waits on ``lease.stop``:
+
+- the visibility deadline: no successful renewal before it means another consumer may already hold the
+  message, so the lease is lost;
+- the job time limit, measured from the receipt;
+- the shutdown grace, once a shutdown was requested.
+
+``close()`` stops the thread through an event and joins it. The loop calls it before any delete or
+visibility change, so no renewal can race the acknowledgement.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from worker.errors import LeaseLost, Stopped, WorkerError
+from worker.queue import Message, Queue
+from worker.stop import StopSignal
+
+log = structlog.get_logger(__name__)
+
+
+class Shutdown:
+    """Shutdown requests, settable from a signal handler: it only sets events.
+
+    The first request starts the grace period, a second one ends it at once. Every running lease
+    registers its wake-up event here so it notices without polling.
+    """
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.hurried = threading.Event()
+        self._listeners: list[threading.Event] = []
+
+    def request(self) -> None:
+        if self.requested.is_set():
+            self.hurried.set()
+        self.requested.set()
+        for wake in tuple(self._listeners):
+            wake.set()
+
+    def listen(self, wake: threading.Event) -> None:
+        self._listeners.append(wake)
+
+    def unlisten(self, wake: threading.Event) -> None:
+        if wake in self._listeners:
+            self._listeners.remove(wake)
+
+
+class Lease:
+    def __init__(
+        self,
+        queue: Queue,
+        message: Message,
+        *,
+        visibility_timeout_s: int,
+        interval_s: float,
+        time_limit_s: float,
+        shutdown: Shutdown,
+        shutdown_grace_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.message = message
+        self.stop = StopSignal()
+        self.renewals = 0
+        self.failed_renewals = 0
+        self._queue = queue
+        self._visibility_timeout_s = visibility_timeout_s
+        self._interval_s = interval_s
+        self._time_limit_at = message.received_at_s + time_limit_s
+        self._shutdown = shutdown
+        self._grace_s = shutdown_grace_s
+        self._clock = clock
+        self._deadline = message.received_at_s + visibility_timeout_s
+        self._callbacks: list[Callable[[], None]] = []
+        self._lost_reason: str | None = None
+        self._closing = False
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the handler's side
+    def on_renew(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` in the heartbeat thread after each successful renewal.
+
+        A callback raising ``LeaseLost`` (for example the store's fencing token was replaced) loses
+        the lease; any other project error is logged and retried on the next tick.
+        """
+        self._callbacks.append(callback)
+
+    @property
+    def lost(self) -> bool:
+        return self._lost_reason is not None
+
+    @property
+    def lost_reason(self) -> str | None:
+        return self._lost_reason
+
+    # --- the loop's side
+    def start(self) -> None:
+        ctx = contextvars.copy_context()  # keep the message's log context in the thread
+        self._thread = threading.Thread(
+            target=ctx.run, args=(self._beat,), name=f"heartbeat-{self.message.message_id}", daemon=True
+        )
+        self._shutdown.listen(self._wake)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop renewing and wait for the heartbeat thread to end."""
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._shutdown.unlisten(self._wake)
+
+    # --- the heartbeat thread
+    def _beat(self) -> None:
+        next_tick = self._clock() + self._interval_s
+        shutdown_at: float | None = None
+        while True:
+            if self._shutdown.requested.is_set() and shutdown_at is None:
+                shutdown_at = self._clock() + self._grace_s
+            if self._shutdown.hurried.is_set():
+                shutdown_at = self._clock()
+            wake_at = min(next_tick, self._deadline, self._time_limit_at)
+            if shutdown_at is not None and not self.stop.is_set():
+                wake_at = min(wake_at, shutdown_at)
+            self._wake.wait(max(0.0, wake_at - self._clock()))
+            self._wake.clear()
+            if self._closing:
+                return
+            now = self._clock()
+            if shutdown_at is not None and now >= shutdown_at:
+                self.stop.set(Stopped.SHUTDOWN, "shutdown grace period over")
+            if now >= self._time_limit_at:
+                self.stop.set(Stopped.TIME_LIMIT, "JOB_TIME_LIMIT_SECONDS reached")
+            if now >= self._deadline:
+                self._lose("no successful renewal before the visibility deadline")
+                return
+            if now >= next_tick:
+                # Fixed rate, so renewals track elapsed time; after a stall, start afresh from now.
+                next_tick += self._interval_s
+                if next_tick <= now:
+                    next_tick = now + self._interval_s
+                if not self._renew():
+                    return
+
+    def _renew(self) -> bool:
+        """One renewal; False once the lease is lost and the thread should end."""
+        sent_at = self._clock()
+        try:
+            self._queue.set_visibility(self.message, self._visibility_timeout_s)
+        except LeaseLost as exc:
+            self._lose(str(exc))
+            return False
+        except WorkerError as exc:
+            self.failed_renewals += 1
+            log.warning("heartbeat.renewal_failed", error=str(exc), failures=self.failed_renewals)
+            return True
+        # The new deadline counts from when the request left, not when the answer came back.
+        self._deadline = sent_at + self._visibility_timeout_s
+        self.renewals += 1
+        for callback in tuple(self._callbacks):
+            try:
+                callback()
+            except LeaseLost as exc:
+                self._lose(str(exc))
+                return False
+            except WorkerError as exc:
+                log.warning("heartbeat.callback_failed", error=str(exc), error_type=exc.error_type)
+        return True
+
+    def _lose(self, reason: str) -> None:
+        if self._lost_reason is None:
+            self._lost_reason = reason
+            log.error("heartbeat.lease_lost", reason=reason)
+        self.stop.set(Stopped.LEASE_LOST, reason)

@@ -1,0 +1,220 @@
+"""The worker loop: one message at a time, acknowledged only after the handler durably finished.
+
+    receive (the lease starts with the receipt) -> heartbeat -> handler -> close the heartbeat -> settle
+
+Settling maps the handler's result to exactly one queue action:
+
+    handler returned                 -> delete (the job is completed, cancelled, or a duplicate)
+    RetryableError                   -> visibility := backoff for the receive count; no delete
+    PermanentError / time limit      -> copy to the DLQ with why, then delete; no DLQ -> max backoff
+    Stopped(shutdown)                -> visibility := 0, another worker takes it now
+    lease lost (any result)          -> nothing: the message is no longer ours to touch
+
+A handler is any callable ``handler(message, lease) -> str | None``: it returns to acknowledge (the
+optional string names the outcome for the logs), raises a project error otherwise, and waits on
+``lease.stop`` to learn that it must stop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from worker.errors import (
+    LeaseLost,
+    PermanentError,
+    QueueError,
+    RetryableError,
+    Stopped,
+    TimeLimitExceeded,
+    WorkerError,
+)
+from worker.lease import Lease, Shutdown
+from worker.queue import Message, Queue
+from worker.reporting import Reporter
+from worker.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+Handler = Callable[[Message, Lease], "str | None"]
+
+ACK, RETRY, DEAD_LETTER, RELEASE, ABANDON = "ack", "retry", "dead_letter", "release", "abandon"
+
+
+def retry_delay_s(receive_count: int, base_s: int = 30, max_s: int = 900) -> int:
+    """Exponential backoff for a message received ``receive_count`` times: base * 2^(n-1), capped."""
+    n = max(1, receive_count)
+    if base_s == 0:
+        return 0
+    # Cap the exponent first: a receive count in the thousands must not build a huge integer.
+    return min(max_s, base_s * 2 ** min(n - 1, 32))
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    error: WorkerError | None = None
+
+
+def decide(outcome: WorkerError | None, lease_lost: bool) -> Decision:
+    """What to do with the message, from the handler's result and the lease's state."""
+    if lease_lost or isinstance(outcome, LeaseLost):
+        return Decision(ABANDON, outcome)
+    if outcome is None:
+        return Decision(ACK)
+    if isinstance(outcome, Stopped):
+        if outcome.reason == Stopped.SHUTDOWN:
+            return Decision(RELEASE, outcome)
+        if outcome.reason == Stopped.TIME_LIMIT:
+            return Decision(DEAD_LETTER, TimeLimitExceeded(str(outcome)))
+        if outcome.reason == Stopped.LEASE_LOST:
+            return Decision(ABANDON, outcome)
+        # A cancellation the handler did not record as such: let the redelivery record it.
+        return Decision(RETRY, outcome)
+    if isinstance(outcome, PermanentError):
+        return Decision(DEAD_LETTER, outcome)
+    return Decision(RETRY, outcome)
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: Settings,
+        queue: Queue,
+        handler: Handler,
+        *,
+        reporter: Reporter | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ):
+        self._settings = settings
+        self._queue = queue
+        self._handler = handler
+        self._reporter = reporter or Reporter(None)
+        self._on_idle = on_idle
+        self.shutdown = Shutdown()
+
+    # --- public surface
+    def run(self) -> None:
+        """Take messages until a shutdown is requested. Unexpected errors propagate to the caller."""
+        while not self.shutdown.requested.is_set():
+            self.run_once()
+        log.info("worker.stopped")
+
+    def stop(self) -> None:
+        """Request a shutdown: safe to call from a signal handler (it only sets events)."""
+        self.shutdown.request()
+
+    def run_once(self) -> str | None:
+        """Receive at most one message and see it through; returns the action taken, or None."""
+        s = self._settings
+        try:
+            message = self._queue.receive(
+                wait_s=s.sqs_wait_time_s, visibility_timeout_s=s.sqs_visibility_timeout_s
+            )
+        except QueueError as exc:
+            # botocore already retried; pause a little so a dead endpoint does not spin the loop.
+            log.warning("queue.receive_failed", error=str(exc))
+            self.shutdown.requested.wait(min(5.0, max(1.0, s.sqs_wait_time_s / 4)))
+            return None
+        finally:
+            if self._on_idle is not None:
+                self._on_idle()
+        if message is None:
+            return None
+        structlog.contextvars.bind_contextvars(
+            message_id=message.message_id, receive_count=message.receive_count
+        )
+        try:
+            if self.shutdown.requested.is_set():
+                # Arrived while we were stopping: hand it straight back.
+                self._settle(message, Decision(RELEASE), lease_lost=False)
+                return RELEASE
+            return self._process(message)
+        finally:
+            structlog.contextvars.unbind_contextvars("message_id", "receive_count")
+
+    # --- one message
+    def _process(self, message: Message) -> str:
+        s = self._settings
+        lease = Lease(
+            self._queue,
+            message,
+            visibility_timeout_s=s.sqs_visibility_timeout_s,
+            interval_s=s.heartbeat_interval_s,
+            time_limit_s=s.job_time_limit_s,
+            shutdown=self.shutdown,
+            shutdown_grace_s=s.shutdown_grace_s,
+        )
+        log.info("message.received")
+        started_s = time.monotonic()
+        outcome: WorkerError | None = None
+        label = None
+        lease.start()
+        try:
+            label = self._handler(message, lease)
+        except WorkerError as exc:
+            outcome = exc
+        finally:
+            # Stopped and joined before anything touches the message again.
+            lease.close()
+        decision = decide(outcome, lease.lost)
+        if decision.error is not None and decision.action in (RETRY, DEAD_LETTER):
+            self._reporter.capture(decision.error)
+        log.info(
+            "message.handled",
+            action=decision.action,
+            outcome=label,
+            error=str(decision.error) if decision.error else None,
+            error_type=decision.error.error_type if decision.error else None,
+            lease_lost_reason=lease.lost_reason,
+            renewals=lease.renewals,
+            duration_s=round(time.monotonic() - started_s, 3),
+        )
+        self._settle(message, decision, lease_lost=lease.lost)
+        return decision.action
+
+    def _settle(self, message: Message, decision: Decision, *, lease_lost: bool) -> None:
+        s = self._settings
+        try:
+            if decision.action == ACK and not lease_lost:
+                self._queue.delete(message)
+                log.info("message.deleted")
+            elif decision.action == RETRY:
+                delay_s = retry_delay_s(
+                    message.receive_count, s.sqs_retry_visibility_base_s, s.sqs_retry_visibility_max_s
+                )
+                self._queue.set_visibility(message, delay_s)
+                log.info("message.retry_scheduled", delay_s=delay_s)
+            elif decision.action == DEAD_LETTER:
+                self._dead_letter(message, decision.error)
+            elif decision.action == RELEASE:
+                self._queue.release(message)
+                log.info("message.released")
+            else:
+                log.warning("message.left_to_expire", reason="lease lost: not ours to touch")
+        except WorkerError as exc:
+            # The message stays where SQS has it; it returns when its visibility runs out.
+            log.error("message.settle_failed", action=decision.action, error=str(exc))
+
+    def _dead_letter(self, message: Message, error: WorkerError | None) -> None:
+        assert error is not None
+        try:
+            sent = self._queue.dead_letter(message, error)
+        except WorkerError as exc:
+            log.error("message.dead_letter_failed", error=str(exc))
+            self._park(message)
+            return
+        if not sent:
+            log.error("message.no_dead_letter_queue", hint="the queue has no RedrivePolicy")
+            self._park(message)
+            return
+        log.info("message.dead_lettered")
+        self._queue.delete(message)
+        log.info("message.deleted")
+
+    def _park(self, message: Message) -> None:
+        """Keep a message we could not dead-letter away for the longest backoff; never delete it."""
+        self._queue.set_visibility(message, self._settings.sqs_retry_visibility_max_s)

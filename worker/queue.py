@@ -1,0 +1,180 @@
+"""The SQS adapter: receive, extend, release, delete, dead-letter. botocore errors stop here.
+
+Every method makes exactly the SQS calls its name says; botocore's own retry mode (see ``worker.aws``)
+handles throttling and 5xx, so there are no retry loops here. What is left after those retries becomes
+``QueueError`` (try again later) or ``LeaseLost`` (the receipt handle is no longer ours).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from worker.errors import LeaseLost, QueueError, WorkerError
+
+# Error codes that mean "this receipt handle no longer holds the message": renewing, releasing or
+# deleting with it cannot work, and another consumer may already have the message.
+_LOST_CODES = frozenset(
+    {
+        "ReceiptHandleIsInvalid",
+        "MessageNotInflight",
+        "AWS.SimpleQueueService.MessageNotInflight",
+        "InvalidReceiptHandle",
+    }
+)
+# InvalidParameterValue is also used for bad input in general; only these texts mean the lease is gone.
+_LOST_PARAMETER_HINTS = ("receipt handle", "receipthandle", "12 hours", "maximum visibility timeout",
+                         "total visibility timeout")
+MAX_ATTRIBUTE_TEXT = 1024  # SQS allows 256 KiB, but an error attribute is for humans and alarms.
+
+
+@dataclass(frozen=True)
+class Message:
+    """One received SQS message. ``received_at_s`` is on the monotonic clock of the receiving process."""
+
+    message_id: str
+    receipt_handle: str = field(repr=False)
+    body: str = field(repr=False)
+    receive_count: int
+    received_at_s: float
+    attributes: dict[str, str] = field(default_factory=dict, repr=False)
+    message_attributes: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def is_lease_lost_error(code: str, message: str) -> bool:
+    """True when SQS answered that the receipt handle no longer holds the message."""
+    if code in _LOST_CODES:
+        return True
+    if code in ("InvalidParameterValue", "AWS.SimpleQueueService.InvalidParameterValue"):
+        text = message.lower()
+        return any(hint in text for hint in _LOST_PARAMETER_HINTS)
+    return False
+
+
+def _translate(exc: Exception, action: str) -> WorkerError:
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code, text = str(err.get("Code", "")), str(err.get("Message", ""))
+        if is_lease_lost_error(code, text):
+            return LeaseLost(f"{action}: receipt handle no longer valid ({code}: {text})")
+        return QueueError(f"{action} failed: {code}: {text}")
+    return QueueError(f"{action} failed: {type(exc).__name__}: {exc}")
+
+
+class Queue:
+    def __init__(self, client, queue_url: str, *, clock=time.monotonic):
+        self._sqs = client
+        self.url = queue_url
+        self._clock = clock
+
+    def receive(self, *, wait_s: int, visibility_timeout_s: int) -> Message | None:
+        """Long-poll for one message, invisible for ``visibility_timeout_s`` from its receipt on."""
+        try:
+            resp = self._sqs.receive_message(
+                QueueUrl=self.url,
+                MaxNumberOfMessages=1,
+                WaitTimeSeconds=wait_s,
+                VisibilityTimeout=visibility_timeout_s,
+                MessageSystemAttributeNames=["ApproximateReceiveCount", "MessageGroupId"],
+                MessageAttributeNames=["All"],
+            )
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "ReceiveMessage") from exc
+        received_at_s = self._clock()
+        messages = resp.get("Messages") or []
+        if not messages:
+            return None
+        raw = messages[0]
+        attrs = raw.get("Attributes") or {}
+        return Message(
+            message_id=raw["MessageId"],
+            receipt_handle=raw["ReceiptHandle"],
+            body=raw.get("Body", ""),
+            receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
+            received_at_s=received_at_s,
+            attributes=dict(attrs),
+            message_attributes=dict(raw.get("MessageAttributes") or {}),
+        )
+
+    def set_visibility(self, message: Message, timeout_s: int) -> None:
+        """Reset (not add to) the message's visibility: it becomes visible ``timeout_s`` from now."""
+        try:
+            self._sqs.change_message_visibility(
+                QueueUrl=self.url, ReceiptHandle=message.receipt_handle, VisibilityTimeout=timeout_s
+            )
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "ChangeMessageVisibility") from exc
+
+    def release(self, message: Message) -> None:
+        """Make the message visible now, so another worker can take it at once."""
+        self.set_visibility(message, 0)
+
+    def delete(self, message: Message) -> None:
+        try:
+            self._sqs.delete_message(QueueUrl=self.url, ReceiptHandle=message.receipt_handle)
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "DeleteMessage") from exc
+
+    def dead_letter_url(self) -> str | None:
+        """The DLQ named by this queue's RedrivePolicy, or None when the queue has none."""
+        try:
+            attrs = self._sqs.get_queue_attributes(
+                QueueUrl=self.url, AttributeNames=["RedrivePolicy", "QueueArn"]
+            )["Attributes"]
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "GetQueueAttributes") from exc
+        policy = attrs.get("RedrivePolicy")
+        if not policy:
+            return None
+        arn = json.loads(policy)["deadLetterTargetArn"]
+        # arn:aws:sqs:<region>:<account>:<name>
+        _, _, _, _, account, name = arn.split(":", 5)
+        try:
+            return self._sqs.get_queue_url(QueueName=name, QueueOwnerAWSAccountId=account)["QueueUrl"]
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "GetQueueUrl") from exc
+
+    def dead_letter(self, message: Message, error: WorkerError) -> bool:
+        """Copy the body to the DLQ with why it failed; True if sent, False if there is no DLQ.
+
+        The caller deletes the original only after this returned True.
+        """
+        dlq_url = self.dead_letter_url()
+        if dlq_url is None:
+            return False
+        params: dict[str, Any] = {
+            "QueueUrl": dlq_url,
+            "MessageBody": message.body,
+            "MessageAttributes": dead_letter_attributes(message, error, self.url),
+        }
+        if dlq_url.endswith(".fifo"):
+            params["MessageGroupId"] = message.attributes.get("MessageGroupId", message.message_id)
+            params["MessageDeduplicationId"] = message.message_id
+        try:
+            self._sqs.send_message(**params)
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "SendMessage to the dead-letter queue") from exc
+        return True
+
+
+def dead_letter_attributes(message: Message, error: WorkerError, source_queue_url: str) -> dict:
+    """The original message attributes (as many as fit in SQS's ten) plus why it was dead-lettered."""
+    ours = {
+        "ErrorType": {"DataType": "String", "StringValue": error.error_type},
+        "ErrorMessage": {"DataType": "String", "StringValue": (str(error) or "-")[:MAX_ATTRIBUTE_TEXT]},
+        "ReceiveCount": {"DataType": "Number", "StringValue": str(message.receive_count)},
+        "SourceQueue": {"DataType": "String", "StringValue": source_queue_url},
+    }
+    kept = {k: v for k, v in message.message_attributes.items() if k not in ours}
+    room = 10 - len(ours)
+    kept = {k: _sendable(v) for k, v in sorted(kept.items())[:room]}
+    return {**kept, **ours}
+
+
+def _sendable(attr: dict) -> dict:
+    # A received attribute carries list fields SendMessage rejects when empty.
+    return {k: v for k, v in attr.items() if k in ("DataType", "StringValue", "BinaryValue")}
