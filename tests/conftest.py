@@ -62,3 +62,35 @@ def moto_server():
     yield url
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture
+def sqs(aws):
+    import boto3
+
+    return boto3.client("sqs", region_name="us-east-1")
+
+
+@pytest.fixture
+def queues(sqs):
+    from tests.support import create_queues
+
+    return create_queues(sqs)
+
+
+@pytest.fixture
+def make_worker(queues):
+    """Build a Worker on the moto queue; returns (worker, recording client)."""
+    from tests.support import FAST, FaultyClient
+    from worker.loop import Worker
+    from worker.queue import Queue
+    from worker.settings import load_settings
+
+    def build(handler, *, client=None, reporter=None, **env):
+        values = {**FAST, "SQS_QUEUE_URL": queues.url, **{k: str(v) for k, v in env.items()}}
+        settings = load_settings(values)
+        faulty = client or FaultyClient(queues.sqs)
+        worker = Worker(settings, Queue(faulty, queues.url), handler, reporter=reporter)
+        return worker, faulty
+
+    return build

@@ -7,6 +7,7 @@
     │   ├── StorageError       S3 upload/read failed
     │   ├── StoreError         the records store is unavailable
     │   ├── StaleWrite         an update matched no record (not ours any more, or gone): never acknowledge
+    │   ├── UnknownJob         no job record for the message (yet): the redrive policy bounds the retries
     │   ├── LeaseLost          our claim on the message or the record is gone: commit nothing, delete nothing
     │   ├── DownloadError      a recording could not be fetched this time (timeout, 5xx, network)
     │   └── StageFailed        a pipeline stage exited with a code not declared permanent
@@ -60,6 +61,10 @@ class StoreError(RetryableError):
 
 
 class StaleWrite(RetryableError):
+    pass
+
+
+class UnknownJob(RetryableError):
     pass
 
 

@@ -6,7 +6,7 @@ import time
 
 import boto3
 
-from tests.loop.fakes import client_error
+from tests.support import client_error
 from worker.errors import LeaseLost, StoreError
 from worker.errors import Stopped
 

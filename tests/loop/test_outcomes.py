@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tests.loop.conftest import create_queues
-from tests.loop.fakes import client_error
+from tests.support import create_queues
+from tests.support import client_error
 from worker.errors import BadRecording, DownloadError, InvalidMessage, Stopped, StoreError
 from worker.loop import retry_delay_s
 
@@ -140,11 +140,11 @@ def test_no_dlq_means_no_delete_and_the_longest_backoff(sqs, make_worker):
     def handler(message, lease):
         raise BadRecording("gone")
 
-    from tests.loop.fakes import FaultyClient
+    from tests.support import FaultyClient
     from worker.loop import Worker
     from worker.queue import Queue
     from worker.settings import load_settings
-    from tests.loop.conftest import FAST
+    from tests.support import FAST
 
     client = FaultyClient(sqs)
     worker = Worker(load_settings({**FAST, "SQS_QUEUE_URL": bare.url}), Queue(client, bare.url), handler)

@@ -13,7 +13,7 @@ import time
 import boto3
 import pytest
 
-from tests.loop.conftest import create_queues
+from tests.support import create_queues
 
 
 def test_job_finishing_within_the_grace_is_acked(queues, make_worker):

@@ -1,16 +1,15 @@
+"""Test helpers shared by the suites: moto queues, a recording/fault-injecting client wrapper."""
+
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass
 
-import boto3
-import pytest
+from botocore.exceptions import ClientError
 
-from tests.loop.fakes import FaultyClient
-from worker.loop import Worker
-from worker.queue import Queue
-from worker.settings import load_settings
-
+# Short timings so heartbeat behaviour shows in well under a second of test time.
 FAST = {
     "SQS_VISIBILITY_TIMEOUT_SECONDS": "2",
     "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "200",
@@ -53,25 +52,35 @@ def create_queues(sqs, name: str = "jobs", with_dlq: bool = True) -> Queues:
     return Queues(sqs, url, dlq_url)
 
 
-@pytest.fixture
-def sqs(aws):
-    return boto3.client("sqs", region_name="us-east-1")
+def client_error(code: str, message: str = "injected", operation: str = "Op") -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": message}}, operation)
 
 
-@pytest.fixture
-def queues(sqs) -> Queues:
-    return create_queues(sqs)
+class FaultyClient:
+    """Delegates to a boto3 client, recording each call; ``faults[op](kwargs)`` may return an error to raise."""
 
+    def __init__(self, client):
+        self._client = client
+        self.calls: list[tuple[str, dict, str, float]] = []
+        self.faults: dict = {}
+        self._lock = threading.Lock()
 
-@pytest.fixture
-def make_worker(queues):
-    """Build a Worker on the moto queue; returns (worker, recording client)."""
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if name.startswith("_") or name == "meta" or not callable(attr):
+            return attr
 
-    def build(handler, *, client=None, reporter=None, **env):
-        values = {**FAST, "SQS_QUEUE_URL": queues.url, **{k: str(v) for k, v in env.items()}}
-        settings = load_settings(values)
-        faulty = client or FaultyClient(queues.sqs)
-        worker = Worker(settings, Queue(faulty, queues.url), handler, reporter=reporter)
-        return worker, faulty
+        def call(**kwargs):
+            with self._lock:
+                self.calls.append((name, kwargs, threading.current_thread().name, time.monotonic()))
+            fault = self.faults.get(name)
+            if fault is not None:
+                exc = fault(kwargs)
+                if exc is not None:
+                    raise exc
+            return attr(**kwargs)
 
-    return build
+        return call
+
+    def ops(self) -> list[str]:
+        return [c[0] for c in self.calls]

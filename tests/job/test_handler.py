@@ -1,0 +1,250 @@
+"""The voice-cloning handler with moto S3 and both stores: completion, claims, commit order, fencing, recovery."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from tests.job.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body
+from worker.errors import BadRecording, Stopped, StoreError, StaleWrite
+from worker.store import ASSET_KEYS, is_complete
+
+
+def test_completes_a_job_in_commit_order(queues, make_worker, handler, recorder, raw_store, s3):
+    """A job is persisted upload -> paths -> profile completed -> job completed, then the message is deleted."""
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    writes = [c for c in recorder.calls if c not in ("store.renew_lease", "store.set_progress")]
+    assert writes == ["store.claim"] + ["s3.PutObject"] * 5 + [
+        "store.write_paths", "store.mark_profile_completed", "store.mark_job_completed"]
+    job, profile = raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID)
+    assert is_complete(job, profile)
+    assert profile["s3Paths"]["fullModel"] == f"s3://{BUCKET}/models/production/{PROFILE_ID}/{JOB_ID}/full/model.pth"
+    for key in ASSET_KEYS:
+        bucket, _, obj_key = profile["s3Paths"][key].removeprefix("s3://").partition("/")
+        body = s3.get_object(Bucket=bucket, Key=obj_key)["Body"].read()
+        assert body == open(profile["modelPaths"][key], "rb").read()
+    assert job["completedAt"] is not None and job["lease"] is None
+    assert client.ops()[-1] == "delete_message"
+    assert queues.counts() == (0, 0)
+
+
+def test_redelivered_complete_job_is_acked_without_work_or_writes(queues, make_worker, handler, recorder, train):
+    """A second delivery of a completed job does no work and writes nothing, and is deleted."""
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    worker.run_once()
+    recorder.calls.clear()
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    assert recorder.calls == [] and train.runs == 1
+    assert queues.counts() == (0, 0)
+
+
+def test_update_matching_nothing_is_not_acknowledged(queues, make_worker, handler, store):
+    """When the commit marker matches no record the message is not deleted."""
+    store.faults["mark_job_completed"] = lambda: StaleWrite("job record changed under us")
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "retry"
+    assert "delete_message" not in client.ops()
+
+
+def test_delete_failure_after_commit_leaves_completed_and_redelivery_only_deletes(
+        queues, make_worker, handler, recorder, raw_store, train):
+    """If the delete fails after the commit, both records stay completed and the redelivery only deletes."""
+    from tests.support import client_error
+
+    worker, client = make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=1, SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=300)
+    failures = iter([client_error("InternalError")])
+    client.faults["delete_message"] = lambda kw: next(failures, None)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    assert queues.counts() == (0, 1)  # still there, invisible
+    assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
+    recorder.calls.clear()
+    time.sleep(1.2)
+    assert worker.run_once() == "ack"
+    assert recorder.calls == [] and train.runs == 1
+    assert queues.counts() == (0, 0)
+
+
+def test_duplicate_delivery_under_a_live_lease_is_acked_without_work(queues, make_worker, handler, raw_store, train):
+    """A second worker finding a live lease held elsewhere deletes its copy without work or writes."""
+    assert raw_store.claim(JOB_ID, owner="worker-a", token="token-a", lease_s=300).outcome == "claimed"
+    before = raw_store.get_job(JOB_ID)
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    assert train.runs == 0
+    assert raw_store.get_job(JOB_ID) == before
+    assert client.ops()[-1] == "delete_message"
+
+
+def test_replaced_token_cannot_write_paths_or_completion(queues, make_worker, handler, raw_store, clock, train):
+    """A worker whose claim was taken over writes no paths and no completion, and does not ack."""
+    def takeover(job, work_dir, stop, progress):
+        clock.offset += timedelta(hours=1)  # our lease lapses in the store ...
+        assert raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600).outcome == "claimed"
+
+    train.during = takeover
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() in ("retry", "abandon")
+    job, profile = raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID)
+    assert job["status"] == "processing" and job["lease"]["token"] == "token-b"
+    assert not profile.get("modelPaths") and profile["status"] != "completed"
+    assert "delete_message" not in client.ops()
+
+
+def test_matching_s3_objects_are_not_uploaded_twice(queues, make_worker, handler, store, recorder, train):
+    """A retry after uploads succeeded reuses the S3 objects: no PutObject or UploadPart the second time."""
+    failures = iter([StoreError("store unavailable")])
+    store.faults["write_paths"] = lambda: next(failures, None)
+    worker, _ = make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=1, SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=300,
+                            SQS_RETRY_VISIBILITY_BASE_SECONDS=0)
+    queues.send(message_body())
+    assert worker.run_once() == "retry"
+    assert recorder.calls.count("s3.PutObject") == 5
+    recorder.calls.clear()
+    assert worker.run_once() == "ack"
+    assert train.runs == 2
+    assert not [c for c in recorder.calls if c.startswith("s3.")]
+
+
+def test_verified_artifacts_on_the_profile_are_reused_without_training(
+        queues, make_worker, handler, store, raw_store, train):
+    """A crash after the paths were written is resumed from the profile's verified files: no training."""
+    failures = iter([StoreError("store unavailable")])
+    store.faults["mark_profile_completed"] = lambda: next(failures, None)
+    worker, _ = make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=1, SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=300,
+                            SQS_RETRY_VISIBILITY_BASE_SECONDS=0)
+    queues.send(message_body())
+    assert worker.run_once() == "retry"
+    assert raw_store.get_job(JOB_ID)["status"] == "error"
+    assert worker.run_once() == "ack"
+    assert train.runs == 1
+    assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
+
+
+def test_errors_are_recorded_on_the_job(queues, make_worker, handler, raw_store, train):
+    """A permanent pipeline failure is recorded (type, message, not retryable) and dead-lettered."""
+    def bad(job, work_dir, stop, progress):
+        raise BadRecording("input[0] is not decodable audio")
+
+    train.during = bad
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "dead_letter"
+    job = raw_store.get_job(JOB_ID)
+    assert job["status"] == "error"
+    assert job["error"]["type"] == "BadRecording" and job["error"]["retryable"] is False
+    assert "not decodable" in job["error"]["message"]
+    assert job["history"][-1]["outcome"] != "running"
+
+
+def test_failure_to_record_an_error_does_not_hide_it(queues, make_worker, handler, store, train):
+    """If recording the error fails, the original error still decides the outcome."""
+    def bad(job, work_dir, stop, progress):
+        raise BadRecording("gone")
+
+    train.during = bad
+    store.faults["record_error"] = lambda: StoreError("store unavailable")
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "dead_letter"
+
+
+def test_invalid_message_is_dead_lettered_and_recorded_when_identifiable(queues, make_worker, handler, raw_store):
+    """A malformed message with a usable jobId gets its validation error on the job record and goes to the DLQ."""
+    worker, _ = make_worker(handler)
+    queues.send(message_body(input=[]))
+    assert worker.run_once() == "dead_letter"
+    job = raw_store.get_job(JOB_ID)
+    assert job["status"] == "error" and job["error"]["type"] == "InvalidMessage"
+    assert "input" in job["error"]["message"]
+    [dead] = queues.receive_now(queues.dlq_url)
+    assert "input" in dead["MessageAttributes"]["ErrorMessage"]["StringValue"]
+
+
+def test_cancel_requested_before_the_claim_ends_cancelled(queues, make_worker, handler, raw_store, train):
+    """A job whose cancel was requested before it started ends cancelled, with no work, and is deleted."""
+    assert raw_store.request_cancel(JOB_ID)
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    assert raw_store.get_job(JOB_ID)["status"] == "cancelled" and train.runs == 0
+
+
+def test_cancel_during_training_stops_it_and_ends_cancelled(queues, make_worker, handler, raw_store, train):
+    """A cancel requested mid-training is noticed on a heartbeat tick, stops the work and ends cancelled."""
+    def wait_for_cancel(job, work_dir, stop, progress):
+        threading.Timer(0.1, raw_store.request_cancel, args=(JOB_ID,)).start()
+        assert stop.wait(3)
+        stop.raise_if_set()
+
+    train.during = wait_for_cancel
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    job = raw_store.get_job(JOB_ID)
+    assert job["status"] == "cancelled" and job["lease"] is None
+    assert queues.counts() == (0, 0)
+
+
+def test_shutdown_past_grace_releases_the_store_lease_too(queues, make_worker, handler, raw_store, train):
+    """Stopped for shutdown, the job's lease is cleared so another worker can claim it at once."""
+    def wait_for_stop(job, work_dir, stop, progress):
+        worker.stop()
+        assert stop.wait(3)
+        stop.raise_if_set()
+
+    train.during = wait_for_stop
+    worker, _ = make_worker(handler, SHUTDOWN_GRACE_SECONDS=0.2)
+    queues.send(message_body())
+    assert worker.run_once() == "release"
+    assert raw_store.get_job(JOB_ID)["lease"] is None
+    assert raw_store.claim(JOB_ID, owner="w2", token="t2", lease_s=60).outcome == "claimed"
+
+
+def test_time_limit_is_recorded_and_dead_lettered(queues, make_worker, handler, raw_store, train):
+    """A job past its time limit is recorded as TimeLimitExceeded and dead-lettered."""
+    def slow(job, work_dir, stop, progress):
+        assert stop.wait(3)
+        stop.raise_if_set()
+
+    train.during = slow
+    worker, _ = make_worker(handler, JOB_TIME_LIMIT_SECONDS=1)
+    queues.send(message_body())
+    assert worker.run_once() == "dead_letter"
+    assert raw_store.get_job(JOB_ID)["error"]["type"] == "TimeLimitExceeded"
+
+
+def test_unknown_job_is_retried_not_dead_lettered(queues, make_worker, handler):
+    """A message for a job with no record yet is retried (the redrive policy bounds it)."""
+    worker, client = make_worker(handler)
+    queues.send(message_body(job_id="665f1c2e9b1e8a0012ab0000"))
+    assert worker.run_once() == "retry"
+
+
+def test_store_lease_is_renewed_with_the_message(queues, make_worker, handler, raw_store, train):
+    """Each heartbeat tick also renews the job's lease in the store."""
+    seen = []
+
+    def slow(job, work_dir, stop, progress):
+        first = raw_store.get_job(JOB_ID)["lease"]["expiresAt"]
+        deadline = time.monotonic() + 1.5  # under the 2 s visibility: only renewals can move it
+        while time.monotonic() < deadline and raw_store.get_job(JOB_ID)["lease"]["expiresAt"] == first:
+            time.sleep(0.05)
+        seen.append((first, raw_store.get_job(JOB_ID)["lease"]["expiresAt"]))
+
+    train.during = slow
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    first, later = seen[0]
+    assert later > first
