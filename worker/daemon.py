@@ -7,6 +7,7 @@ Exit codes: 0 after a requested shutdown, 1 when the loop ended for any other re
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 
 import structlog
 
@@ -25,12 +26,20 @@ def install_signal_handlers(worker: Worker) -> None:
         signal.signal(sig, on_signal)
 
 
-def run_worker(worker: Worker) -> int:
+def run_worker(worker: Worker, close: Callable[[], None] | None = None) -> int:
+    """Run until shutdown. Order on the way out: the loop has settled its last message (run returned),
+    then the store and other clients are closed, then the exit code is returned."""
     install_signal_handlers(worker)
     log.info("worker.started")
+    code = EXIT_OK
     try:
         worker.run()
     except Exception as exc:
         log.exception("worker.crashed", error=f"{type(exc).__name__}: {exc}")
-        return EXIT_CRASHED
-    return EXIT_OK
+        code = EXIT_CRASHED
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:  # closing must not turn a clean stop into a crash
+            log.error("worker.close_failed", error=f"{type(exc).__name__}: {exc}")
+    return code

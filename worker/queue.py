@@ -27,8 +27,8 @@ _LOST_CODES = frozenset(
     }
 )
 # InvalidParameterValue is also used for bad input in general; only these texts mean the lease is gone.
-_LOST_PARAMETER_HINTS = ("receipt handle", "receipthandle", "12 hours", "maximum visibility timeout",
-                         "total visibility timeout")
+_LOST_PARAMETER_HINTS = ("receipt handle", "receipthandle", "12 hours", "43200", "beyond the limit",
+                         "maximum visibility timeout")
 MAX_ATTRIBUTE_TEXT = 1024  # SQS allows 256 KiB, but an error attribute is for humans and alarms.
 
 

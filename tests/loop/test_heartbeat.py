@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 
 import boto3
+import pytest
 
 from tests.support import client_error
 from worker.errors import LeaseLost, StoreError
 from worker.errors import Stopped
+from worker.queue import is_lease_lost_error
 
 
 def test_renews_every_interval_with_a_full_reset(queues, make_worker):
@@ -70,6 +72,8 @@ def test_rejected_renewal_loses_the_lease_stops_the_handler_and_forbids_the_dele
     def handler(message, lease):
         assert lease.stop.wait(3)
         stop_reasons.append(lease.stop.reason)
+        # Told on the first rejected tick (0.2 s), not only when the 2 s deadline passes.
+        assert time.monotonic() - message.received_at_s < 1.0
         return "finished anyway"  # even a handler that claims success must not be acked
 
     worker, client = make_worker(handler)
@@ -86,6 +90,7 @@ def test_twelve_hour_limit_answer_is_a_lost_lease(queues, make_worker):
     """InvalidParameterValue about the 12-hour ceiling is a lost lease, not a transient error."""
     def handler(message, lease):
         assert lease.stop.wait(3)
+        assert time.monotonic() - message.received_at_s < 1.0  # at the first tick, not the deadline
         lease.stop.raise_if_set()
 
     worker, client = make_worker(handler)
@@ -175,3 +180,18 @@ def test_failing_callback_is_reported_and_does_not_lose_the_lease(queues, make_w
     worker, client = make_worker(handler)
     queues.send()
     assert worker.run_once() == "ack"
+
+
+@pytest.mark.parametrize("code,text,lost", [
+    ("ReceiptHandleIsInvalid", "The input receipt handle is invalid.", True),
+    ("AWS.SimpleQueueService.MessageNotInflight", "Message does not exist or is not available", True),
+    ("MessageNotInflight", "", True),
+    ("InvalidParameterValue", "Value x for parameter ReceiptHandle is invalid. Reason: Message does not exist", True),
+    ("InvalidParameterValue", "Total VisibilityTimeout for the message is beyond the limit [43200 seconds]", True),
+    ("InvalidParameterValue", "VisibilityTimeout must be an integer", False),
+    ("ThrottlingException", "Rate exceeded", False),
+    ("ServiceUnavailable", "", False),
+])
+def test_which_answers_mean_the_lease_is_lost(code, text, lost):
+    """Only answers about the receipt handle or the 12-hour ceiling count as a lost lease."""
+    assert is_lease_lost_error(code, text) is lost

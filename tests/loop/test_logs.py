@@ -13,7 +13,10 @@ from worker.errors import DownloadError
 from worker.logs import configure_logging, scrub
 from worker.reporting import Reporter
 
-SECRET_BODY = '{"jobId": "j1", "input": [{"recordingUrl": "https://media.example.com/a.wav?X-Amz-Signature=SECRET123"}]}'
+SECRET_BODY = (
+    '{"jobId": "j1", "input": [{"recordingUrl": "https://media.example.com/a.wav?X-Amz-Signature=SECRET123",'
+    ' "originalText": "PRIVATE-TRANSCRIPT"}]}'
+)
 
 
 @pytest.fixture
@@ -35,7 +38,7 @@ def test_every_message_line_carries_its_id_and_receive_count_and_no_body(queues,
     msg_id = queues.send(SECRET_BODY)
     worker.run_once()
     text = json_logs.getvalue()
-    assert "SECRET123" not in text and SECRET_BODY not in text
+    assert "SECRET123" not in text and "PRIVATE-TRANSCRIPT" not in text
     lines = [json.loads(l) for l in text.splitlines()]
     about_message = [l for l in lines if l["event"].split(".")[0] in ("message", "heartbeat", "job")]
     assert {l["event"] for l in about_message} >= {"message.received", "job.step", "message.handled"}

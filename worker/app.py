@@ -1,0 +1,61 @@
+"""Wiring: settings in, a ready Worker out. The only place that knows every concrete adapter."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from pipeline.config import load_pipeline_config
+from pipeline.downloads import DownloadSettings
+from pipeline.downloads import fetch as download
+from pipeline.run import run_pipeline
+from worker.artifacts import ArtifactUploader
+from worker.aws import make_client
+from worker.job import VoiceJobHandler
+from worker.loop import Worker
+from worker.queue import Queue
+from worker.reporting import Reporter
+from worker.settings import Settings
+from worker.store import Store, open_store
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class App:
+    worker: Worker
+    store: Store
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def build_app(settings: Settings, *, session=None) -> App:
+    """Check everything that can be checked before the first receive, then assemble the worker."""
+    # Cheapest checks first: a bad pipeline file must not wait on a store connection.
+    config = load_pipeline_config(settings.pipeline_config)
+    sqs = make_client("sqs", settings, session)
+    s3 = make_client("s3", settings, session)
+    store = open_store(settings)
+    downloads = DownloadSettings.from_settings(settings)
+
+    def train(job, work_dir: Path, stop, progress):
+        fetch = functools.partial(download, settings=downloads, s3_client=s3, stop=stop)
+        return run_pipeline(job, work_dir, stop, config=config, fetch=fetch, progress=progress,
+                            grace_s=min(10.0, settings.shutdown_grace_s or 10.0))
+
+    handler = VoiceJobHandler(
+        store=store,
+        uploader=ArtifactUploader(s3, settings.s3_bucket),
+        train=train,
+        work_root=Path(settings.work_root),
+        s3_prefix=settings.s3_prefix,
+        worker_id=settings.worker_id,
+        lease_s=settings.sqs_visibility_timeout_s,
+    )
+    worker = Worker(settings, Queue(sqs, settings.sqs_queue_url), handler,
+                    reporter=Reporter(settings.sentry_dsn))
+    return App(worker=worker, store=store)

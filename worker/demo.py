@@ -1,0 +1,231 @@
+"""`python -m worker demo`: the whole product on one machine, with nothing configured and no network.
+
+A moto server process stands in for SQS and S3 on a free loopback port, the SQLite store holds the
+records, the shipped speech clips are uploaded to the local bucket and referenced as ``s3://``. The
+real worker loop and pipeline (with the reference trainer, the local stand-in for GPU training) run
+in this process until the job is completed; then a summary is printed. Exit 0 only if it completed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import boto3
+
+from worker.settings import Settings, load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLES = REPO / "samples"
+CLIPS = (
+    ("clip-1.wav", "Hello there, this is a short sample of my voice."),
+    ("clip-2.wav", "The quick brown fox jumps over the lazy dog."),
+    ("clip-3.flac", "Please train a model that sounds just like me."),
+)
+QUEUE, DLQ, BUCKET, RECORDINGS_BUCKET = "voice-jobs", "voice-jobs-dlq", "voice-models", "voice-recordings"
+DEMO_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalAws:
+    """A moto server process on loopback; stopped on exit."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> LocalAws:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/moto-api/", timeout=1).read()
+                return self
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the local SQS/S3 server (moto) did not start") from None
+                time.sleep(0.1)
+
+    def __exit__(self, *_exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+
+def _session() -> boto3.session.Session:
+    # moto accepts any credentials; fixed ones keep the demo away from the user's real AWS profile.
+    return boto3.session.Session(aws_access_key_id="demo", aws_secret_access_key="demo",
+                                 region_name="us-east-1")
+
+
+def provision(session, endpoint: str) -> str:
+    """Queue with DLQ and redrive policy, the model bucket, the recordings; returns the queue URL."""
+    sqs = session.client("sqs", endpoint_url=endpoint)
+    s3 = session.client("s3", endpoint_url=endpoint)
+    dlq_url = sqs.create_queue(QueueName=DLQ, Attributes={"MessageRetentionPeriod": "1209600"})["QueueUrl"]
+    dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    queue_url = sqs.create_queue(QueueName=QUEUE, Attributes={
+        "VisibilityTimeout": "60", "ReceiveMessageWaitTimeSeconds": "20",
+        "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": "5"}),
+    })["QueueUrl"]
+    for bucket in (BUCKET, RECORDINGS_BUCKET):
+        s3.create_bucket(Bucket=bucket)
+    for name, _text in CLIPS:
+        s3.upload_file(str(SAMPLES / name), RECORDINGS_BUCKET, f"samples/{name}")
+    return queue_url
+
+
+def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
+    return load_settings({
+        "SQS_QUEUE_URL": queue_url,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_REGION": "us-east-1",
+        "SQS_VISIBILITY_TIMEOUT_SECONDS": "60",
+        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "5000",
+        "SQS_WAIT_TIME_SECONDS": "1",
+        "STORE_URL": f"sqlite:///{run_dir / 'records.db'}",
+        "S3_BUCKET": BUCKET,
+        "S3_PREFIX": "models",
+        "WORK_ROOT": str(run_dir / "work"),
+        "PIPELINE_CONFIG": str(REPO / "config" / "pipeline.toml"),
+        "LOG_LEVEL": "WARNING",
+        "LOG_FORMAT": "console",
+        "WORKER_ID": "demo-worker",
+    })
+
+
+def sample_job() -> dict:
+    return {
+        "profileId": "665f1c2e9b1e8a0012ab34ce",
+        "environment": "development",
+        "metadata": {"directoryName": "demo-user-voice-1", "language": "en"},
+        "input": [{"recordingUrl": f"s3://{RECORDINGS_BUCKET}/samples/{name}", "originalText": text}
+                  for name, text in CLIPS],
+    }
+
+
+@dataclass
+class StageClock:
+    """Stage timings as seen from the job record's progress, polled while the worker runs."""
+
+    order: list[str] = field(default_factory=list)
+    started: dict[str, float] = field(default_factory=dict)
+    ended: dict[str, float] = field(default_factory=dict)
+
+    def see(self, stage: str, percent: float, now: float) -> bool:
+        new = stage not in self.started
+        if new:
+            if self.order:
+                self.ended.setdefault(self.order[-1], now)
+            self.order.append(stage)
+            self.started[stage] = now
+        if percent >= 100:
+            self.ended.setdefault(stage, now)
+        return new
+
+    def durations(self, end: float) -> list[tuple[str, float]]:
+        return [(s, self.ended.get(s, end) - self.started[s]) for s in self.order]
+
+
+def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) -> None:
+    last = None
+    while not done.wait(0.05):
+        job = store.get_job(job_id) or {}
+        progress = job.get("progress") or {}
+        stage, percent = progress.get("stage"), progress.get("percent")
+        if stage is None:
+            continue
+        clock.see(stage, percent, time.monotonic())
+        if (stage, percent) != last:
+            print(f"  {stage:<12} {percent:5.1f} %", file=out, flush=True)
+            last = (stage, percent)
+
+
+def run_demo(out=sys.stdout) -> int:
+    from worker.app import build_app
+    from worker.logs import configure_logging
+    from worker.submit import submit
+
+    run_dir = REPO / "var" / "demo" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    print("voice-worker demo: local SQS/S3 (moto), SQLite records, reference trainer "
+          "(the local stand-in for GPU training)", file=out, flush=True)
+    with LocalAws() as aws:
+        session = _session()
+        queue_url = provision(session, aws.url)
+        settings = demo_settings(aws.url, queue_url, run_dir)
+        configure_logging(settings.log_level, settings.log_format)
+        app = build_app(settings, session=session)
+        try:
+            job_id, _ = submit(app.store, session.client("sqs", endpoint_url=aws.url), queue_url, sample_job())
+            print(f"submitted job {job_id}; working:", file=out, flush=True)
+            clock, done = StageClock(), threading.Event()
+            watcher = threading.Thread(target=_watch, args=(app.store, job_id, clock, done, out), daemon=True)
+            watcher.start()
+            deadline = time.monotonic() + DEMO_TIMEOUT_S
+            job = {}
+            while time.monotonic() < deadline:
+                app.worker.run_once()
+                job = app.store.get_job(job_id) or {}
+                if job.get("status") in ("completed", "cancelled") or (
+                        job.get("error") and not job["error"].get("retryable")):
+                    break
+            done.set()
+            watcher.join()
+            ended = time.monotonic()
+            profile = app.store.get_profile(job["profileId"]) if job else None
+            s3 = session.client("s3", endpoint_url=aws.url)
+            return _summary(out, job_id, job, profile, clock.durations(ended), ended - started, s3)
+        finally:
+            app.close()
+
+
+def _summary(out, job_id, job, profile, stages, total_s, s3) -> int:
+    status = job.get("status", "missing")
+    print("\nsummary", file=out)
+    print(f"  job id        {job_id}", file=out)
+    print(f"  status        {status} (attempts: {job.get('attempts')})", file=out)
+    print("  stages", file=out)
+    for name, seconds in stages:
+        print(f"    {name:<12} {seconds:6.2f} s", file=out)
+    if job.get("error"):
+        print(f"  error         {job['error'].get('type')}: {job['error'].get('message')}", file=out)
+    profile = profile or {}
+    print("  local files", file=out)
+    for key, path in (profile.get("modelPaths") or {}).items():
+        print(f"    {key:<18} {path}", file=out)
+    print("  S3 objects", file=out)
+    missing = 0
+    for key, uri in (profile.get("s3Paths") or {}).items():
+        bucket, _, obj = uri.removeprefix("s3://").partition("/")
+        try:
+            size = s3.head_object(Bucket=bucket, Key=obj)["ContentLength"]
+            print(f"    {key:<18} {uri} ({size} bytes)", file=out)
+        except Exception:
+            missing += 1
+            print(f"    {key:<18} {uri} (MISSING)", file=out)
+    print(f"  wall time     {total_s:.1f} s", file=out)
+    ok = status == "completed" and len(profile.get("s3Paths") or {}) == 5 and not missing
+    print("\nthe job completed" if ok else "\nthe job did NOT complete", file=out, flush=True)
+    return 0 if ok else 1
