@@ -14,6 +14,7 @@ from pipeline.downloads import fetch as download
 from pipeline.run import run_pipeline
 from worker.artifacts import ArtifactUploader
 from worker.aws import make_client
+from worker.health import Pulse
 from worker.job import VoiceJobHandler
 from worker.loop import Worker
 from worker.queue import Queue
@@ -28,6 +29,7 @@ log = structlog.get_logger(__name__)
 class App:
     worker: Worker
     store: Store
+    pulse: Pulse
 
     def close(self) -> None:
         self.store.close()
@@ -56,6 +58,7 @@ def build_app(settings: Settings, *, session=None) -> App:
         worker_id=settings.worker_id,
         lease_s=settings.sqs_visibility_timeout_s,
     )
+    pulse = Pulse(settings.liveness_file, settings.notify_socket)
     worker = Worker(settings, Queue(sqs, settings.sqs_queue_url), handler,
-                    reporter=Reporter(settings.sentry_dsn))
-    return App(worker=worker, store=store)
+                    reporter=Reporter(settings.sentry_dsn), alive=pulse.beat)
+    return App(worker=worker, store=store, pulse=pulse)

@@ -1,4 +1,4 @@
-"""The command line: ``python -m worker [run]`` starts the daemon."""
+"""The command line: ``python -m worker [COMMAND]``; ``run`` (the daemon) is the default."""
 
 from __future__ import annotations
 
@@ -25,7 +25,32 @@ def _fail(problems: list[str]) -> int:
     return EXIT_CONFIG
 
 
-def cmd_run(settings: Settings, _args: argparse.Namespace) -> int:
+def _need(settings: Settings, *names: str) -> list[str]:
+    wanted = {"queue": ("sqs_queue_url", "SQS_QUEUE_URL is required"),
+              "store": ("store", "MONGO_URI or STORE_URL is required"),
+              "bucket": ("s3_bucket", "S3_BUCKET is required")}
+    problems = []
+    for name in names:
+        attr, line = wanted[name]
+        present = (settings.mongo_uri or settings.store_url) if attr == "store" else getattr(settings, attr)
+        if not present:
+            problems.append(line)
+    return problems
+
+
+def _store(settings: Settings):
+    from worker.store import open_store
+
+    return open_store(settings)
+
+
+def _client(service: str, settings: Settings):
+    from worker.aws import make_client
+
+    return make_client(service, settings)
+
+
+def cmd_run(settings: Settings, _args) -> int:
     problems = daemon_problems(settings)
     if problems:
         return _fail(problems)
@@ -38,40 +63,118 @@ def cmd_run(settings: Settings, _args: argparse.Namespace) -> int:
     except WorkerError as exc:
         log.error("worker.startup_failed", error=str(exc), error_type=exc.error_type)
         return EXIT_CRASHED
-    return run_worker(app.worker, close=app.close)
+    return run_worker(app.worker, close=app.close, pulse=app.pulse)
+
+
+def cmd_demo(_settings, _args) -> int:
+    from worker.demo import run_demo
+
+    return run_demo()
+
+
+def cmd_submit(settings: Settings, args) -> int:
+    from worker.commands import cmd_submit as submit
+
+    if problems := _need(settings, "queue", "store"):
+        return _fail(problems)
+    source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
+    with source, _store(settings) as store:
+        return submit(store, _client("sqs", settings), settings.sqs_queue_url, source, as_json=args.json)
+
+
+def cmd_status(settings: Settings, args) -> int:
+    from worker.commands import cmd_status as status
+
+    if problems := _need(settings, "store"):
+        return _fail(problems)
+    with _store(settings) as store:
+        return status(store, args.job_id, as_json=args.json, watch_s=args.watch)
+
+
+def cmd_cancel(settings: Settings, args) -> int:
+    from worker.commands import cmd_cancel as cancel
+
+    if problems := _need(settings, "store"):
+        return _fail(problems)
+    with _store(settings) as store:
+        return cancel(store, args.job_id)
+
+
+def cmd_doctor(settings: Settings, _args) -> int:
+    from pipeline.config import load_pipeline_config
+    from worker.doctor import report, run_checks
+    from worker.store import open_store
+
+    if problems := _need(settings, "queue", "store", "bucket"):
+        return _fail(problems)
+    checks = run_checks(settings, sqs=_client("sqs", settings), s3=_client("s3", settings),
+                        sts=_client("sts", settings), open_store=open_store,
+                        load_pipeline=load_pipeline_config)
+    return report(checks)
+
+
+def cmd_health(settings: Settings, _args) -> int:
+    from worker.commands import cmd_health as health
+
+    return health(settings)
+
+
+COMMANDS = {
+    "run": (cmd_run, True, "run the worker daemon (the default)",
+            "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT.",
+            "SQS_QUEUE_URL=https://sqs.eu-west-1.amazonaws.com/123/jobs MONGO_URI=mongodb://db/voice \\\n"
+            "    S3_BUCKET=voice-models python -m worker run"),
+    "demo": (cmd_demo, False, "run one sample job end to end on a local SQS/S3 server",
+             "Start a local SQS/S3 server (moto), use the SQLite store, submit a sample job from the\n"
+             "shipped recordings and run the real worker and pipeline until it completes.\n"
+             "Needs no configuration and no network.",
+             "python -m worker demo"),
+    "submit": (cmd_submit, True, "create a job's records and enqueue it",
+               "FILE (or - for stdin) holds a JSON object with the message's fields. jobId and _doc are\n"
+               "generated when absent; an optional idempotencyKey makes a repeated submit return the\n"
+               "same job id without enqueuing again. Prints the job id.",
+               "python -m worker submit job.json\n  echo '{...}' | python -m worker submit - --json"),
+    "status": (cmd_status, True, "show a job: status, attempts, progress, error, paths",
+               "Print the job and profile records; --json prints {\"job\": {...}, \"profile\": {...}}.",
+               "python -m worker status 665f1c2e9b1e8a0012ab34cd\n"
+               "  python -m worker status 665f1c2e9b1e8a0012ab34cd --watch 2"),
+    "cancel": (cmd_cancel, True, "request a job's cancellation",
+               "A running attempt stops at its next heartbeat and the job ends cancelled.",
+               "python -m worker cancel 665f1c2e9b1e8a0012ab34cd"),
+    "doctor": (cmd_doctor, True, "check credentials, queue, DLQ, bucket, store and pipeline config",
+               "One PASS/FAIL line per check; exits 1 if any check fails.",
+               "python -m worker doctor"),
+    "health": (cmd_health, True, "exit 0 while the running worker's liveness file is fresh",
+               "For container health checks: LIVENESS_FILE must be set for the worker and this command.",
+               "LIVENESS_FILE=/tmp/voice-worker.alive python -m worker health"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = sub.add_parser("run", help="run the worker daemon (the default)",
-                         description="Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT.\n\n"
-                         "example:\n  SQS_QUEUE_URL=https://sqs.eu-west-1.amazonaws.com/123/jobs \\\n"
-                         "  MONGO_URI=mongodb://db/voice S3_BUCKET=voice-models python -m worker run",
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.set_defaults(func=cmd_run, needs_settings=True)
-    demo = sub.add_parser("demo", help="run one sample job end to end on a local SQS/S3 server",
-                          description="Start a local SQS/S3 server (moto), use the SQLite store, submit a\n"
-                          "sample job from the shipped recordings and run the real worker and\n"
-                          "pipeline until it completes. Needs no configuration and no network.\n\n"
-                          "example:\n  python -m worker demo",
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.set_defaults(func=cmd_demo, needs_settings=False)
+    for name, (func, needs_settings, summary, text, example) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=f"{text}\n\nexample:\n  {example}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func, needs_settings=needs_settings)
+        if name == "submit":
+            p.add_argument("file", help="JSON file with the message's fields, or - for stdin")
+            p.add_argument("--json", action="store_true", help='print {"jobId": "..."}')
+        elif name in ("status", "cancel"):
+            p.add_argument("job_id")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+            p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                           help="repeat every SECONDS (default 2) until the job ends")
     return parser
-
-
-def cmd_demo(_settings: None, _args: argparse.Namespace) -> int:
-    from worker.demo import run_demo
-
-    return run_demo()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
+        args = parser.parse_args(["run"])
     if not args.needs_settings:
         return args.func(None, args)
     try:

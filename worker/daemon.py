@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import structlog
 
+from worker.health import Pulse
 from worker.loop import Worker
 
 log = structlog.get_logger(__name__)
@@ -26,10 +27,15 @@ def install_signal_handlers(worker: Worker) -> None:
         signal.signal(sig, on_signal)
 
 
-def run_worker(worker: Worker, close: Callable[[], None] | None = None) -> int:
-    """Run until shutdown. Order on the way out: the loop has settled its last message (run returned),
-    then the store and other clients are closed, then the exit code is returned."""
+def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Pulse | None = None) -> int:
+    """Run until shutdown, then leave in this order:
+    1. the loop has settled its last message (``run`` returned: deleted, released or left to SQS);
+    2. tell systemd we are stopping;
+    3. close the store and other clients;
+    4. return the exit code: 0 for a requested stop, 1 for anything else."""
+    pulse = pulse or Pulse()
     install_signal_handlers(worker)
+    pulse.ready()
     log.info("worker.started")
     code = EXIT_OK
     try:
@@ -37,6 +43,7 @@ def run_worker(worker: Worker, close: Callable[[], None] | None = None) -> int:
     except Exception as exc:
         log.exception("worker.crashed", error=f"{type(exc).__name__}: {exc}")
         code = EXIT_CRASHED
+    pulse.stopping()
     if close is not None:
         try:
             close()

@@ -18,6 +18,7 @@ longer change anything: its writes match no record and raise ``StaleWrite``.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +103,35 @@ class ProgressReporter:
         self.writes += 1
 
 
+class StoreLease:
+    """Renews the job's lease in the store on each heartbeat tick, until the attempt's final write.
+
+    The final writes (completed, cancelled, error, released) clear the lease, after which a renewal
+    would be refused and read as a lost lease. ``end()`` waits for a renewal in flight, so none can
+    land after the final write.
+    """
+
+    def __init__(self, store: Store, job_id: str, token: str, lease_s: float, stop: StopSignal):
+        self._store, self._job_id, self._token, self._lease_s, self._stop = store, job_id, token, lease_s, stop
+        self._lock = threading.Lock()
+        self._active = True
+
+    def renew(self) -> None:
+        with self._lock:
+            if not self._active:
+                return
+            try:
+                cancel_requested = self._store.renew_lease(self._job_id, self._token, self._lease_s)
+            except StaleWrite as exc:
+                raise LeaseLost(f"store lease renewal refused: {exc}") from exc
+        if cancel_requested and self._stop.set(Stopped.CANCELLED, "cancelRequested on the job record"):
+            log.info("job.cancel_noticed")
+
+    def end(self) -> None:
+        with self._lock:
+            self._active = False
+
+
 class VoiceJobHandler:
     def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Train, work_root: Path,
                  s3_prefix: str, worker_id: str, lease_s: float):
@@ -147,32 +177,29 @@ class VoiceJobHandler:
                         note="another worker holds a live lease; acknowledged without work")
             return "duplicate"
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
-        lease.on_renew(lambda: self._renew(job.job_id, token, lease.stop))
+        store_lease = StoreLease(store, job.job_id, token, self._lease_s, lease.stop)
+        lease.on_renew(store_lease.renew)
         if claim.cancel_requested:
+            store_lease.end()
             store.mark_cancelled(job.job_id, token)
             log.info("job.cancelled", when="at claim")
             return "cancelled"
         try:
             paths = self._artifacts(job, profile, lease.stop, token)
-            self._persist(job, token, paths, lease.stop)
+            self._persist(job, token, paths, lease.stop, store_lease)
         except Stopped as exc:
+            store_lease.end()
             return self._stopped(job, token, exc)
         except (LeaseLost, StaleWrite):
             raise  # not ours any more: write nothing
         except WorkerError as exc:
+            store_lease.end()
             self._record_error(job.job_id, token, exc)
             raise
         log.info("job.completed")
         return "completed"
 
     # --- steps
-    def _renew(self, job_id: str, token: str, stop: StopSignal) -> None:
-        try:
-            cancel_requested = self._store.renew_lease(job_id, token, self._lease_s)
-        except StaleWrite as exc:
-            raise LeaseLost(f"store lease renewal refused: {exc}") from exc
-        if cancel_requested and stop.set(Stopped.CANCELLED, "cancelRequested on the job record"):
-            log.info("job.cancel_noticed")
 
     def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, token: str) -> dict[str, Path]:
         work_dir = work_dir_for(self._work_root, job)
@@ -183,7 +210,8 @@ class VoiceJobHandler:
         progress = ProgressReporter(self._store, job.job_id, token, stop)
         return self._train(job, work_dir, stop, progress)
 
-    def _persist(self, job: Job, token: str, paths: dict[str, Path], stop: StopSignal) -> None:
+    def _persist(self, job: Job, token: str, paths: dict[str, Path], stop: StopSignal,
+                 store_lease: StoreLease) -> None:
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         stop.raise_if_set()
         verify_local(paths)                                                      # 1
@@ -200,6 +228,7 @@ class VoiceJobHandler:
         self._check_lease(stop)
         self._store.mark_profile_completed(job.profile_id, token)                # 4
         self._check_lease(stop)
+        store_lease.end()
         self._store.mark_job_completed(job.job_id, token)                        # 5 commit marker
 
     @staticmethod

@@ -68,6 +68,7 @@ class Lease:
         shutdown: Shutdown,
         shutdown_grace_s: float,
         clock: Callable[[], float] = time.monotonic,
+        on_renewed: Callable[[], None] | None = None,
     ):
         self.message = message
         self.stop = StopSignal()
@@ -82,6 +83,7 @@ class Lease:
         self._clock = clock
         self._deadline = message.received_at_s + visibility_timeout_s
         self._callbacks: list[Callable[[], None]] = []
+        self._on_renewed = on_renewed
         self._lost_reason: str | None = None
         self._closing = False
         self._wake = threading.Event()
@@ -168,6 +170,8 @@ class Lease:
         # The new deadline counts from when the request left, not when the answer came back.
         self._deadline = sent_at + self._visibility_timeout_s
         self.renewals += 1
+        if self._on_renewed is not None:
+            self._on_renewed()
         for callback in tuple(self._callbacks):
             try:
                 callback()

@@ -87,13 +87,14 @@ class Worker:
         handler: Handler,
         *,
         reporter: Reporter | None = None,
-        on_idle: Callable[[], None] | None = None,
+        alive: Callable[[], None] | None = None,
     ):
         self._settings = settings
         self._queue = queue
         self._handler = handler
         self._reporter = reporter or Reporter(None)
-        self._on_idle = on_idle
+        # Called after every receive and every successful renewal: feeds liveness and the watchdog.
+        self._alive = alive or (lambda: None)
         self.shutdown = Shutdown()
 
     # --- public surface
@@ -120,8 +121,7 @@ class Worker:
             self.shutdown.requested.wait(min(5.0, max(1.0, s.sqs_wait_time_s / 4)))
             return None
         finally:
-            if self._on_idle is not None:
-                self._on_idle()
+            self._alive()
         if message is None:
             return None
         structlog.contextvars.bind_contextvars(
@@ -147,6 +147,7 @@ class Worker:
             time_limit_s=s.job_time_limit_s,
             shutdown=self.shutdown,
             shutdown_grace_s=s.shutdown_grace_s,
+            on_renewed=self._alive,
         )
         log.info("message.received")
         started_s = time.monotonic()

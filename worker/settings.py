@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", alias="LOG_LEVEL")
     log_format: Literal["json", "console"] = Field("json", alias="LOG_FORMAT")
     worker_id: str = Field(default_factory=_default_worker_id, alias="WORKER_ID")
+    # A file the loop and the heartbeat touch while alive; `python -m worker health` checks its age.
+    liveness_file: str | None = Field(None, alias="LIVENESS_FILE")
+    liveness_max_age_s: float | None = Field(None, alias="LIVENESS_MAX_AGE_SECONDS", gt=0)
+    # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
+    notify_socket: str | None = Field(None, alias="NOTIFY_SOCKET")
 
     # --- AWS
     aws_endpoint_url: str | None = Field(None, alias="AWS_ENDPOINT_URL")
@@ -92,6 +97,13 @@ class Settings(BaseSettings):
     @property
     def heartbeat_interval_s(self) -> float:
         return self.sqs_visibility_heartbeat_interval_ms / 1000.0
+
+    @property
+    def liveness_age_limit_s(self) -> float:
+        """How stale the liveness file may get: a few of the longest quiet spells (a long poll, a tick)."""
+        if self.liveness_max_age_s is not None:
+            return self.liveness_max_age_s
+        return 3 * max(self.sqs_wait_time_s + 10, self.heartbeat_interval_s) + 30
 
     @property
     def mongo_connect_retry_delay_s(self) -> float:

@@ -1,0 +1,199 @@
+"""Which hosts a recording may come from, and how a URL may be shown.
+
+A recording URL comes from whoever submitted the job, so without this check it could make the worker
+fetch from the cloud metadata service, a database on the private network, or its own loopback. Every
+hop of a download is parsed, resolved and checked here; the downloader then connects to the checked
+address itself, so DNS cannot answer differently between the check and the connection.
+
+Presigned URLs carry credentials in their query string: ``redact_url`` is the only form of a URL that
+may appear in a log line or an exception message.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from worker.errors import BadRecording, DownloadError
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+Resolver = Callable[[str, int], list[str]]
+
+HTTPS_DEFAULT_PORT = 443
+
+# DOWNLOAD_ALLOW_PRIVATE_HOSTS opens loopback and private ranges for local runs. Link-local stays shut
+# even then: 169.254.169.254 hands out the instance's cloud credentials.
+LOCAL_RUN_NETWORKS: tuple[IPNetwork, ...] = tuple(
+    ipaddress.ip_network(n)
+    for n in ("127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "::1/128", "fc00::/7")
+)
+# Carrier-grade NAT space: not private by RFC 1918, yet never reachable from the internet.
+_SHARED = ipaddress.ip_network("100.64.0.0/10")
+# IPv6 prefixes that carry an IPv4 address a gateway would forward to (NAT64 well-known prefix).
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Letters, digits, hyphens, underscores and dots only: anything else could smuggle bytes into the
+# Host header or the TLS server name.
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
+
+
+@dataclass(frozen=True)
+class HttpsTarget:
+    """One validated https:// URL, split into what the connection needs."""
+
+    host: str  # lower-case name or IP literal, without brackets
+    port: int
+    request_target: str  # path plus query: sent on the wire, never logged
+    redacted: str
+
+    @property
+    def host_header(self) -> str:
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        return shown if self.port == HTTPS_DEFAULT_PORT else f"{shown}:{self.port}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` as scheme://host[:port]/path: no userinfo, query string or fragment."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return "<unparsable url>"
+    if not parts.scheme or not host:
+        return "<unparsable url>"
+    shown = f"[{host}]" if ":" in host else host
+    if port is not None:
+        shown = f"{shown}:{port}"
+    return f"{parts.scheme.lower()}://{shown}{parts.path}"
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` with every secret part of ``url`` (query, userinfo, fragment) cut out.
+
+    Third-party exception messages sometimes quote the request target; this makes them safe to keep.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<details withheld: unparsable url>"
+    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+    for secret in sorted({parts.query, userinfo, parts.fragment} - {""}, key=len, reverse=True):
+        text = text.replace(secret, "<redacted>")
+    return text
+
+
+def describe_error(exc: BaseException, url: str) -> str:
+    """A third-party exception as ``Type: message``, with ``url``'s secrets scrubbed out."""
+    return f"{type(exc).__name__}: {scrub(str(exc), url)}"
+
+
+def parse_https(url: str) -> HttpsTarget:
+    """Validate one hop's URL: https, a plain host name or IP literal, no credentials in the URL."""
+    redacted = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise BadRecording(f"recording URL {redacted} is malformed") from None
+    if parts.scheme.lower() != "https":
+        raise BadRecording(f"recording URL {redacted} is not https")
+    if not host:
+        raise BadRecording(f"recording URL {redacted} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise BadRecording(f"recording URL {redacted} carries credentials, which are not supported")
+    if not (_is_ip_literal(host) or _HOSTNAME.match(host)):
+        raise BadRecording(f"recording URL {redacted} has an invalid host name")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return HttpsTarget(host=host, port=port or HTTPS_DEFAULT_PORT, request_target=target, redacted=redacted)
+
+
+def refusal_reason(address: IPAddress, allowed_networks: Iterable[IPNetwork] = ()) -> str | None:
+    """Why ``address`` may not be fetched from, or None when it is globally routable or allowed."""
+    allowed = tuple(allowed_networks)
+    if _in_any(address, allowed):
+        return None
+    embedded = _embedded_ipv4(address)
+    if embedded is not None:
+        if _in_any(embedded, allowed):
+            return None
+        inner = refusal_reason(embedded)
+        return None if inner is None else f"embeds {embedded}, which is {inner}"
+    for reason, flagged in (
+        ("unspecified", address.is_unspecified),
+        ("loopback", address.is_loopback),
+        ("link-local", address.is_link_local),
+        ("multicast", address.is_multicast),
+        ("private", address.is_private),
+        ("reserved", address.is_reserved),
+        ("shared (carrier-grade NAT)", address.version == 4 and address in _SHARED),
+        ("site-local", address.version == 6 and address.is_site_local),
+        ("not globally routable", not address.is_global),
+    ):
+        if flagged:
+            return reason
+    return None
+
+
+def default_resolver(host: str, port: int) -> list[str]:
+    """Every address the system resolver gives for ``host``, in its order, without duplicates."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def checked_addresses(
+    host: str, port: int, allowed_networks: Iterable[IPNetwork], resolver: Resolver | None = None
+) -> list[str]:
+    """Resolve ``host`` and return its addresses, refusing the host if ANY of them is not allowed.
+
+    All of them, not just the first, because the connection may fall back to any address on the list.
+    """
+    resolve = resolver or default_resolver
+    try:
+        raw = resolve(host, port)
+    except (OSError, UnicodeError) as exc:
+        raise DownloadError(f"could not resolve {host}: {type(exc).__name__}") from None
+    if not raw:
+        raise DownloadError(f"could not resolve {host}: no addresses")
+    addresses: list[IPAddress] = []
+    for text in raw:
+        try:
+            # A scope id (fe80::1%eth0) says which interface, not which host: the address decides.
+            addresses.append(ipaddress.ip_address(text.split("%", 1)[0]))
+        except ValueError:
+            raise BadRecording(f"host {host} resolved to an unusable address") from None
+    allowed = tuple(allowed_networks)
+    for address in addresses:
+        reason = refusal_reason(address, allowed)
+        if reason is not None:
+            raise BadRecording(f"host {host} resolves to {address} ({reason}): refused by the address policy")
+    return [str(address) for address in addresses]
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _in_any(address: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
+    return any(address.version == net.version and address in net for net in networks)
+
+
+def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address stands for (mapped, 6to4, NAT64), which is where it leads."""
+    if address.version != 6:
+        return None
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address in _NAT64:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None

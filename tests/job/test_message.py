@@ -1,0 +1,432 @@
+"""The job message: one readable line per violation, extras kept, names always safe."""
+
+from __future__ import annotations
+
+import json
+import re
+from urllib.parse import urlsplit
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.errors import InvalidMessage
+from worker.message import (
+    SAFE_NAME,
+    Job,
+    Recording,
+    job_id_hint,
+    parse_job,
+    redact_url,
+    split_s3_url,
+)
+
+SECRET = "SIGSECRET123"
+DELETE = object()
+
+
+def valid_body() -> dict:
+    return {
+        "_doc": {"_id": "665f1c2e9b1e8a0012ab34cd", "owner": "u1"},
+        "jobId": "665f1c2e9b1e8a0012ab34cd",
+        "profileId": "665f1c2e9b1e8a0012ab34ce",
+        "environment": "staging",
+        "metadata": {"directoryName": "user-123-voice-1", "language": "pt-BR", "gender": "f"},
+        "input": [
+            {"recordingUrl": "https://media.example.com/rec/1.wav", "originalText": "Hello there."},
+            {"recordingUrl": "s3://voice-media/rec/2.wav", "originalText": "General Kenobi.", "n": 2},
+        ],
+        "callbackUrl": "https://example.com/hook",
+    }
+
+
+def changed(path: tuple, value) -> dict:
+    """A valid body with the field at ``path`` set to ``value`` (or removed, for DELETE)."""
+    body = valid_body()
+    target = body
+    for part in path[:-1]:
+        target = target[part]
+    if value is DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return body
+
+
+def problems_of(body) -> list[str]:
+    raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    with pytest.raises(InvalidMessage) as info:
+        parse_job(raw)
+    return info.value.problems
+
+
+def only_problem(body) -> str:
+    problems = problems_of(body)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+# ---------------------------------------------------------------- valid messages
+
+
+def test_valid_message_round_trips_with_extra_fields_kept():
+    """A valid body becomes a Job with every field mapped and unknown fields kept in ``body``."""
+    body = valid_body()
+    job = parse_job(json.dumps(body))
+    assert (job.job_id, job.profile_id) == ("665f1c2e9b1e8a0012ab34cd", "665f1c2e9b1e8a0012ab34ce")
+    assert (job.environment, job.directory_name, job.language) == ("staging", "user-123-voice-1", "pt-BR")
+    assert job.recordings == (
+        Recording(url="https://media.example.com/rec/1.wav", text="Hello there."),
+        Recording(url="s3://voice-media/rec/2.wav", text="General Kenobi."),
+    )
+    assert job.doc == body["_doc"]
+    assert job.body == body  # callbackUrl, metadata.gender and input[1].n all kept
+
+
+def test_bytes_body_is_accepted():
+    """An SQS body handed over as UTF-8 bytes parses like the same text."""
+    assert parse_job(json.dumps(valid_body()).encode()).job_id == "665f1c2e9b1e8a0012ab34cd"
+
+
+@pytest.mark.parametrize("absent", [DELETE, None], ids=["missing", "null"])
+def test_defaults_for_environment_and_language(absent):
+    """Without environment or language (missing or null) a job gets production and en."""
+    body = changed(("environment",), absent)
+    body["metadata"] = changed(("metadata", "language"), absent)["metadata"]
+    job = parse_job(json.dumps(body))
+    assert (job.environment, job.language) == ("production", "en")
+
+
+def test_job_is_frozen():
+    """A parsed Job cannot be changed after validation."""
+    job = parse_job(json.dumps(valid_body()))
+    with pytest.raises(AttributeError):
+        job.job_id = "other"  # type: ignore[misc]
+
+
+def test_job_constructed_directly_still_rejects_unsafe_names():
+    """Building a Job by hand cannot smuggle a path-traversing name past the rules."""
+    with pytest.raises(ValueError, match="jobId"):
+        Job(job_id="../x", profile_id="p", directory_name="d", recordings=(Recording("https://h/a", "t"),))
+
+
+def test_name_of_128_chars_accepted():
+    """The longest allowed name (128 characters) is accepted."""
+    assert parse_job(json.dumps(changed(("jobId",), "a" * 128))).job_id == "a" * 128
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://media.example.com/a.wav?X-Amz-Signature=abc&X-Amz-Credential=k",
+        "https://media.example.com:8443/rec/a.wav",
+        "HTTPS://media.example.com/a.wav",
+        "https://[2001:db8::1]/a.wav",
+        "https://10.0.0.5/a.wav",
+        "s3://voice.media-1/deep/key/a.wav",
+    ],
+)
+def test_good_recording_urls(url):
+    """Presigned, ported, IPv6, IP and dotted-bucket URLs are all accepted unchanged."""
+    assert parse_job(json.dumps(changed(("input", 0, "recordingUrl"), url))).recordings[0].url == url
+
+
+# ---------------------------------------------------------------- one malformed case, one line
+
+JSON_ERR = "body is not valid JSON: "
+BLANK = "must not be empty or only whitespace"
+CASES = {
+    "not-json": ("{not json", JSON_ERR + "Expecting property name enclosed in double quotes: "
+                 "line 1 column 2 (char 1)"),
+    "not-utf8": (b'{"a": "\xff"}', JSON_ERR + "'utf-8' codec can't decode byte 0xff in position 7: "
+                 "invalid start byte"),
+    "too-deep": ("[" * 200_000, JSON_ERR + "nested too deeply"),
+    "nan": ('{"a": NaN}', JSON_ERR + "NaN is not allowed in JSON"),
+    "array-body": ("[1, 2]", "body: must be a JSON object, got array"),
+    "string-body": ('"x"', "body: must be a JSON object, got string"),
+    "no-doc": (changed(("_doc",), DELETE), "_doc: is required"),
+    "no-jobId": (changed(("jobId",), DELETE), "jobId: is required"),
+    "no-profileId": (changed(("profileId",), DELETE), "profileId: is required"),
+    "no-metadata": (changed(("metadata",), DELETE), "metadata: is required"),
+    "no-input": (changed(("input",), DELETE), "input: is required"),
+    "no-directoryName": (changed(("metadata", "directoryName"), DELETE),
+                         "metadata.directoryName: is required"),
+    "doc-string": (changed(("_doc",), "665f"), "_doc: must be an object, got string"),
+    "jobId-number": (changed(("jobId",), 12345), "jobId: must be a string, got number"),
+    "metadata-array": (changed(("metadata",), []), "metadata: must be an object, got array"),
+    "input-object": (changed(("input",), {}), "input: must be an array, got object"),
+    "input-empty": (changed(("input",), []), "input: must not be empty"),
+    "input-item-string": (changed(("input", 1), "https://h.example/a"),
+                          "input[1]: must be an object, got string"),
+    "text-missing": (changed(("input", 1, "originalText"), DELETE), "input[1].originalText: is required"),
+    "text-blank": (changed(("input", 0, "originalText"), " \t\n "), f"input[0].originalText: {BLANK}"),
+    "text-empty": (changed(("input", 1, "originalText"), ""), f"input[1].originalText: {BLANK}"),
+    "env-unknown": (changed(("environment",), "prod"),
+                    "environment: must be one of development, staging, production, got 'prod'"),
+    "env-bool": (changed(("environment",), True), "environment: must be a string, got boolean"),
+    "language-option": (changed(("metadata", "language"), "-o"),
+                        "metadata.language: must be a language code like 'en' or 'pt-BR', got '-o'"),
+}
+
+NAME_RULE = "must be 1-128 letters, digits, '.', '_' or '-', starting alphanumeric, got "
+NAME_FIELDS = {
+    "jobId": ("jobId",),
+    "profileId": ("profileId",),
+    "metadata.directoryName": ("metadata", "directoryName"),
+}
+BAD_NAMES = {  # value -> how the error line echoes it
+    "traversal": ("../etc", "'../etc'"),
+    "slash": ("a/b", "'a/b'"),
+    "backslash": ("a\\b", "'a\\\\b'"),
+    "dot": (".", "'.'"),
+    "dotdot": ("..", "'..'"),
+    "hidden": (".hidden", "'.hidden'"),
+    "empty": ("", "''"),
+    "option": ("-rf", "'-rf'"),
+    "newline": ("abc\n", "'abc\\n'"),
+    "nul": ("a\x00b", "'a\\x00b'"),
+    "unicode": ("名前", "'名前'"),
+    "129-chars": ("x" * 129, f"'{'x' * 79}…'"),
+    "url": (f"https://h.example/x?token={SECRET}", "'https://h.example/x'"),
+}
+
+URL_FORM = "must be https://host/path or s3://bucket/key, got "
+CREDENTIALS = "must not contain user credentials (user:password@)"
+SPACE = "must not contain whitespace or control characters"
+NO_PATH = "has no path to a recording: 'https://media.example.com/'"
+S3_QUERY = "must not contain '?' or '#': an s3:// URL has no query or fragment"
+URL_CASES = {
+    "http": ("http://media.example.com/a.wav", URL_FORM + "'http://media.example.com/a.wav'"),
+    "ftp-presigned": (f"ftp://u:pw@h.example/a.wav?sig={SECRET}", URL_FORM + "'ftp://h.example/a.wav'"),
+    "no-scheme": (f"/local/file.wav?sig={SECRET}", URL_FORM + "'/local/file.wav'"),
+    "userinfo": ("https://user:pw@media.example.com/a.wav", CREDENTIALS),
+    "user-only": ("https://user@media.example.com/a.wav", CREDENTIALS),
+    "no-host": ("https:///a.wav", "has no host"),
+    "no-path": ("https://media.example.com", NO_PATH),
+    "root-path": (f"https://media.example.com/?sig={SECRET}", NO_PATH),
+    "query-before-path": ("https://media.example.com?a=/x.wav", NO_PATH),
+    "bad-host": ("https://bad_host!/a.wav", "has an invalid host 'bad_host!'"),
+    "open-ipv6": ("https://[::1/a.wav", "has an invalid host '[::1'"),
+    "bad-port": ("https://media.example.com:99999/a.wav",
+                 "has an invalid port in 'https://media.example.com:99999'"),
+    "space": ("https://media.example.com/a b.wav", SPACE),
+    "bell": ("https://media.example.com/a\x07.wav", SPACE),
+    "leading-space": (" https://media.example.com/a.wav", SPACE),
+    "backslash": ("https://media.example.com\\@evil.com/a.wav", "must not contain backslashes"),
+    "s3-uppercase": ("s3://Voice_Media/a.wav", "has an invalid S3 bucket name 'Voice_Media'"),
+    "s3-short": ("s3://ab/a.wav", "has an invalid S3 bucket name 'ab'"),
+    "s3-ip": ("s3://192.168.1.1/a.wav", "has an invalid S3 bucket name '192.168.1.1'"),
+    "s3-no-bucket": ("s3:///a.wav", "has an invalid S3 bucket name ''"),
+    "s3-fragment": ("s3://voice-media#x/a.wav", S3_QUERY),
+    "s3-query": ("s3://voice-media/a.wav?versionId=1", S3_QUERY),
+    "s3-no-key": ("s3://voice-media", "has an empty S3 key"),
+    "s3-empty-key": ("s3://voice-media/", "has an empty S3 key"),
+}
+
+
+@pytest.mark.parametrize(("body", "expected"), list(CASES.values()), ids=list(CASES))
+def test_malformed_message_gives_its_own_line(body, expected):
+    """Each malformed case gets exactly one line that names the field and the rule."""
+    assert only_problem(body) == expected
+
+
+@pytest.mark.parametrize(("url", "expected"), list(URL_CASES.values()), ids=list(URL_CASES))
+def test_bad_recording_url(url, expected):
+    """Each malformed recordingUrl gets one line naming its index and reason, never its query."""
+    line = only_problem(changed(("input", 1, "recordingUrl"), url))
+    assert line == f"input[1].recordingUrl: {expected}"
+    assert SECRET not in line and "pw" not in line
+
+
+@pytest.mark.parametrize(("value", "echo"), list(BAD_NAMES.values()), ids=list(BAD_NAMES))
+@pytest.mark.parametrize("field", list(NAME_FIELDS))
+def test_unsafe_name_rejected(field, value, echo):
+    """jobId, profileId and directoryName must each be one safe path component (echo shortened, redacted)."""
+    assert only_problem(changed(NAME_FIELDS[field], value)) == f"{field}: {NAME_RULE}{echo}"
+
+
+# ---------------------------------------------------------------- many violations
+
+
+def test_several_violations_give_several_lines():
+    """Every violation is reported, each on its own line, in document order."""
+    body = valid_body()
+    body["jobId"] = "../../etc"
+    del body["profileId"]
+    body["environment"] = "qa"
+    body["input"][0]["recordingUrl"] = "http://media.example.com/a.wav"
+    body["input"][1]["originalText"] = " "
+    problems = problems_of(body)
+    assert [p.split(":")[0] for p in problems] == [
+        "jobId",
+        "profileId",
+        "environment",
+        "input[0].recordingUrl",
+        "input[1].originalText",
+    ]
+
+
+def test_huge_input_gives_a_bounded_error():
+    """Ten thousand bad recordings produce a capped list of short lines, not a huge error."""
+    body = changed(("input",), [{"recordingUrl": "x" * 300, "originalText": ""}] * 10_000)
+    problems = problems_of(body)
+    assert len(problems) == 21
+    assert problems[-1] == "… and 19980 more problems"
+    assert len("; ".join(problems)) < 5000
+
+
+def test_errors_have_no_pydantic_noise():
+    """Lines are re-worded: no 'Value error,' prefix, no pydantic wording or documentation URL."""
+    body = changed(("input", 0, "recordingUrl"), "ftp://x/y")
+    body["jobId"] = 7
+    text = "\n".join(problems_of(body))
+    assert "Value error" not in text and "pydantic" not in text and "Input should" not in text
+
+
+# ---------------------------------------------------------------- job_id_hint and redact_url
+
+
+def test_job_id_hint_from_invalid_body():
+    """An invalid body that still has a safe jobId yields it, so the error can be recorded."""
+    assert job_id_hint(json.dumps(changed(("input",), []))) == "665f1c2e9b1e8a0012ab34cd"
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["{bad", "[1]", '{"jobId": "../x"}', '{"jobId": 5}', "{}", b"\xff", "[" * 200_000, '{"jobId": "a\\n"}'],
+)
+def test_job_id_hint_none_when_unusable(body):
+    """No hint (and no exception) when the body has no safe jobId."""
+    assert job_id_hint(body) is None
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("https://u:p@h.example:8443/a/b.wav?sig=x#f", "https://h.example:8443/a/b.wav"),
+        ("s3://bucket/key/a.wav", "s3://bucket/key/a.wav"),
+        ("https://h.example?x=1/y", "https://h.example"),
+        ("https://u:p?w@h.example/a", "https://h.example/a"),
+        ("user:pw@host/a?token=1", "host/a"),
+        ("https://[::1/a?x", "https://[::1/a"),
+    ],
+)
+def test_redact_url(url, expected):
+    """redact_url keeps scheme, host, port and path, and drops userinfo, query and fragment."""
+    assert redact_url(url) == expected
+
+
+# ---------------------------------------------------------------- properties
+
+_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+_json_values = st.recursive(
+    _scalars | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _mostly(valid, invalid):
+    """Valid nine times in ten, so whole bodies are often valid and the Job branch is exercised."""
+    return st.integers(0, 9).flatmap(lambda roll: invalid if roll == 0 else valid)
+
+
+_path_texts = st.text(
+    st.characters(blacklist_categories=("C", "Z"), blacklist_characters="\\?#"), min_size=1, max_size=12
+)
+_hosts = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,10}[a-z0-9])?(\.[a-z]{2,6}){0,2}", fullmatch=True)
+_buckets = st.from_regex(r"[a-z0-9][a-z0-9-]{1,20}[a-z0-9]", fullmatch=True)
+_signed = "?X-Amz-Signature=" + SECRET
+_urls = _mostly(
+    st.builds(lambda h, p: f"https://{h}/{p}{_signed}", _hosts, _path_texts)
+    | st.builds(lambda b, k: f"s3://{b}/{k}", _buckets, _path_texts),
+    st.builds(lambda h, p: f"https://{h}/{p}{_signed}", st.text(max_size=12), st.text(max_size=12))
+    | st.builds(lambda u, h, p: f"https://{u}@{h}/{p}{_signed}", st.text(max_size=6), _hosts, _path_texts)
+    | st.builds(lambda h, p: f"ftp://{h}/{p}{_signed}", _hosts, st.text(max_size=12))
+    | st.builds(lambda b, k: f"s3://{b}/{k}", st.text(max_size=12), st.text(max_size=12))
+    | _json_values,
+)
+_names = _mostly(st.from_regex(SAFE_NAME, fullmatch=True), st.text(max_size=12) | _json_values)
+_texts = _mostly(st.text(min_size=1, max_size=8).filter(str.strip), st.text(max_size=8) | _json_values)
+_recordings = st.fixed_dictionaries(
+    {"recordingUrl": _urls, "originalText": _texts}, optional={"x": _json_values}
+)
+_metadata = st.fixed_dictionaries(
+    {"directoryName": _names},
+    optional={"language": _mostly(st.sampled_from(["en", "pt-BR", "zh_Hans"]), _json_values)},
+)
+_bodies = st.fixed_dictionaries(
+    {
+        "_doc": _mostly(st.dictionaries(st.text(max_size=5), _json_values, max_size=2), _json_values),
+        "jobId": _names,
+        "profileId": _names,
+        "metadata": _mostly(_metadata, _json_values),
+        "input": _mostly(st.lists(_recordings, min_size=1, max_size=3), _json_values),
+    },
+    optional={
+        "environment": _mostly(st.sampled_from(["development", "staging", "production"]), _json_values),
+        "extra": _json_values,
+    },
+)
+
+
+def _assert_job_or_invalid(raw: str | bytes) -> Job | None:
+    try:
+        job = parse_job(raw)
+    except InvalidMessage as exc:
+        assert exc.problems and all(isinstance(p, str) and p for p in exc.problems)
+        assert SECRET not in str(exc)
+        return None
+    for name in (job.job_id, job.profile_id, job.directory_name):
+        assert re.fullmatch(SAFE_NAME, name) and name not in (".", "..")
+        assert "/" not in name and "\\" not in name and "\n" not in name
+    assert job.environment in ("development", "staging", "production")
+    assert job.recordings and all(r.text.strip() for r in job.recordings)
+    for recording in job.recordings:
+        # The standard library's parser must see the host we validated, with no credentials.
+        parts = urlsplit(recording.url)
+        assert parts.scheme.lower() in ("https", "s3") and parts.hostname and not parts.username
+        if parts.scheme.lower() == "s3":
+            assert split_s3_url(recording.url) == (parts.netloc, parts.path[1:]) and parts.path[1:]
+    return job
+
+
+@settings(max_examples=300, deadline=None)
+@given(_bodies)
+def test_property_structured_bodies(body):
+    """Near-valid bodies with random field values only ever give a safe Job or InvalidMessage."""
+    job = _assert_job_or_invalid(json.dumps(body))
+    if job is not None:
+        assert job.body == body
+    if isinstance(body["jobId"], str):
+        assert job_id_hint(json.dumps(body)) in (None, body["jobId"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(_json_values)
+def test_property_any_json_value(value):
+    """Any JSON value as the body gives a Job or InvalidMessage, never another exception."""
+    _assert_job_or_invalid(json.dumps(value))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64) | st.text(max_size=64))
+def test_property_any_bytes_or_text(raw):
+    """Arbitrary bytes or text give a Job or InvalidMessage, and job_id_hint never raises."""
+    _assert_job_or_invalid(raw)
+    hint = job_id_hint(raw)
+    assert hint is None or re.fullmatch(SAFE_NAME, hint)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_property_valid_body_with_one_field_broken(data):
+    """Replacing any one field of a valid body by a random value never escapes InvalidMessage."""
+    path = data.draw(
+        st.sampled_from(
+            [("jobId",), ("profileId",), ("environment",), ("metadata", "directoryName"),
+             ("metadata", "language"), ("input", 0, "recordingUrl"), ("input", 1, "originalText"),
+             ("_doc",), ("metadata",), ("input",), ("input", 0)]
+        )
+    )
+    _assert_job_or_invalid(json.dumps(changed(path, data.draw(_json_values | st.text(max_size=40)))))

@@ -1,0 +1,179 @@
+"""The operator's commands against the SQLite store and moto: submit, status, cancel, doctor, health."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+
+import boto3
+import pytest
+
+from pipeline.config import load_pipeline_config
+from tests.support import create_queues
+from worker.commands import cmd_cancel, cmd_health, cmd_status, cmd_submit
+from worker.doctor import report, run_checks
+from worker.settings import load_settings
+from worker.store import open_store
+from worker.store_sqlite import SqliteStore
+
+PAYLOAD = {
+    "profileId": "665f1c2e9b1e8a0012ab34ce",
+    "environment": "staging",
+    "metadata": {"directoryName": "user-1-voice-1", "language": "en"},
+    "input": [{"recordingUrl": "s3://recordings/a.wav", "originalText": "Hello."}],
+}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = SqliteStore(str(tmp_path / "records.db"))
+    yield s
+    s.close()
+
+
+def submit(store, queues, payload, as_json=True):
+    out, err = io.StringIO(), io.StringIO()
+    code = cmd_submit(store, queues.sqs, queues.url, io.StringIO(json.dumps(payload)), as_json=as_json, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_submit_creates_records_and_enqueues_a_valid_message(store, queues):
+    """Submit generates jobId and _doc, creates pending records and sends a body the worker accepts."""
+    code, out, _ = submit(store, queues, PAYLOAD)
+    assert code == 0
+    job_id = json.loads(out)["jobId"]
+    assert len(job_id) == 24
+    assert store.get_job(job_id)["status"] == "pending"
+    assert store.get_profile(PAYLOAD["profileId"])["status"] == "pending"
+    [msg] = queues.receive_now()
+    body = json.loads(msg["Body"])
+    assert body["jobId"] == job_id and body["_doc"] == {"_id": job_id}
+    assert "idempotencyKey" not in body
+
+
+def test_submit_with_the_same_idempotency_key_enqueues_once(store, queues):
+    """A repeated submit with the same key returns the same job id and sends nothing new."""
+    first = submit(store, queues, {**PAYLOAD, "idempotencyKey": "order-42"})
+    second = submit(store, queues, {**PAYLOAD, "idempotencyKey": "order-42"})
+    assert first[0] == second[0] == 0
+    assert json.loads(first[1]) == json.loads(second[1])
+    assert len(queues.receive_now()) == 1
+
+
+def test_submit_rejects_an_invalid_job_with_its_problems(store, queues):
+    """An invalid submission prints one line per problem, exits 2 and enqueues nothing."""
+    code, _, err = submit(store, queues, {**PAYLOAD, "input": [], "environment": "prod"})
+    assert code == 2
+    assert "input" in err and "environment" in err
+    assert queues.receive_now() == []
+
+
+def test_status_json_has_the_record_fields(store, queues):
+    """status --json prints one object with the job and profile records of the design."""
+    _, out, _ = submit(store, queues, PAYLOAD)
+    job_id = json.loads(out)["jobId"]
+    buf = io.StringIO()
+    assert cmd_status(store, job_id, as_json=True, out=buf) == 0
+    doc = json.loads(buf.getvalue())
+    for field in ("status", "attempts", "lease", "progress", "heartbeatAt", "error", "history",
+                  "cancelRequested", "startedAt", "completedAt", "idempotencyKey"):
+        assert field in doc["job"]
+    for field in ("status", "modelPaths", "s3Paths"):
+        assert field in doc["profile"]
+
+
+def test_status_human_output_and_missing_job(store, queues):
+    """status prints a readable summary, and exits 3 for an unknown job."""
+    _, out, _ = submit(store, queues, PAYLOAD)
+    job_id = json.loads(out)["jobId"]
+    store.claim(job_id, owner="w1", token="t", lease_s=60)
+    store.set_progress(job_id, "t", "train_full", 42.0)
+    buf = io.StringIO()
+    cmd_status(store, job_id, as_json=False, out=buf)
+    assert f"job {job_id}: processing" in buf.getvalue() and "train_full 42 %" in buf.getvalue()
+    assert cmd_status(store, "0" * 24, as_json=False, out=io.StringIO(), err=io.StringIO()) == 3
+
+
+def test_status_watch_repeats_until_the_job_ends(store, queues):
+    """status --watch prints again until the job reaches a final state."""
+    _, out, _ = submit(store, queues, PAYLOAD)
+    job_id = json.loads(out)["jobId"]
+    store.claim(job_id, owner="w1", token="t", lease_s=60)
+    sleeps = []
+
+    def sleep(s):
+        sleeps.append(s)
+        if len(sleeps) == 2:
+            store.mark_cancelled(job_id, "t")
+
+    buf = io.StringIO()
+    assert cmd_status(store, job_id, as_json=True, watch_s=1.0, out=buf, sleep=sleep) == 0
+    lines = [json.loads(l) for l in buf.getvalue().splitlines()]
+    assert [l["job"]["status"] for l in lines] == ["processing", "processing", "cancelled"]
+
+
+def test_cancel_marks_the_request_and_refuses_finished_jobs(store, queues):
+    """cancel sets cancelRequested; a cancelled or completed job cannot be cancelled again."""
+    _, out, _ = submit(store, queues, PAYLOAD)
+    job_id = json.loads(out)["jobId"]
+    assert cmd_cancel(store, job_id, out=io.StringIO()) == 0
+    assert store.get_job(job_id)["cancelRequested"] is True
+    store.claim(job_id, owner="w", token="t", lease_s=60)
+    store.mark_cancelled(job_id, "t")
+    assert cmd_cancel(store, job_id, out=io.StringIO(), err=io.StringIO()) == 1
+    assert cmd_cancel(store, "0" * 24, out=io.StringIO(), err=io.StringIO()) == 3
+
+
+def doctor(tmp_path, queue_url, bucket="voice-models"):
+    settings = load_settings({
+        "SQS_QUEUE_URL": queue_url, "S3_BUCKET": bucket, "STORE_URL": f"sqlite:///{tmp_path}/doctor.db",
+        "AWS_REGION": "us-east-1",
+    })
+    checks = run_checks(settings, sqs=boto3.client("sqs", region_name="us-east-1"),
+                        s3=boto3.client("s3", region_name="us-east-1"),
+                        sts=boto3.client("sts", region_name="us-east-1"),
+                        open_store=open_store, load_pipeline=load_pipeline_config)
+    out = io.StringIO()
+    return report(checks, out=out), out.getvalue()
+
+
+def test_doctor_passes_on_a_good_deployment(sqs, tmp_path):
+    """doctor passes every check on a queue with a redrive policy, a longer-lived DLQ and a writable bucket."""
+    q = create_queues(sqs, name="good")
+    sqs.set_queue_attributes(QueueUrl=q.dlq_url, Attributes={"MessageRetentionPeriod": "1209600"})
+    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300"})
+    boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
+    code, out = doctor(tmp_path, q.url)
+    assert code == 0, out
+    assert "FAIL" not in out and "PASS  redrive policy" in out and "PASS  bucket writable" in out
+
+
+def test_doctor_fails_by_name_without_a_redrive_policy(sqs, tmp_path):
+    """doctor names the missing redrive policy (and the missing bucket) and exits 1."""
+    q = create_queues(sqs, name="bare", with_dlq=False)
+    code, out = doctor(tmp_path, q.url, bucket="no-such-bucket")
+    assert code == 1
+    assert "FAIL  redrive policy: the queue has no RedrivePolicy" in out
+    assert "FAIL  bucket writable" in out
+
+
+def test_doctor_fails_when_the_dlq_forgets_sooner(sqs, tmp_path):
+    """doctor fails a DLQ whose retention is not longer than the source queue's."""
+    q = create_queues(sqs, name="short")
+    boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
+    code, out = doctor(tmp_path, q.url)
+    assert code == 1 and "FAIL  dead-letter retention" in out
+
+
+def test_health_follows_the_liveness_file(tmp_path):
+    """health passes while the liveness file is fresh and fails when it is stale or missing."""
+    path = tmp_path / "alive"
+    settings = load_settings({"LIVENESS_FILE": str(path), "LIVENESS_MAX_AGE_SECONDS": "30"})
+    assert cmd_health(settings, out=io.StringIO()) == 1
+    path.touch()
+    assert cmd_health(settings, out=io.StringIO()) == 0
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    assert cmd_health(settings, out=io.StringIO()) == 1

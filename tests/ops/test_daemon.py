@@ -1,0 +1,113 @@
+"""The real daemon and the demo as processes: `python -m worker run` and `python -m worker demo`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from tests.support import create_queues
+from worker.store_sqlite import SqliteStore
+from worker.submit import submit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.server
+def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
+    """`python -m worker run` completes a real job, keeps its liveness file fresh, and sends READY, WATCHDOG, STOPPING in order."""
+    session = boto3.session.Session(region_name="us-east-1")
+    sqs = session.client("sqs", endpoint_url=moto_server)
+    s3 = session.client("s3", endpoint_url=moto_server)
+    suffix = f"{os.getpid()}-{time.monotonic_ns()}"
+    q = create_queues(sqs, name=f"daemon-{suffix}")
+    bucket, recordings = f"models-{suffix}", f"recordings-{suffix}"
+    for b in (bucket, recordings):
+        s3.create_bucket(Bucket=b)
+    s3.upload_file(str(REPO / "samples" / "clip-1.wav"), recordings, "clip-1.wav")
+    s3.upload_file(str(REPO / "samples" / "clip-3.flac"), recordings, "clip-3.flac")
+    db = tmp_path / "records.db"
+    store = SqliteStore(str(db))
+    job_id, _ = submit(store, sqs, q.url, {
+        "profileId": "665f1c2e9b1e8a0012ab34ce",
+        "metadata": {"directoryName": "voice-1"},
+        "input": [{"recordingUrl": f"s3://{recordings}/clip-1.wav", "originalText": "Hello there."},
+                  {"recordingUrl": f"s3://{recordings}/clip-3.flac", "originalText": "Train me."}],
+    })
+
+    notify_path = str(tmp_path / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(notify_path)
+    listener.settimeout(0.2)
+    liveness = tmp_path / "alive"
+    env = {**os.environ, "SQS_QUEUE_URL": q.url, "AWS_ENDPOINT_URL": moto_server, "AWS_REGION": "us-east-1",
+           "STORE_URL": f"sqlite:///{db}", "S3_BUCKET": bucket, "WORK_ROOT": str(tmp_path / "work"),
+           "SQS_VISIBILITY_TIMEOUT_SECONDS": "30", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
+           "SQS_WAIT_TIME_SECONDS": "1", "NOTIFY_SOCKET": notify_path, "LIVENESS_FILE": str(liveness),
+           "SHUTDOWN_GRACE_SECONDS": "5"}
+    proc = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    states = []
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                states.append(listener.recv(64).decode())
+            except TimeoutError:
+                pass
+            if (store.get_job(job_id) or {}).get("status") == "completed" and q.counts() == (0, 0):
+                break
+            assert proc.poll() is None, proc.stderr.read()
+        assert store.get_job(job_id)["status"] == "completed"
+        health = subprocess.run([sys.executable, "-m", "worker", "health"], env=env, cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert health.returncode == 0, health.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        while True:
+            try:
+                states.append(listener.recv(64).decode())
+            except TimeoutError:
+                break
+    finally:
+        proc.kill()
+        listener.close()
+        store.close()
+    assert states[0] == "READY=1"
+    assert "WATCHDOG=1" in states[1:-1]
+    assert states[-1] == "STOPPING=1"
+    profile = SqliteStore(str(db)).get_profile("665f1c2e9b1e8a0012ab34ce")
+    for uri in profile["s3Paths"].values():
+        key = uri.removeprefix(f"s3://{bucket}/")
+        assert s3.head_object(Bucket=bucket, Key=key)["ContentLength"] > 0
+
+
+def test_no_notify_socket_means_no_datagrams(tmp_path):
+    """Without NOTIFY_SOCKET the worker sends nothing (and does not fail)."""
+    from worker.health import Pulse, notify
+
+    assert notify(None, "READY=1") is False
+    Pulse(None, None).ready()
+
+
+def test_demo_completes_and_lists_five_s3_objects():
+    """`python -m worker demo` exits 0 and its summary lists five S3 objects that exist and five local files."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "worker", "demo"], cwd=REPO, capture_output=True, text=True,
+                          timeout=180, env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    objects = re.findall(r"^\s+\w+\s+(s3://\S+) \((\d+) bytes\)$", proc.stdout, re.M)
+    assert len(objects) == 5 and all(int(size) > 0 for _, size in objects)
+    files = re.findall(r"^\s+\w+\s+(/\S+)$", proc.stdout, re.M)
+    assert len(files) == 5 and all(Path(f).stat().st_size > 0 for f in files)
+    assert "status        completed" in proc.stdout
+    assert time.monotonic() - started < 60

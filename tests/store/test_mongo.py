@@ -1,0 +1,267 @@
+"""MongoDB-only behaviour: the connect check, ownership of the client, ids, indexes and races."""
+
+from __future__ import annotations
+
+import mongomock
+import pymongo
+import pytest
+from bson import ObjectId
+from pymongo.errors import ConfigurationError, ConnectionFailure, ServerSelectionTimeoutError
+from structlog.testing import capture_logs
+
+from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, submit
+from worker.errors import ConfigError, StoreError
+from worker.store import is_complete
+from worker.store_mongo import MongoStore, connect_mongo
+
+
+class FakeClient:
+    """A client whose ping fails a set number of times; records pings and closes."""
+
+    def __init__(self, ping_failures: int, close_error: Exception | None = None):
+        self.ping_failures = ping_failures
+        self.close_error = close_error
+        self.failures: list[Exception] = []
+        self.pings = 0
+        self.closed = False
+        self.admin = self
+
+    def command(self, name: str) -> dict:
+        assert name == "ping"
+        self.pings += 1
+        if self.pings <= self.ping_failures:
+            self.failures.append(ConnectionFailure(f"attempt {self.pings} refused"))
+            raise self.failures[-1]
+        return {"ok": 1.0}
+
+    def close(self) -> None:
+        self.closed = True
+        if self.close_error is not None:
+            raise self.close_error
+
+
+class Factory:
+    def __init__(self, client):
+        self.client = client
+        self.calls: list[tuple[str, dict]] = []
+
+    def __call__(self, uri: str, **kwargs):
+        self.calls.append((uri, kwargs))
+        return self.client
+
+
+@pytest.fixture
+def mongo(clock):
+    client = mongomock.MongoClient()
+    store = MongoStore(client["voice"], clock=clock, client=client)
+    store.ensure_indexes()
+    yield store, client["voice"]
+    store.close()
+
+
+# ---------------------------------------------------------------- connect
+
+@pytest.mark.parametrize("succeeding_attempt", [1, 3, 7])
+def test_connect_succeeds_on_attempt_k_with_linear_delays(succeeding_attempt):
+    """A ping that succeeds on attempt k returns the client after k-1 sleeps growing linearly."""
+    client, sleeps = FakeClient(succeeding_attempt - 1), []
+    factory = Factory(client)
+    got = connect_mongo("mongodb://db:27017", retry_delay_s=0.5, client_factory=factory,
+                        sleep=sleeps.append)
+    assert got is client and not client.closed
+    assert client.pings == succeeding_attempt
+    assert sleeps == [0.5 * n for n in range(1, succeeding_attempt)]
+    assert len(factory.calls) == 1 and factory.calls[0][1]["tz_aware"] is True
+
+
+def test_connect_gives_up_after_seven_attempts():
+    """Seven failed pings raise StoreError chained to the last failure, log each attempt and close the client."""
+    client, sleeps = FakeClient(ping_failures=100), []
+    with capture_logs() as logs, pytest.raises(StoreError) as caught:
+        connect_mongo("mongodb://db:27017", client_factory=Factory(client), sleep=sleeps.append)
+    assert caught.value.__cause__ is client.failures[-1]
+    assert client.pings == 7 and client.closed
+    assert sleeps == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    failed = [entry for entry in logs if entry["event"] == "store.mongo_ping_failed"]
+    assert [entry["attempt"] for entry in failed] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_connect_close_failure_is_logged_not_raised():
+    """When closing the unreachable client fails too, the close is logged and the connect error still wins."""
+    client = FakeClient(ping_failures=100, close_error=RuntimeError("socket already gone"))
+    with capture_logs() as logs, pytest.raises(StoreError) as caught:
+        connect_mongo("mongodb://db:27017", max_attempts=2, client_factory=Factory(client),
+                      sleep=lambda _s: None)
+    assert caught.value.__cause__ is client.failures[-1]
+    assert any(entry["event"] == "store.close_failed" for entry in logs)
+
+
+def test_unusable_uri_is_a_config_error_without_the_secret():
+    """A malformed URI fails at once as ConfigError, and the password in it is not repeated."""
+    sleeps: list[float] = []
+    with pytest.raises(ConfigError) as caught:
+        connect_mongo("mongodb://user:hunter2@db:notaport", client_factory=pymongo.MongoClient,
+                      sleep=sleeps.append)
+    assert "hunter2" not in str(caught.value) and sleeps == []
+    assert isinstance(caught.value.__cause__, (ConfigurationError, ValueError))
+
+
+def test_store_close_closes_its_client_and_logs_failures(clock):
+    """close() closes the client the store owns; a failing close is logged, not raised."""
+    client = FakeClient(0, close_error=RuntimeError("boom"))
+    store = MongoStore(mongomock.MongoClient()["voice"], clock=clock, client=client)
+    with capture_logs() as logs:
+        store.close()
+        store.close()
+    assert client.closed
+    assert [entry["event"] for entry in logs] == ["store.close_failed"]
+
+
+# ---------------------------------------------------------------- storage details
+
+def test_hex_ids_are_object_ids_and_others_strings(mongo):
+    """24-hex ids are stored as ObjectIds, other ids as strings; both come back as str."""
+    store, db = mongo
+    submit(store)
+    submit(store, "job-1", "profile-1")
+    assert db["voiceclonings"].find_one({"_id": ObjectId(JOB_ID)}) is not None
+    assert db["useraudioprofiles"].find_one({"_id": ObjectId(PROFILE_ID)}) is not None
+    assert db["voiceclonings"].find_one({"_id": "job-1"}) is not None
+    assert store.get_job(JOB_ID)["_id"] == JOB_ID and store.get_job("job-1")["_id"] == "job-1"
+
+
+def test_collections_use_majority_write_concern():
+    """Both collections are written with majority write concern."""
+    seen: dict[str, object] = {}
+
+    class RecordingCollection:
+        def __init__(self, name):
+            self.name = name
+
+        def with_options(self, **kwargs):
+            seen[self.name] = kwargs["write_concern"].document
+            return self
+
+    class RecordingDb(dict):
+        def __missing__(self, name):
+            return RecordingCollection(name)
+
+    MongoStore(RecordingDb(), jobs_collection="jobs", profiles_collection="profiles")
+    assert seen == {"jobs": {"w": "majority"}, "profiles": {"w": "majority"}}
+
+
+def test_idempotency_key_has_a_unique_partial_index(mongo):
+    """ensure_indexes creates a unique index on idempotencyKey that ignores key-less jobs."""
+    _store, db = mongo
+    index = db["voiceclonings"].index_information()["idempotencyKey_unique"]
+    assert index["unique"] is True and index["key"] == [("idempotencyKey", 1)]
+
+
+def test_submit_losing_the_race_at_the_unique_index(mongo, monkeypatch):
+    """A submit whose key appears between its lookup and its insert returns the winner and creates nothing."""
+    store, db = mongo
+    submit(store, "a" * 24, "b" * 24, key="race")
+    lookups = iter([None])
+    real_lookup = store._job_id_for_key
+    monkeypatch.setattr(store, "_job_id_for_key", lambda key: next(lookups, real_lookup(key)))
+    assert submit(store, key="race") == ("a" * 24, False)
+    assert store.get_job(JOB_ID) is None and store.get_profile(PROFILE_ID) is None
+
+
+def test_claim_of_an_app_created_job_creates_its_profile(mongo, clock):
+    """A bare job written by the app (ObjectId refs, no bookkeeping fields, no profile) is claimed and committed."""
+    store, db = mongo
+    db["voiceclonings"].insert_one(
+        {"_id": ObjectId(JOB_ID), "profileId": ObjectId(PROFILE_ID), "status": "pending"})
+    result = store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    assert result.outcome == "claimed" and result.job["attempts"] == 1
+    assert result.job["profileId"] == PROFILE_ID
+    profile = store.get_profile(PROFILE_ID)
+    assert profile["status"] == "processing" and profile["claimToken"] == "t1"
+    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS)
+    store.mark_profile_completed(PROFILE_ID, "t1")
+    store.mark_job_completed(JOB_ID, "t1")
+    assert is_complete(store.get_job(JOB_ID), store.get_profile(PROFILE_ID))
+
+
+def test_claim_racing_another_writer_recomputes_history(mongo, clock):
+    """A claim whose read went stale (another worker claimed and released meanwhile) decides again from fresh data."""
+    store, db = mongo
+    submit(store)
+    rival = MongoStore(db, clock=clock)
+    real_find_one, raced = store._jobs.find_one, []
+
+    def find_one_then_rival_acts(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        if not raced:
+            raced.append(True)
+            rival.claim(JOB_ID, owner="w2", token="t2", lease_s=LEASE_S)
+            rival.release_lease(JOB_ID, "t2")
+        return doc
+
+    store._jobs.find_one = find_one_then_rival_acts
+    assert store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S).outcome == "claimed"
+    job = store.get_job(JOB_ID)
+    assert job["attempts"] == 2
+    assert [(e["token"], e["outcome"]) for e in job["history"]] == [("t2", "released"), ("t1", "running")]
+
+
+# ---------------------------------------------------------------- failures
+
+class DownCollection:
+    """Every call fails the way pymongo does when no server can be selected."""
+
+    def with_options(self, **_kwargs):
+        return self
+
+    def __getattr__(self, _name):
+        def fail(*_args, **_kwargs):
+            raise ServerSelectionTimeoutError("db-0.internal:27017: timed out")
+        return fail
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.get_job(JOB_ID),
+    lambda s: s.get_profile(PROFILE_ID),
+    lambda s: s.claim(JOB_ID, owner="w", token="t", lease_s=LEASE_S),
+    lambda s: s.renew_lease(JOB_ID, "t", LEASE_S),
+    lambda s: s.set_progress(JOB_ID, "t", "x", 1),
+    lambda s: s.record_error(JOB_ID, token=None, error_type="X", message="m", retryable=True),
+    lambda s: s.write_paths(PROFILE_ID, "t", {}, {}),
+    lambda s: s.mark_profile_completed(PROFILE_ID, "t"),
+    lambda s: s.mark_job_completed(JOB_ID, "t"),
+    lambda s: s.mark_cancelled(JOB_ID, "t"),
+    lambda s: s.release_lease(JOB_ID, "t"),
+    lambda s: s.request_cancel(JOB_ID),
+    lambda s: s.submit({"_id": JOB_ID}, {"_id": PROFILE_ID}),
+    lambda s: s.find_stale(),
+    lambda s: s.ensure_indexes(),
+])
+def test_pymongo_errors_become_store_error(call):
+    """Every operation turns a pymongo failure into StoreError with the cause chained."""
+    db = {"voiceclonings": DownCollection(), "useraudioprofiles": DownCollection()}
+    with pytest.raises(StoreError) as caught:
+        call(MongoStore(db))
+    assert isinstance(caught.value.__cause__, ServerSelectionTimeoutError)
+
+
+def test_claim_racing_a_renewal_does_not_steal_the_lease(mongo, clock):
+    """A claim that read an expired lease loses if the holder renews before the write lands."""
+    store, db = mongo
+    submit(store)
+    holder = MongoStore(db, clock=clock)
+    holder.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    clock.advance(LEASE_S + 1)
+    real_find_one, raced = store._jobs.find_one, []
+
+    def find_one_then_holder_renews(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        if not raced:
+            raced.append(True)
+            holder.renew_lease(JOB_ID, "t1", LEASE_S)
+        return doc
+
+    store._jobs.find_one = find_one_then_holder_renews
+    assert store.claim(JOB_ID, owner="w2", token="t2", lease_s=LEASE_S).outcome == "held"
+    job = store.get_job(JOB_ID)
+    assert job["lease"]["token"] == "t1" and job["attempts"] == 1

@@ -1,0 +1,81 @@
+"""The pure rules both stores decide with."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.store.conftest import MODEL_PATHS, S3_PATHS
+from worker.store import (
+    HISTORY_LIMIT, claim_refusal, claimed, close_attempt, is_complete, lease_live, to_ms,
+)
+
+NOW = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def done_job(**changes):
+    return {"status": "completed", **changes}
+
+
+def done_profile(**changes):
+    return {"status": "completed", "modelPaths": dict(MODEL_PATHS), "s3Paths": dict(S3_PATHS), **changes}
+
+
+@pytest.mark.parametrize("job,profile,expected", [
+    (done_job(), done_profile(), True),
+    (None, done_profile(), False),
+    (done_job(), None, False),
+    (done_job(status="processing"), done_profile(), False),
+    (done_job(status="error"), done_profile(), False),
+    (done_job(), done_profile(status="processing"), False),
+    (done_job(), done_profile(modelPaths={k: v for k, v in MODEL_PATHS.items() if k != "lightConfig"}), False),
+    (done_job(), done_profile(s3Paths={**S3_PATHS, "speakerEmbeddings": ""}), False),
+    (done_job(), done_profile(s3Paths=None), False),
+    (done_job(), done_profile(modelPaths={**MODEL_PATHS, "fullModel": None}), False),
+])
+def test_is_complete_truth_table(job, profile, expected):
+    """Complete only when both records are completed and all five local and S3 paths are non-empty."""
+    assert is_complete(job, profile) is expected
+
+
+def test_lease_expiry_boundary():
+    """A lease is live strictly before expiresAt and free from that instant on."""
+    job = {"status": "processing", "lease": {"token": "t", "expiresAt": NOW}}
+    assert lease_live(job, NOW - timedelta(milliseconds=1))
+    assert not lease_live(job, NOW)
+    assert claim_refusal(job, NOW) is None
+    assert claim_refusal(job, NOW - timedelta(milliseconds=1)) == "held"
+
+
+def test_close_attempt_only_closes_the_running_entry_of_the_token():
+    """Closing touches only a still-running newest entry, and only the given token's."""
+    running = [{"token": "a", "outcome": "running", "end": None}]
+    assert close_attempt(running, "error", NOW, token="b") == running
+    assert close_attempt(running, "error", NOW, token="a")[-1] == {"token": "a", "outcome": "error", "end": NOW}
+    assert running[0]["outcome"] == "running"  # the input is not mutated
+    finished = [{"token": "a", "outcome": "released", "end": NOW}]
+    assert close_attempt(finished, "abandoned", NOW + timedelta(seconds=1)) == finished
+
+
+def test_to_ms_truncates_and_normalises():
+    """Datetimes become aware UTC with millisecond precision, naive ones read as UTC."""
+    assert to_ms(datetime(2024, 1, 1, 0, 0, 0, 123_999)) == datetime(2024, 1, 1, 0, 0, 0, 123_000, tzinfo=timezone.utc)
+    eastern = timezone(timedelta(hours=-5))
+    assert to_ms(datetime(2024, 1, 1, 7, tzinfo=eastern)) == datetime(2024, 1, 1, 12, tzinfo=timezone.utc)
+
+
+@given(st.lists(st.sampled_from(["expire", "release"]), max_size=3 * HISTORY_LIMIT))
+def test_history_stays_bounded_with_one_running_entry(endings):
+    """Whatever sequence of claims, a job's history holds at most twenty entries and only the newest runs."""
+    job, now = {"status": "pending", "attempts": 0, "history": []}, NOW
+    for n, ending in enumerate(endings):
+        job = claimed(job, owner="w", token=f"t{n}", lease_s=10, now=now)
+        if ending == "release":
+            job = {**job, "lease": None, "history": close_attempt(job["history"], "released", now, f"t{n}")}
+        now += timedelta(seconds=10)
+    history = job["history"]
+    assert len(history) == min(len(endings), HISTORY_LIMIT) and job["attempts"] == len(endings)
+    assert all(entry["outcome"] != "running" for entry in history[:-1])

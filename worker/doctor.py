@@ -1,0 +1,118 @@
+"""`python -m worker doctor`: checks a deployment before it takes its first job, one PASS/FAIL line each."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from worker.errors import WorkerError
+from worker.settings import Settings
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _aws_text(exc: Exception) -> str:
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        return f"{err.get('Code')}: {err.get('Message')}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def queue_checks(settings: Settings, attrs: dict, dlq_attrs: dict | None) -> list[Check]:
+    """Pure checks on the queue's attributes (and its DLQ's) against the worker's settings."""
+    checks = []
+    policy = attrs.get("RedrivePolicy")
+    if policy:
+        max_receives = int(json.loads(policy).get("maxReceiveCount", 0))
+        checks.append(Check("redrive policy", max_receives >= 2,
+                            f"maxReceiveCount={max_receives} (needs at least 2 so retries can happen)"))
+    else:
+        checks.append(Check("redrive policy", False,
+                            "the queue has no RedrivePolicy: permanent failures cannot be dead-lettered"))
+    visibility_s = int(attrs.get("VisibilityTimeout", 30))
+    # The worker sets its own timeout on every receive; the queue's default still governs every other
+    # consumer (redrive tooling, consoles), so it should not be shorter than the worker's lease.
+    checks.append(Check(
+        "queue visibility", visibility_s >= settings.sqs_visibility_timeout_s,
+        f"queue VisibilityTimeout={visibility_s} s, worker lease SQS_VISIBILITY_TIMEOUT_SECONDS="
+        f"{settings.sqs_visibility_timeout_s} s (the queue's should be at least the worker's)"))
+    checks.append(Check(
+        "long polling", settings.sqs_wait_time_s >= 1,
+        f"SQS_WAIT_TIME_SECONDS={settings.sqs_wait_time_s} (0 means short polling: more requests, more cost)"))
+    if dlq_attrs is not None:
+        source_s = int(attrs.get("MessageRetentionPeriod", 345600))
+        dlq_s = int(dlq_attrs.get("MessageRetentionPeriod", 345600))
+        checks.append(Check("dead-letter retention", dlq_s > source_s,
+                            f"DLQ keeps messages {dlq_s} s, the queue {source_s} s (the DLQ must keep them longer)"))
+    return checks
+
+
+def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_pipeline: Callable) -> list[Check]:
+    checks: list[Check] = []
+    try:
+        who = sts.get_caller_identity()
+        checks.append(Check("credentials", True, f"account {who.get('Account')} as {who.get('Arn')}"))
+    except (ClientError, BotoCoreError) as exc:
+        checks.append(Check("credentials", False, _aws_text(exc)))
+
+    attrs = None
+    try:
+        attrs = sqs.get_queue_attributes(QueueUrl=settings.sqs_queue_url, AttributeNames=["All"])["Attributes"]
+        checks.append(Check("queue reachable", True, settings.sqs_queue_url))
+    except (ClientError, BotoCoreError) as exc:
+        checks.append(Check("queue reachable", False, _aws_text(exc)))
+    if attrs is not None:
+        dlq_attrs = None
+        if attrs.get("RedrivePolicy"):
+            arn = json.loads(attrs["RedrivePolicy"])["deadLetterTargetArn"]
+            _, _, _, _, account, name = arn.split(":", 5)
+            try:
+                dlq_url = sqs.get_queue_url(QueueName=name, QueueOwnerAWSAccountId=account)["QueueUrl"]
+                dlq_attrs = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["All"])["Attributes"]
+            except (ClientError, BotoCoreError) as exc:
+                checks.append(Check("dead-letter queue reachable", False, _aws_text(exc)))
+        checks.extend(queue_checks(settings, attrs, dlq_attrs))
+
+    key = f"{settings.s3_prefix.strip('/') + '/' if settings.s3_prefix.strip('/') else ''}.doctor/{uuid.uuid4().hex}"
+    try:
+        s3.put_object(Bucket=settings.s3_bucket, Key=key, Body=b"voice-worker doctor probe")
+        s3.delete_object(Bucket=settings.s3_bucket, Key=key)
+        checks.append(Check("bucket writable", True, f"s3://{settings.s3_bucket}/{key} written and removed"))
+    except (ClientError, BotoCoreError) as exc:
+        checks.append(Check("bucket writable", False, f"s3://{settings.s3_bucket}: {_aws_text(exc)}"))
+
+    try:
+        store = open_store(settings)
+        try:
+            store.get_job("doctor-probe")
+        finally:
+            store.close()
+        checks.append(Check("store reachable", True, "MongoDB" if settings.mongo_uri else settings.store_url))
+    except WorkerError as exc:
+        checks.append(Check("store reachable", False, str(exc)))
+
+    try:
+        config = load_pipeline(settings.pipeline_config)
+        checks.append(Check("pipeline config", True,
+                            f"{settings.pipeline_config}: {len(config.stages)} stages"))
+    except WorkerError as exc:
+        checks.append(Check("pipeline config", False, str(exc).replace("\n", "; ")))
+    return checks
+
+
+def report(checks: list[Check], out=sys.stdout) -> int:
+    for c in checks:
+        print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}", file=out)
+    failed = [c for c in checks if not c.ok]
+    print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed", file=out)
+    return 1 if failed else 0

@@ -1,0 +1,316 @@
+"""The records store: one narrow interface with domain operations, and the pure rules both stores share.
+
+Each store decides with the same small functions here (is this job claimable? does this token hold
+it? what does the record look like after a claim?) and enforces the same conditions again inside its
+own atomic conditional write, so the two implementations cannot drift apart in what they allow.
+Records are plain dicts with DESIGN.md's camelCase field names, ``_id`` as ``str`` and timezone-aware
+UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores return identical records.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from worker.errors import ConfigError, InvalidMessage
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+ASSET_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
+
+PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED = (
+    "pending", "processing", "completed", "error", "cancelled")
+# No claim, error or cancel request ever moves a job out of these.
+FINAL_STATUSES = (COMPLETED, CANCELLED)
+HISTORY_LIMIT = 20
+# A record is not a log file: an unbounded message (a stage's whole stderr) must not bloat it.
+ERROR_MESSAGE_MAX_CHARS = 2000
+
+Clock = Callable[[], datetime]
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def to_ms(moment: datetime) -> datetime:
+    """Aware UTC at millisecond precision, the resolution MongoDB stores."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    moment = moment.astimezone(timezone.utc)
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+def is_complete(job: dict | None, profile: dict | None) -> bool:
+    """Both records status 'completed' and the profile holds all five modelPaths and all five s3Paths (non-empty)."""
+    if not job or not profile:
+        return False
+    if job.get("status") != COMPLETED or profile.get("status") != COMPLETED:
+        return False
+    for field in ("modelPaths", "s3Paths"):
+        paths = profile.get(field) or {}
+        if not all(isinstance(paths.get(key), str) and paths.get(key) for key in ASSET_KEYS):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: str  # "claimed" | "held" | "completed" | "cancelled" | "missing"
+    job: dict | None
+    cancel_requested: bool = False
+
+
+# ---------------------------------------------------------------- decisions (pure)
+
+def lease_live(job: dict, now: datetime) -> bool:
+    lease = job.get("lease")
+    return bool(lease) and lease["expiresAt"] > now
+
+
+def holds_lease(job: dict, token: str) -> bool:
+    """The fence of every write made during an attempt: our token, and the job still being worked."""
+    lease = job.get("lease")
+    return job.get("status") == PROCESSING and bool(lease) and lease.get("token") == token
+
+
+def claim_refusal(job: dict | None, now: datetime) -> str | None:
+    """Why a claim cannot take this job now, or None when it can."""
+    if job is None:
+        return "missing"
+    if job.get("status") in FINAL_STATUSES:
+        return job["status"]
+    if lease_live(job, now):
+        return "held"
+    return None
+
+
+def may_record_error(job: dict, token: str | None, now: datetime) -> bool:
+    if job.get("status") in FINAL_STATUSES:
+        return False
+    if token is not None:
+        return holds_lease(job, token)
+    # An error found before any claim must not trample an attempt that is alive elsewhere.
+    return not lease_live(job, now)
+
+
+def may_request_cancel(job: dict) -> bool:
+    return job.get("status") not in FINAL_STATUSES
+
+
+def close_attempt(history: list, outcome: str, now: datetime, token: str | None = None) -> list:
+    """Close the newest history entry if it is still running (and is ``token``'s, when given)."""
+    history = [dict(entry) for entry in history or []]
+    if history and history[-1].get("outcome") == "running":
+        if token is None or history[-1].get("token") == token:
+            history[-1].update(end=now, outcome=outcome)
+    return history
+
+
+def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime) -> dict:
+    # A "running" entry left behind is an attempt that died without saying so.
+    history = close_attempt(job.get("history"), "abandoned", now)
+    history.append({"worker": owner, "token": token, "start": now, "end": None, "outcome": "running"})
+    return {
+        **job,
+        "status": PROCESSING,
+        "lease": {"owner": owner, "token": token, "expiresAt": to_ms(now + timedelta(seconds=lease_s))},
+        "heartbeatAt": now,
+        "startedAt": now,
+        "attempts": int(job.get("attempts") or 0) + 1,
+        "history": history[-HISTORY_LIMIT:],
+    }
+
+
+def renewed(job: dict, lease_s: float, now: datetime) -> dict:
+    lease = {**job["lease"], "expiresAt": to_ms(now + timedelta(seconds=lease_s))}
+    return {**job, "lease": lease, "heartbeatAt": now}
+
+
+def with_progress(job: dict, stage: str, percent: float, now: datetime) -> dict:
+    return {**job, "progress": {"stage": stage, "percent": float(percent), "updatedAt": now}}
+
+
+def errored(job: dict, *, token: str | None, error_type: str, message: str, retryable: bool,
+            now: datetime) -> dict:
+    if token is not None:
+        history = close_attempt(job.get("history"), "retry" if retryable else "error", now, token)
+    else:
+        history = close_attempt(job.get("history"), "abandoned", now)
+    error = {"type": error_type, "message": str(message)[:ERROR_MESSAGE_MAX_CHARS],
+             "retryable": bool(retryable), "at": now}
+    return {**job, "status": ERROR, "error": error, "lease": None, "history": history}
+
+
+def completed(job: dict, token: str, now: datetime) -> dict:
+    history = close_attempt(job.get("history"), "completed", now, token)
+    return {**job, "status": COMPLETED, "completedAt": now, "lease": None, "error": None,
+            "history": history}
+
+
+def cancelled(job: dict, token: str, now: datetime) -> dict:
+    history = close_attempt(job.get("history"), "cancelled", now, token)
+    return {**job, "status": CANCELLED, "lease": None, "history": history}
+
+
+def released(job: dict, token: str, now: datetime) -> dict:
+    # Status stays processing: the job is unfinished, and with no lease any worker may claim it now.
+    history = close_attempt(job.get("history"), "released", now, token)
+    return {**job, "lease": None, "history": history}
+
+
+def cancel_requested(job: dict) -> dict:
+    return {**job, "cancelRequested": True}
+
+
+def stamped_profile(profile: dict | None, profile_id: str, job_id: str, token: str,
+                    now: datetime) -> dict:
+    """The profile after a claim: fenced on the new token, processing unless already completed."""
+    base = profile if profile is not None else new_profile_record({"_id": profile_id}, job_id, now)
+    status = base.get("status") if base.get("status") == COMPLETED else PROCESSING
+    return {**base, "status": status, "claimToken": token, "jobId": job_id, "updatedAt": now}
+
+
+def new_job_record(job: dict, idempotency_key: str | None, now: datetime) -> dict:
+    """A fresh job: the caller's fields kept, the bookkeeping fields always start from zero."""
+    return {
+        **job,
+        "_id": str(job["_id"]),
+        "status": PENDING,
+        "attempts": 0,
+        "lease": None,
+        "progress": None,
+        "heartbeatAt": None,
+        "error": None,
+        "history": [],
+        "cancelRequested": False,
+        "startedAt": None,
+        "completedAt": None,
+        "idempotencyKey": idempotency_key,
+        "createdAt": now,
+    }
+
+
+def new_profile_record(profile: dict, job_id: str, now: datetime) -> dict:
+    return {
+        **profile,
+        "_id": str(profile["_id"]),
+        "status": PENDING,
+        "modelPaths": dict(profile.get("modelPaths") or {}),
+        "s3Paths": dict(profile.get("s3Paths") or {}),
+        "claimToken": None,
+        "jobId": job_id,
+        "updatedAt": now,
+    }
+
+
+def submission(job: dict, profile: dict) -> tuple[dict, dict]:
+    """Check the caller's pair and link the job to its profile; returns copies."""
+    problems = []
+    if not job.get("_id"):
+        problems.append("job _id is required (the caller generates it)")
+    if not profile.get("_id"):
+        problems.append("profile _id is required")
+    job, profile = dict(job), dict(profile)
+    if profile.get("_id"):
+        job.setdefault("profileId", str(profile["_id"]))
+        if str(job["profileId"]) != str(profile["_id"]):
+            problems.append("job profileId does not match the profile's _id")
+    if problems:
+        raise InvalidMessage(problems)
+    return job, profile
+
+
+# ---------------------------------------------------------------- the interface
+
+class Store(ABC):
+    """Job and profile records. Fenced writes raise ``StaleWrite``; an unreachable store ``StoreError``."""
+
+    @abstractmethod
+    def get_job(self, job_id: str) -> dict | None: ...
+
+    @abstractmethod
+    def get_profile(self, profile_id: str) -> dict | None: ...
+
+    @abstractmethod
+    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float) -> Claim: ...
+
+    @abstractmethod
+    def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
+        """Extend our lease; returns the job's cancelRequested flag."""
+
+    @abstractmethod
+    def set_progress(self, job_id: str, token: str, stage: str, percent: float) -> None: ...
+
+    @abstractmethod
+    def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
+                     retryable: bool) -> bool: ...
+
+    @abstractmethod
+    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict) -> None: ...
+
+    @abstractmethod
+    def mark_profile_completed(self, profile_id: str, token: str) -> None: ...
+
+    @abstractmethod
+    def mark_job_completed(self, job_id: str, token: str) -> None:
+        """The commit marker."""
+
+    @abstractmethod
+    def mark_cancelled(self, job_id: str, token: str) -> None: ...
+
+    @abstractmethod
+    def release_lease(self, job_id: str, token: str) -> bool: ...
+
+    @abstractmethod
+    def request_cancel(self, job_id: str) -> bool: ...
+
+    @abstractmethod
+    def submit(self, job: dict, profile: dict, idempotency_key: str | None = None) -> tuple[str, bool]: ...
+
+    @abstractmethod
+    def find_stale(self, limit: int = 100) -> list[dict]:
+        """Jobs left processing with no live lease (their worker died or let go), oldest first."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- factory
+
+def sqlite_path_from_url(url: str) -> str:
+    """``sqlite:///var/x.db`` -> ``var/x.db``; ``sqlite:////srv/x.db`` -> ``/srv/x.db``."""
+    prefix = "sqlite:///"
+    path = url[len(prefix):] if url.startswith(prefix) else ""
+    if not path or "?" in path or "\x00" in path:
+        raise ConfigError(f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}")
+    return path
+
+
+def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] | None = None,
+               sleep: Callable[[float], None] | None = None) -> Store:
+    """The store the settings select: STORE_URL (SQLite) or MONGO_URI (MongoDB, connect-checked)."""
+    if settings.store_url:
+        from worker.store_sqlite import SqliteStore
+
+        path = sqlite_path_from_url(settings.store_url)
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        return SqliteStore(path)
+    if settings.mongo_uri:
+        from worker.store_mongo import open_mongo_store
+
+        return open_mongo_store(settings, client_factory=mongo_client_factory, sleep=sleep)
+    raise ConfigError("MONGO_URI or STORE_URL is required: where job and profile records live")
