@@ -14,6 +14,7 @@ from pipeline.downloads import fetch as download
 from pipeline.run import run_pipeline
 from worker.artifacts import ArtifactUploader
 from worker.aws import make_client
+from worker.faults import CrashPoints
 from worker.health import Pulse
 from worker.job import VoiceJobHandler
 from worker.loop import Worker
@@ -44,8 +45,14 @@ def build_app(settings: Settings, *, session=None) -> App:
     store = open_store(settings)
     downloads = DownloadSettings.from_settings(settings)
 
+    crash_points = CrashPoints(settings.crash_at)
+
+    def fetch_recording(url: str, dest: Path, *, stop):
+        crash_points.reached("during_download")
+        return download(url, dest, settings=downloads, s3_client=s3, stop=stop)
+
     def train(job, work_dir: Path, stop, progress):
-        fetch = functools.partial(download, settings=downloads, s3_client=s3, stop=stop)
+        fetch = functools.partial(fetch_recording, stop=stop)
         return run_pipeline(job, work_dir, stop, config=config, fetch=fetch, progress=progress,
                             grace_s=min(10.0, settings.shutdown_grace_s or 10.0))
 
@@ -57,8 +64,10 @@ def build_app(settings: Settings, *, session=None) -> App:
         s3_prefix=settings.s3_prefix,
         worker_id=settings.worker_id,
         lease_s=settings.sqs_visibility_timeout_s,
+        crash_points=crash_points,
     )
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
     worker = Worker(settings, Queue(sqs, settings.sqs_queue_url), handler,
-                    reporter=Reporter(settings.sentry_dsn), alive=pulse.beat)
+                    reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
+                    crash_points=crash_points)
     return App(worker=worker, store=store, pulse=pulse)

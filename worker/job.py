@@ -26,6 +26,7 @@ from pathlib import Path
 import structlog
 
 from worker.artifacts import ArtifactUploader, artifact_key, verify_local
+from worker.faults import NEVER, CrashPoints
 from worker.errors import (
     InvalidMessage,
     LeaseLost,
@@ -134,7 +135,7 @@ class StoreLease:
 
 class VoiceJobHandler:
     def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Train, work_root: Path,
-                 s3_prefix: str, worker_id: str, lease_s: float):
+                 s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER):
         self._store = store
         self._uploader = uploader
         self._train = train
@@ -143,6 +144,7 @@ class VoiceJobHandler:
         self._worker_id = worker_id
         # The record's lease lasts as long as the message's visibility: both lapse together.
         self._lease_s = lease_s
+        self._crash = crash_points.reached
 
     def __call__(self, message: Message, lease: Lease) -> str:
         try:
@@ -222,14 +224,18 @@ class VoiceJobHandler:
             for name, path in paths.items()
         }
         s3_paths = self._uploader.upload_all(paths, keys)                         # 2
+        self._crash("after_upload")
         self._check_lease(stop)
         model_paths = {name: str(path) for name, path in paths.items()}
         self._store.write_paths(job.profile_id, token, model_paths, s3_paths)    # 3
+        self._crash("after_paths")
         self._check_lease(stop)
         self._store.mark_profile_completed(job.profile_id, token)                # 4
+        self._crash("after_profile_completed")
         self._check_lease(stop)
         store_lease.end()
         self._store.mark_job_completed(job.job_id, token)                        # 5 commit marker
+        self._crash("after_job_completed")
 
     @staticmethod
     def _check_lease(stop: StopSignal) -> None:

@@ -32,6 +32,7 @@ from worker.errors import (
     TimeLimitExceeded,
     WorkerError,
 )
+from worker.faults import NEVER, CrashPoints
 from worker.lease import Lease, Shutdown
 from worker.queue import Message, Queue
 from worker.reporting import Reporter
@@ -88,6 +89,7 @@ class Worker:
         *,
         reporter: Reporter | None = None,
         alive: Callable[[], None] | None = None,
+        crash_points: CrashPoints = NEVER,
     ):
         self._settings = settings
         self._queue = queue
@@ -95,6 +97,7 @@ class Worker:
         self._reporter = reporter or Reporter(None)
         # Called after every receive and every successful renewal: feeds liveness and the watchdog.
         self._alive = alive or (lambda: None)
+        self._crash = crash_points.reached
         self.shutdown = Shutdown()
 
     # --- public surface
@@ -154,6 +157,7 @@ class Worker:
         outcome: WorkerError | None = None
         label = None
         lease.start()
+        self._crash("after_receive")
         try:
             label = self._handler(message, lease)
         except WorkerError as exc:

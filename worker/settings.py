@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
     notify_socket: str | None = Field(None, alias="NOTIFY_SOCKET")
 
+    # --- testing only: kill the process at a named point (see worker/faults.py); unset in production
+    crash_at: str | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
+
     # --- AWS
     aws_endpoint_url: str | None = Field(None, alias="AWS_ENDPOINT_URL")
     aws_region: str | None = Field(None, alias="AWS_REGION")
@@ -132,6 +135,11 @@ def consistency_problems(s: Settings) -> list[str]:
         )
     if s.mongo_uri and s.store_url:
         problems.append("MONGO_URI and STORE_URL are both set: choose one store")
+    if s.crash_at is not None:
+        from worker.faults import POINTS
+
+        if s.crash_at not in POINTS:
+            problems.append(f"VOICE_WORKER_CRASH_AT={s.crash_at} is not one of {', '.join(POINTS)}")
     if s.store_url and not s.store_url.startswith("sqlite:///"):
         problems.append(f"STORE_URL must look like sqlite:///path/to/file.db, got {s.store_url!r}")
     return problems
