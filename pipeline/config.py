@@ -1,0 +1,266 @@
+"""The pipeline's stage list (``PIPELINE_CONFIG``, TOML), validated once at worker start-up.
+
+A config that cannot work must stop the worker before it takes a job, so ``load_pipeline_config``
+collects every problem it finds and raises one ``ConfigError`` with a line per problem rather than
+failing on the first. Stage commands are argv arrays whose elements may hold placeholders; they are
+substituted element by element (``render_argv``), so a value never becomes shell syntax or splits
+into two arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import string
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from worker.errors import ConfigError
+
+ARTIFACT_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
+PLACEHOLDERS = frozenset(
+    {"python", "dataset_dir", "output_dir", "checkpoint_dir", "log_dir", "job_id", "language"}
+)
+# Manifests live under the output dir; no stage may declare (and so delete) anything in there.
+MANIFEST_DIR_NAME = ".manifests"
+
+_STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_STAGE_KEYS = frozenset(
+    {"name", "argv", "outputs", "resumable", "permanent_exit_codes", "timeout_seconds"}
+)
+_TOP_KEYS = frozenset({"artifacts", "stages"})
+_FORMATTER = string.Formatter()
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    argv: tuple[str, ...]
+    outputs: tuple[str, ...]  # normalised, relative to the output dir
+    resumable: bool = False
+    permanent_exit_codes: frozenset[int] = frozenset()
+    timeout_s: float | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies what the stage does, so a manifest from a differently configured stage is void."""
+        payload = json.dumps({"argv": list(self.argv), "outputs": list(self.outputs)})
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    artifacts: Mapping[str, str]  # artifact key -> normalised path relative to the output dir
+    stages: tuple[StageSpec, ...]
+
+
+def load_pipeline_config(path: str | Path) -> PipelineConfig:
+    """Read and validate the TOML file; raises ``ConfigError`` with one line per problem."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"pipeline config {path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"pipeline config {path}: cannot read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"pipeline config {path}: not valid TOML ({exc})") from None
+    return parse_pipeline_config(data, source=str(path))
+
+
+def parse_pipeline_config(data: Mapping[str, Any], source: str = "pipeline config") -> PipelineConfig:
+    """Validate an already-parsed config mapping; raises ``ConfigError`` with one line per problem."""
+    problems: list[str] = []
+    for key in sorted(set(data) - _TOP_KEYS):
+        problems.append(f"unknown top-level key {key!r}")
+    artifacts = _parse_artifacts(data.get("artifacts"), problems)
+    # Outputs of stages with other problems count too, so one mistake is reported once.
+    produced: set[str] = set()
+    stages = _parse_stages(data.get("stages"), problems, produced)
+    for key, rel in artifacts.items():
+        if rel not in produced:
+            problems.append(f"artifacts.{key}: {rel!r} is not among any stage's outputs")
+    if problems:
+        raise ConfigError([f"{source}: {line}" for line in problems])
+    return PipelineConfig(artifacts=dict(artifacts), stages=tuple(stages))
+
+
+def placeholder_problems(element: str) -> list[str]:
+    """What is wrong with one argv element's placeholders (empty when it renders safely)."""
+    try:
+        fields = list(_FORMATTER.parse(element))
+    except ValueError as exc:
+        return [f"malformed braces ({exc}); write a literal brace as {{{{ or }}}}"]
+    problems = []
+    for _literal, field, spec, conversion in fields:
+        if field is None:
+            continue
+        if field not in PLACEHOLDERS:
+            problems.append(f"unknown placeholder {{{field}}}")
+        elif spec or conversion:
+            problems.append(f"placeholder {{{field}}} takes no format spec or conversion")
+    return problems
+
+
+def render_argv(argv: tuple[str, ...] | list[str], values: Mapping[str, str]) -> list[str]:
+    """Substitute placeholders in each element separately; the result is always an argv list."""
+    rendered = []
+    for element in argv:
+        parts = []
+        # Our own join instead of str.format: format would also honour {x.attr} and {x[i]}.
+        for literal, field, _spec, _conversion in _FORMATTER.parse(element):
+            parts.append(literal)
+            if field is not None:
+                parts.append(str(values[field]))
+        rendered.append("".join(parts))
+    return rendered
+
+
+def normalise_output_path(raw: str) -> tuple[str | None, str | None]:
+    """(normalised relative path, None) or (None, why it is not a path inside the output dir)."""
+    if not raw or not raw.strip():
+        return None, "is empty"
+    if "\\" in raw or "\x00" in raw:
+        return None, "contains a backslash or NUL"
+    if "{" in raw or "}" in raw:
+        return None, "contains a placeholder; outputs are plain paths relative to {output_dir}"
+    path = PurePosixPath(raw)
+    if path.is_absolute():
+        return None, "is absolute; it must be relative to the output dir"
+    if any(part == ".." for part in path.parts):
+        return None, "escapes the output dir"
+    if not path.parts or str(path) == ".":
+        return None, "names the output dir itself"
+    if path.parts[0] == MANIFEST_DIR_NAME:
+        return None, f"is inside the reserved {MANIFEST_DIR_NAME}/ directory"
+    return str(path), None
+
+
+def _parse_artifacts(raw: Any, problems: list[str]) -> dict[str, str]:
+    if raw is None:
+        problems.append("missing [artifacts] table (needs " + ", ".join(ARTIFACT_KEYS) + ")")
+        return {}
+    if not isinstance(raw, Mapping):
+        problems.append("artifacts must be a table")
+        return {}
+    for key in ARTIFACT_KEYS:
+        if key not in raw:
+            problems.append(f"artifacts: missing key {key!r}")
+    for key in sorted(set(raw) - set(ARTIFACT_KEYS)):
+        problems.append(f"artifacts: unknown key {key!r} (exactly {', '.join(ARTIFACT_KEYS)})")
+    artifacts: dict[str, str] = {}
+    for key in ARTIFACT_KEYS:
+        if key not in raw:
+            continue
+        value = raw[key]
+        if not isinstance(value, str):
+            problems.append(f"artifacts.{key}: must be a string path")
+            continue
+        normalised, why = normalise_output_path(value)
+        if why:
+            problems.append(f"artifacts.{key}: {value!r} {why}")
+        else:
+            artifacts[key] = normalised
+    return artifacts
+
+
+def _parse_stages(raw: Any, problems: list[str], produced: set[str]) -> list[StageSpec]:
+    if raw is None:
+        problems.append("missing [[stages]]: at least one stage is needed")
+        return []
+    if not isinstance(raw, list) or not raw:
+        problems.append("stages must be a non-empty array of tables ([[stages]])")
+        return []
+    stages: list[StageSpec] = []
+    seen_names: set[str] = set()
+    owner_of: dict[str, str] = {}
+    for index, table in enumerate(raw):
+        label = f"stages[{index}]"
+        if not isinstance(table, Mapping):
+            problems.append(f"{label}: must be a table")
+            continue
+        name = table.get("name")
+        if isinstance(name, str) and _STAGE_NAME.match(name):
+            label = f"stage {name!r}"
+            if name in seen_names:
+                problems.append(f"{label}: duplicate stage name")
+            seen_names.add(name)
+        elif name is None:
+            problems.append(f"{label}: missing name")
+        else:
+            problems.append(
+                f"{label}: name {name!r} is not a safe path component "
+                "(letters, digits, '.', '_', '-'; starting with a letter or digit; at most 64)"
+            )
+        stage = _parse_stage_body(table, label, problems, produced)
+        if stage is None or not isinstance(name, str):
+            continue
+        for out in stage["outputs"]:
+            if out in owner_of:
+                problems.append(f"{label}: output {out!r} is already declared by {owner_of[out]}")
+            owner_of.setdefault(out, label)
+        stages.append(StageSpec(name=name, **stage))
+    return stages
+
+
+def _parse_stage_body(
+    table: Mapping[str, Any], label: str, problems: list[str], produced: set[str]
+) -> dict | None:
+    before = len(problems)
+    for key in sorted(set(table) - _STAGE_KEYS):
+        problems.append(f"{label}: unknown key {key!r}")
+    argv = table.get("argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        problems.append(f"{label}: argv must be an array of strings")
+        argv = []
+    elif not argv or not argv[0].strip():
+        problems.append(f"{label}: argv is empty; it needs at least a program")
+    for position, element in enumerate(argv):
+        for why in placeholder_problems(element):
+            problems.append(f"{label}: argv[{position}]: {why}")
+    outputs_raw = table.get("outputs")
+    outputs: list[str] = []
+    if not isinstance(outputs_raw, list) or not outputs_raw:
+        problems.append(f"{label}: outputs must be a non-empty array of paths")
+    else:
+        for raw in outputs_raw:
+            if not isinstance(raw, str):
+                problems.append(f"{label}: outputs entries must be strings, got {raw!r}")
+                continue
+            normalised, why = normalise_output_path(raw)
+            if why:
+                problems.append(f"{label}: output {raw!r} {why}")
+            elif normalised in outputs:
+                problems.append(f"{label}: output {raw!r} is listed twice")
+            else:
+                outputs.append(normalised)
+                produced.add(normalised)
+    resumable = table.get("resumable", False)
+    if not isinstance(resumable, bool):
+        problems.append(f"{label}: resumable must be true or false")
+    codes = table.get("permanent_exit_codes", [])
+    if not isinstance(codes, list) or not all(_is_exit_code(c) for c in codes):
+        problems.append(f"{label}: permanent_exit_codes must be an array of integers 1..255")
+        codes = []
+    timeout = table.get("timeout_seconds")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+    ):
+        problems.append(f"{label}: timeout_seconds must be a positive number")
+    if len(problems) > before:
+        return None
+    return {
+        "argv": tuple(argv),
+        "outputs": tuple(outputs),
+        "resumable": resumable,
+        "permanent_exit_codes": frozenset(codes),
+        "timeout_s": float(timeout) if timeout is not None else None,
+    }
+
+
+def _is_exit_code(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 255

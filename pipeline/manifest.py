@@ -1,0 +1,127 @@
+"""Stage manifests and durable file writes.
+
+A stage's outputs count only when its manifest verifies: the manifest is written after the stage
+succeeded, atomically (temp file, fsync, rename, fsync of the directory), and lists every declared
+output's size and sha256. Anything a crashed attempt left behind therefore has no manifest, or one
+that no longer matches, and is redone. The same atomic write serves the dataset builder and the
+reference trainer's checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from pipeline.config import MANIFEST_DIR_NAME
+
+MANIFEST_VERSION = 1
+TEMP_MARKER = ".tmp-"
+_CHUNK_BYTES = 1 << 20
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` so that ``path`` holds either its old content or all of ``data``, never a part."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}")
+    try:
+        with open(temp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(directory: Path) -> None:
+    """Delete temp files an interrupted ``atomic_write_bytes`` left in ``directory``."""
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") and TEMP_MARKER in entry.name and entry.is_file():
+            entry.unlink(missing_ok=True)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_outputs(output_dir: Path, outputs: Iterable[str]) -> dict[str, dict]:
+    """Relative path -> {size, sha256} for each output, as recorded in a manifest."""
+    described = {}
+    for rel in outputs:
+        path = output_dir / rel
+        described[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    return described
+
+
+def manifest_path(output_dir: Path, stage_name: str) -> Path:
+    return output_dir / MANIFEST_DIR_NAME / f"{stage_name}.json"
+
+
+def write_manifest(
+    path: Path, output_dir: Path, stage_name: str, fingerprint: str, outputs: Sequence[str]
+) -> dict:
+    """Record the stage's outputs as they are now; returns the manifest written."""
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "stage": stage_name,
+        "fingerprint": fingerprint,
+        "outputs": describe_outputs(output_dir, outputs),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+    return manifest
+
+
+def manifest_problem(
+    path: Path, output_dir: Path, stage_name: str, fingerprint: str, outputs: Sequence[str]
+) -> str | None:
+    """Why the manifest does not vouch for the outputs on disk, or None when it does."""
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return "no manifest"
+    except (OSError, ValueError) as exc:
+        return f"manifest unreadable ({type(exc).__name__})"
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+        return "manifest has an unknown format"
+    if manifest.get("stage") != stage_name or manifest.get("fingerprint") != fingerprint:
+        return "manifest was written for a different stage definition"
+    recorded = manifest.get("outputs")
+    if not isinstance(recorded, dict) or set(recorded) != set(outputs):
+        return "manifest lists different outputs"
+    for rel in outputs:
+        entry = recorded[rel]
+        target = output_dir / rel
+        if not isinstance(entry, dict) or not target.is_file():
+            return f"output {rel} is missing"
+        size = target.stat().st_size
+        if size == 0 or entry.get("size") != size:
+            return f"output {rel} changed size"
+        if entry.get("sha256") != file_sha256(target):
+            return f"output {rel} changed content"
+    return None

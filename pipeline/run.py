@@ -1,0 +1,184 @@
+"""One job's training pipeline: downloads -> dataset -> configured stages -> the five artifacts.
+
+Every step can be re-run on the same work directory after a crash or a retry and redoes only what is
+not already complete: a downloaded file is kept (``fetch`` writes atomically, so an existing file is
+whole), a complete dataset is left alone, and a stage whose manifest verifies is skipped. The stop
+signal is checked between steps and watched during stages; the handler maps ``Stopped`` to its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from pipeline.config import ARTIFACT_KEYS, PipelineConfig
+from pipeline.dataset import build_dataset
+from pipeline.stages import DEFAULT_GRACE_S, StageContext, open_step_log, run_stage
+from worker.errors import DownloadError, StageFailed
+from worker.stop import StopSignal
+
+log = structlog.get_logger(__name__)
+
+DOWNLOAD_STEP = "download"
+DATASET_STEP = "dataset"
+
+
+class Recording(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+class Job(Protocol):
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def language(self) -> str: ...
+
+    @property
+    def recordings(self) -> Sequence[Recording]: ...
+
+
+Fetch = Callable[[str, Path], object]
+Progress = Callable[[str, float], None]
+
+
+def work_layout(work_dir: Path) -> dict[str, Path]:
+    return {
+        "downloads": work_dir / "downloads",
+        "dataset": work_dir / "dataset",
+        "output": work_dir / "output",
+        "checkpoints": work_dir / "checkpoints",
+        "logs": work_dir / "logs",
+    }
+
+
+def download_path(downloads_dir: Path, index: int) -> Path:
+    # Named by index only: nothing from the URL reaches the file system.
+    return downloads_dir / f"{index:05d}.audio"
+
+
+def run_pipeline(
+    job: Job,
+    work_dir: Path,
+    stop: StopSignal,
+    *,
+    config: PipelineConfig,
+    fetch: Fetch,
+    progress: Progress,
+    grace_s: float = DEFAULT_GRACE_S,
+) -> dict[str, Path]:
+    """Run every step that is not already complete; returns the five artifact paths by key."""
+    try:
+        return _run(job, Path(work_dir), stop, config, fetch, _without_repeats(progress), grace_s)
+    except OSError as exc:
+        # Our own file system work failed (full or unavailable shared disk): worth another attempt.
+        where = Path(exc.filename).name if exc.filename else "work dir"
+        raise StageFailed(f"pipeline file system error at {where}: {exc.strerror or exc}") from exc
+
+
+def _run(
+    job: Job,
+    work_dir: Path,
+    stop: StopSignal,
+    config: PipelineConfig,
+    fetch: Fetch,
+    progress: Progress,
+    grace_s: float,
+) -> dict[str, Path]:
+    dirs = work_layout(work_dir)
+    for directory in dirs.values():
+        directory.mkdir(parents=True, exist_ok=True)
+
+    stop.raise_if_set()
+    sources = _download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress)
+
+    stop.raise_if_set()
+    progress(DATASET_STEP, 0.0)
+    result = build_dataset(
+        [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
+        dirs["dataset"],
+        stop,
+    )
+    if result.rebuilt:
+        _write_step_log(dirs["logs"], DATASET_STEP, result.notes)
+    progress(DATASET_STEP, 100.0)
+
+    ctx = StageContext(
+        dataset_dir=dirs["dataset"],
+        output_dir=dirs["output"],
+        checkpoints_root=dirs["checkpoints"],
+        log_dir=dirs["logs"],
+        job_id=job.job_id,
+        language=job.language,
+    )
+    for stage in config.stages:
+        stop.raise_if_set()
+        progress(stage.name, 0.0)
+        outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s)
+        progress(stage.name, 100.0)
+        log.info("pipeline.stage_done", job_id=job.job_id, stage=stage.name, skipped=outcome.skipped)
+
+    stop.raise_if_set()
+    return verify_artifacts(config, dirs["output"])
+
+
+def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:
+    """All five artifact paths, or StageFailed naming each one that is missing or empty."""
+    paths = {key: output_dir / config.artifacts[key] for key in ARTIFACT_KEYS}
+    bad = [
+        f"{key} ({config.artifacts[key]})"
+        for key, path in paths.items()
+        if not path.is_file() or path.stat().st_size == 0
+    ]
+    if bad:
+        raise StageFailed("pipeline finished without these artifacts: " + ", ".join(bad))
+    return paths
+
+
+def _download_all(
+    job: Job, downloads_dir: Path, log_dir: Path, stop: StopSignal, fetch: Fetch, progress: Progress
+) -> list[Path]:
+    recordings = list(job.recordings)
+    progress(DOWNLOAD_STEP, 0.0)
+    paths, notes = [], []
+    for index, recording in enumerate(recordings):
+        stop.raise_if_set()
+        destination = download_path(downloads_dir, index)
+        if destination.is_file():
+            notes.append(f"recording {index}: kept from an earlier attempt")
+        else:
+            fetch(recording.url, destination)
+            if not destination.is_file():
+                raise DownloadError(f"recording {index}: the download left no file")
+            notes.append(f"recording {index}: fetched {destination.stat().st_size} bytes")
+        paths.append(destination)
+        progress(DOWNLOAD_STEP, 100.0 * (index + 1) / len(recordings))
+    _write_step_log(log_dir, DOWNLOAD_STEP, notes)
+    return paths
+
+
+def _without_repeats(progress: Progress) -> Progress:
+    """Drop a report identical to the one before (a stage's own 100 %, then ours)."""
+    last: list[tuple[str, float] | None] = [None]
+
+    def report(stage: str, percent: float) -> None:
+        if last[0] != (stage, percent):
+            progress(stage, percent)
+            last[0] = (stage, percent)
+
+    return report
+
+
+def _write_step_log(log_dir: Path, step: str, lines: Sequence[str]) -> None:
+    # URLs are deliberately absent: they may carry signed query strings.
+    _path, handle = open_step_log(log_dir, step, datetime.now(UTC))
+    with handle:
+        handle.write("".join(f"{line}\n" for line in lines).encode())

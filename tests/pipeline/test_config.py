@@ -1,0 +1,170 @@
+"""Pipeline config: loading, one line per problem, per-element placeholder substitution."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import (
+    ARTIFACT_KEYS,
+    load_pipeline_config,
+    parse_pipeline_config,
+    placeholder_problems,
+    render_argv,
+)
+from worker.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def good_config() -> dict:
+    return {
+        "artifacts": {
+            "fullModel": "full/model.pth",
+            "fullConfig": "full/config.json",
+            "speakerEmbeddings": "full/speakers.pth",
+            "lightModel": "light/model.onnx",
+            "lightConfig": "light/model.onnx.json",
+        },
+        "stages": [
+            {
+                "name": "train_full",
+                "argv": ["{python}", "-m", "x", "--out", "{output_dir}/full", "{checkpoint_dir}"],
+                "outputs": ["full/model.pth", "full/config.json", "full/speakers.pth"],
+                "resumable": True,
+                "permanent_exit_codes": [65],
+                "timeout_seconds": 60,
+            },
+            {
+                "name": "light",
+                "argv": ["{python}", "{dataset_dir}", "{log_dir}", "{job_id}", "{language}"],
+                "outputs": ["light/model.onnx", "light/model.onnx.json"],
+            },
+        ],
+    }
+
+
+def problems_of(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_pipeline_config(data, source="cfg")
+    return caught.value.problems
+
+
+def test_shipped_default_config_is_valid():
+    """The repository's config/pipeline.toml loads and maps all five artifacts to stage outputs."""
+    config = load_pipeline_config(REPO / "config" / "pipeline.toml")
+    assert set(config.artifacts) == set(ARTIFACT_KEYS)
+    produced = {out for stage in config.stages for out in stage.outputs}
+    assert set(config.artifacts.values()) <= produced
+    assert all(65 in stage.permanent_exit_codes for stage in config.stages)
+    assert any(stage.resumable for stage in config.stages)
+
+
+def test_good_config_parses_into_stage_specs():
+    """A valid mapping yields stage specs with normalised fields and timeout in seconds."""
+    config = parse_pipeline_config(good_config())
+    first = config.stages[0]
+    assert first.name == "train_full" and first.resumable and first.timeout_s == 60.0
+    assert first.permanent_exit_codes == frozenset({65})
+    assert config.stages[1].resumable is False and config.stages[1].timeout_s is None
+
+
+def _mutate(path: str, value):
+    def apply(data: dict) -> dict:
+        data = copy.deepcopy(data)
+        target = data
+        keys = path.split(".")
+        for key in keys[:-1]:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        last = keys[-1]
+        if value is _DELETE:
+            del target[last]
+        elif isinstance(target, list):
+            target[int(last)] = value
+        else:
+            target[last] = value
+        return data
+
+    return apply
+
+
+_DELETE = object()
+
+BAD_CONFIGS = [
+    ("unknown placeholder", _mutate("stages.0.argv", ["{python}", "{secret}"]), "unknown placeholder {secret}"),
+    ("format spec", _mutate("stages.0.argv", ["{python!r}"]), "takes no format spec"),
+    ("attribute access", _mutate("stages.0.argv", ["{python.real}"]), "unknown placeholder"),
+    ("unbalanced brace", _mutate("stages.0.argv", ["{python"]), "malformed braces"),
+    ("missing artifact", _mutate("artifacts.lightConfig", _DELETE), "missing key 'lightConfig'"),
+    ("extra artifact", _mutate("artifacts.extra", "full/model.pth"), "unknown key 'extra'"),
+    ("no artifacts table", _mutate("artifacts", _DELETE), "missing [artifacts]"),
+    ("absolute artifact", _mutate("artifacts.fullModel", "/etc/passwd"), "is absolute"),
+    ("escaping artifact", _mutate("artifacts.fullModel", "../x/model.pth"), "escapes the output dir"),
+    ("escaping output", _mutate("stages.1.outputs", ["light/../../x"]), "escapes the output dir"),
+    ("absolute output", _mutate("stages.1.outputs", ["/tmp/x"]), "is absolute"),
+    ("manifest dir output", _mutate("stages.1.outputs", [".manifests/x.json"]), "reserved"),
+    ("placeholder output", _mutate("stages.1.outputs", ["{output_dir}/x"]), "placeholder"),
+    ("unsafe stage name", _mutate("stages.1.name", "../evil"), "not a safe path component"),
+    ("duplicate stage name", _mutate("stages.1.name", "train_full"), "duplicate stage name"),
+    ("empty argv", _mutate("stages.1.argv", []), "argv is empty"),
+    ("argv not strings", _mutate("stages.1.argv", ["python", 3]), "argv must be an array of strings"),
+    ("artifact not produced", _mutate("artifacts.lightModel", "light/other.onnx"), "not among any stage's outputs"),
+    ("output declared twice", _mutate("stages.1.outputs", ["full/model.pth", "light/model.onnx", "light/model.onnx.json"]), "already declared"),
+    ("resumable not bool", _mutate("stages.0.resumable", "yes"), "resumable must be true or false"),
+    ("exit codes not ints", _mutate("stages.0.permanent_exit_codes", [65, "x"]), "permanent_exit_codes"),
+    ("exit code zero", _mutate("stages.0.permanent_exit_codes", [0]), "permanent_exit_codes"),
+    ("timeout negative", _mutate("stages.0.timeout_seconds", -5), "timeout_seconds must be a positive"),
+    ("timeout bool", _mutate("stages.0.timeout_seconds", True), "timeout_seconds must be a positive"),
+    ("unknown stage key", _mutate("stages.0.shell", True), "unknown key 'shell'"),
+    ("unknown top key", _mutate("extra", 1), "unknown top-level key 'extra'"),
+    ("no stages", _mutate("stages", _DELETE), "missing [[stages]]"),
+    ("artifact not a string", _mutate("artifacts.fullModel", 7), "must be a string path"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"), [(m, f) for _, m, f in BAD_CONFIGS], ids=[i for i, _, _ in BAD_CONFIGS]
+)
+def test_each_bad_config_reports_its_problem(mutate, fragment):
+    """Each kind of mistake is rejected at load time with a line that names it."""
+    problems = problems_of(mutate(good_config()))
+    assert any(fragment in line for line in problems), problems
+    assert all(line.startswith("cfg: ") for line in problems)
+
+
+def test_several_problems_give_one_line_each():
+    """Three independent mistakes produce three separate lines, not one merged message."""
+    data = good_config()
+    data["stages"][0]["argv"] = ["{python}", "{nope}"]
+    data["stages"][1]["name"] = "bad name"
+    del data["artifacts"]["fullConfig"]
+    problems = problems_of(data)
+    assert len(problems) == 3, problems
+    assert any("{nope}" in p for p in problems)
+    assert any("bad name" in p for p in problems)
+    assert any("fullConfig" in p for p in problems)
+
+
+def test_load_reports_missing_file_and_bad_toml(tmp_path):
+    """A missing or unparsable file is a ConfigError, never a raw OSError or TOML error."""
+    with pytest.raises(ConfigError, match="not found"):
+        load_pipeline_config(tmp_path / "absent.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[artifacts\nfullModel = ", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_pipeline_config(broken)
+
+
+def test_render_argv_substitutes_inside_each_element_only():
+    """A value with spaces and shell syntax stays one literal argv element; {{ }} are literal braces."""
+    values = {"python": "/usr/bin/python3", "job_id": "; rm -rf x $(id) | &", "language": "en"}
+    argv = render_argv(["{python}", "--job={job_id}", "{{literal}}", "{language}-{language}"], values)
+    assert argv == ["/usr/bin/python3", "--job=; rm -rf x $(id) | &", "{literal}", "en-en"]
+
+
+def test_placeholder_problems_accepts_known_and_escaped_braces():
+    """Known placeholders and doubled braces pass validation; anything else is named."""
+    assert placeholder_problems("{output_dir}/full/{{x}}") == []
+    assert placeholder_problems("{HOME}") == ["unknown placeholder {HOME}"]

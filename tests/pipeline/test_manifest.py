@@ -1,0 +1,99 @@
+"""Stage manifests and atomic writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.manifest import (
+    atomic_write_bytes,
+    file_sha256,
+    manifest_path,
+    manifest_problem,
+    remove_stale_temps,
+    write_manifest,
+)
+
+OUTPUTS = ("full/model.pth", "full/config.json")
+
+
+@pytest.fixture
+def written(tmp_path):
+    out = tmp_path / "output"
+    (out / "full").mkdir(parents=True)
+    (out / "full/model.pth").write_bytes(b"weights" * 100)
+    (out / "full/config.json").write_bytes(b'{"a": 1}')
+    path = manifest_path(out, "train_full")
+    write_manifest(path, out, "train_full", "fp1", OUTPUTS)
+    return out, path
+
+
+def test_fresh_manifest_verifies_and_records_sizes_and_hashes(written):
+    """A manifest written after success vouches for the outputs exactly as they are."""
+    out, path = written
+    assert manifest_problem(path, out, "train_full", "fp1", OUTPUTS) is None
+    recorded = json.loads(path.read_text())["outputs"]
+    assert recorded["full/model.pth"] == {
+        "size": 700,
+        "sha256": file_sha256(out / "full/model.pth"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda out, path: (out / "full/model.pth").write_bytes(b"Weights" * 100), "changed content"),
+        (lambda out, path: (out / "full/model.pth").write_bytes(b"w"), "changed size"),
+        (lambda out, path: (out / "full/config.json").unlink(), "missing"),
+        (lambda out, path: path.write_bytes(path.read_bytes()[:-20]), "unreadable"),
+        (lambda out, path: path.unlink(), "no manifest"),
+        (lambda out, path: path.write_text('{"version": 99}'), "unknown format"),
+    ],
+    ids=["same-size-edit", "truncated-output", "deleted-output", "torn-manifest", "no-manifest", "format"],
+)
+def test_damage_voids_the_manifest(written, damage, why):
+    """Any change to an output or to the manifest itself means the stage must run again."""
+    out, path = written
+    damage(out, path)
+    problem = manifest_problem(path, out, "train_full", "fp1", OUTPUTS)
+    assert problem is not None and why in problem
+
+
+def test_a_different_stage_definition_voids_the_manifest(written):
+    """A manifest from another fingerprint or another output list does not count."""
+    out, path = written
+    assert "different stage definition" in manifest_problem(path, out, "train_full", "fp2", OUTPUTS)
+    assert "different outputs" in manifest_problem(path, out, "train_full", "fp1", OUTPUTS[:1])
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
+    """The target holds the new bytes and no temp file remains beside it."""
+    target = tmp_path / "file.bin"
+    target.write_bytes(b"old")
+    atomic_write_bytes(target, b"new content")
+    assert target.read_bytes() == b"new content"
+    assert [p.name for p in tmp_path.iterdir()] == ["file.bin"]
+
+
+def test_atomic_write_failure_keeps_old_content(tmp_path, monkeypatch):
+    """A write that fails before the rename leaves the old file intact and no temp behind."""
+    target = tmp_path / "file.bin"
+    target.write_bytes(b"old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("pipeline.manifest.os.replace", broken_replace)
+    with pytest.raises(OSError):
+        atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["file.bin"]
+
+
+def test_remove_stale_temps_only_touches_temp_files(tmp_path):
+    """Leftovers of interrupted atomic writes are removed; real files stay."""
+    (tmp_path / ".model.pth.tmp-123").write_bytes(b"half")
+    (tmp_path / "model.pth").write_bytes(b"whole")
+    remove_stale_temps(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]

@@ -1,0 +1,187 @@
+"""run_pipeline end to end: downloads, dataset, stages, the five artifacts, re-runs and stops."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ARTIFACT_KEYS, load_pipeline_config, parse_pipeline_config
+from pipeline.run import run_pipeline
+from tests.pipeline.test_dataset import write_inputs
+from worker.errors import BadRecording, DownloadError, StageFailed, Stopped
+from worker.stop import StopSignal
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Rec:
+    url: str
+    text: str
+
+
+@dataclass(frozen=True)
+class FakeJob:
+    job_id: str
+    language: str
+    recordings: tuple[Rec, ...]
+
+
+@dataclass
+class FakeFetch:
+    """Copies a synthesized file for each URL, the way the real fetch writes: complete or not at all."""
+
+    sources: dict[str, Path]
+    calls: list[str] = field(default_factory=list)
+
+    def __call__(self, url: str, destination: Path) -> None:
+        self.calls.append(url)
+        temp = destination.with_name(destination.name + ".part")
+        shutil.copyfile(self.sources[url], temp)
+        temp.replace(destination)
+
+
+@pytest.fixture
+def job_and_fetch(tmp_path):
+    inputs = write_inputs(tmp_path / "media")
+    recordings = tuple(Rec(f"https://media.example.com/rec/{i}.audio?sig=secret", t)
+                       for i, (_, t, _) in enumerate(inputs))
+    fetch = FakeFetch({rec.url: path for rec, (path, _, _) in zip(recordings, inputs, strict=True)})
+    return FakeJob("665f1c2e9b1e8a0012ab34cd", "en", recordings), fetch
+
+
+@pytest.fixture(scope="module")
+def default_config():
+    return load_pipeline_config(REPO / "config" / "pipeline.toml")
+
+
+def test_end_to_end_returns_five_existing_artifacts(tmp_path, job_and_fetch, default_config):
+    """With a fake fetch, the default pipeline produces the five non-empty artifacts and reports each step."""
+    job, fetch = job_and_fetch
+    reports = []
+    paths = run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                         progress=lambda stage, pct: reports.append((stage, pct)))
+    assert set(paths) == set(ARTIFACT_KEYS)
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths.values())
+    assert all(p.is_relative_to(tmp_path / "work" / "output") for p in paths.values())
+    order = list(dict.fromkeys(stage for stage, _ in reports))
+    assert order == ["download", "dataset", "embed", "train_full", "train_light"]
+    assert ("train_full", 100.0) in reports and ("download", 100.0) in reports
+    assert all(0.0 <= pct <= 100.0 for _, pct in reports)
+    logs = " ".join(p.read_text() for p in (tmp_path / "work/logs").iterdir())
+    assert "sig=secret" not in logs and "media.example.com" not in logs
+
+
+def test_second_run_downloads_and_trains_nothing(tmp_path, job_and_fetch, default_config):
+    """A re-run on a finished work dir reuses downloads, the dataset and every verified stage."""
+    job, fetch = job_and_fetch
+    first = run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                         progress=lambda s, p: None)
+    stage_logs = {p.name for p in (tmp_path / "work/logs").glob("*-t*.log")}
+    second = run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                          progress=lambda s, p: None)
+    assert first == second
+    assert len(fetch.calls) == len(job.recordings)
+    assert {p.name for p in (tmp_path / "work/logs").glob("*-t*.log")} == stage_logs
+
+
+def test_existing_download_is_not_fetched_again(tmp_path, job_and_fetch, default_config):
+    """A recording file kept from an earlier attempt is used as is; only the missing one is fetched."""
+    job, fetch = job_and_fetch
+    downloads = tmp_path / "work/downloads"
+    downloads.mkdir(parents=True)
+    shutil.copyfile(fetch.sources[job.recordings[0].url], downloads / "00000.audio")
+    shutil.copyfile(fetch.sources[job.recordings[2].url], downloads / "00002.audio")
+    run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                 progress=lambda s, p: None)
+    assert fetch.calls == [job.recordings[1].url]
+
+
+def test_stop_before_start_does_nothing(tmp_path, job_and_fetch, default_config):
+    """A stop already requested raises Stopped with its reason before any download."""
+    job, fetch = job_and_fetch
+    stop = StopSignal()
+    stop.set("cancelled")
+    with pytest.raises(Stopped) as caught:
+        run_pipeline(job, tmp_path / "work", stop, config=default_config, fetch=fetch,
+                     progress=lambda s, p: None)
+    assert caught.value.reason == "cancelled" and fetch.calls == []
+
+
+def test_stop_between_steps_skips_the_remaining_stages(tmp_path, job_and_fetch, default_config):
+    """A stop arriving between stages keeps the finished stage's outputs and starts no further command."""
+    job, fetch = job_and_fetch
+    stop = StopSignal()
+    started = []
+
+    def progress(stage, pct):
+        started.append(stage)
+        if stage == "train_full":
+            stop.set("shutdown")
+
+    with pytest.raises(Stopped):
+        run_pipeline(job, tmp_path / "work", stop, config=default_config, fetch=fetch, progress=progress)
+    assert "train_light" not in started
+    assert (tmp_path / "work/output/.manifests/embed.json").exists()
+    assert not list((tmp_path / "work/logs").glob("*-train_full.log"))
+
+
+def test_bad_recording_from_fetch_propagates(tmp_path, job_and_fetch, default_config):
+    """A permanent error raised by fetch reaches the caller unchanged."""
+    job, _ = job_and_fetch
+
+    def gone(url, destination):
+        raise BadRecording("recording 0 is gone (404)")
+
+    with pytest.raises(BadRecording, match="recording 0"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=gone,
+                     progress=lambda s, p: None)
+
+
+def test_fetch_that_writes_nothing_is_a_download_error(tmp_path, job_and_fetch, default_config):
+    """A fetch returning without a file is reported as a retryable DownloadError, not a later crash."""
+    job, _ = job_and_fetch
+    with pytest.raises(DownloadError, match="recording 0"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config,
+                     fetch=lambda url, dest: None, progress=lambda s, p: None)
+
+
+def test_artifact_lost_after_its_stage_fails_the_run(tmp_path, job_and_fetch):
+    """If an artifact is gone by the end, run_pipeline raises StageFailed naming it instead of returning."""
+    job, fetch = job_and_fetch
+    writer = tmp_path / "writer.py"
+    writer.write_text(
+        "import pathlib, sys\n"
+        "out = pathlib.Path(sys.argv[1])\n"
+        "for name in ['m.pth', 'c.json', 's.pth', 'l.onnx', 'l.json']:\n"
+        "    (out / name).write_text('x')\n",
+        encoding="utf-8",
+    )
+    config = parse_pipeline_config({
+        "artifacts": {"fullModel": "m.pth", "fullConfig": "c.json", "speakerEmbeddings": "s.pth",
+                      "lightModel": "l.onnx", "lightConfig": "l.json"},
+        "stages": [
+            {"name": "write", "argv": ["{python}", str(writer), "{output_dir}"],
+             "outputs": ["m.pth", "c.json", "s.pth", "l.onnx", "l.json"]},
+            {"name": "clobber", "argv": ["{python}", "-c",
+                                         "import os, sys; os.remove(sys.argv[1]); open(sys.argv[2], 'w').write('y')",
+                                         "{output_dir}/s.pth", "{output_dir}/other.txt"],
+             "outputs": ["other.txt"]},
+        ],
+    })
+    with pytest.raises(StageFailed, match="speakerEmbeddings"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=config, fetch=fetch,
+                     progress=lambda s, p: None)
+
+
+def test_file_system_failure_is_a_retryable_stage_failure(tmp_path, job_and_fetch, default_config):
+    """An OSError from the pipeline's own file work surfaces as StageFailed, not a raw OSError."""
+    job, fetch = job_and_fetch
+    blocked = tmp_path / "work"
+    blocked.write_text("a file where the work dir should be")
+    with pytest.raises(StageFailed, match="file system error"):
+        run_pipeline(job, blocked, StopSignal(), config=default_config, fetch=fetch,
+                     progress=lambda s, p: None)
