@@ -248,7 +248,10 @@ class VoiceJobHandler:
             log.info("job.cancelled", when="during work")
             return "cancelled"
         if exc.reason == Stopped.SHUTDOWN:
-            self._store.release_lease(job.job_id, token)
+            try:
+                self._store.release_lease(job.job_id, token)
+            except WorkerError as release_exc:  # the lease lapses on its own; the message is still released
+                log.error("job.release_failed", error=str(release_exc))
             raise exc
         if exc.reason == Stopped.TIME_LIMIT:
             limit = TimeLimitExceeded(f"job ran past its time limit ({exc})")
