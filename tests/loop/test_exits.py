@@ -1,0 +1,92 @@
+"""How the process ends: exit codes and logged reasons for crashes and failed start-ups."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import structlog
+
+from worker.aws import client_config, make_client
+from worker.daemon import EXIT_CRASHED, run_worker
+from worker.logs import configure_logging
+from worker.settings import load_settings
+
+
+class ExplodingWorker:
+    def __init__(self):
+        self.stopped = False
+
+    def run(self):
+        raise RuntimeError("the loop broke")
+
+    def stop(self):
+        self.stopped = True
+
+
+class RecordingPulse:
+    def __init__(self):
+        self.states = []
+
+    def ready(self):
+        self.states.append("READY")
+
+    def stopping(self):
+        self.states.append("STOPPING")
+
+
+def test_unexpected_loop_end_exits_non_zero_with_the_reason_logged():
+    """A loop that raises ends the process with exit 1, the reason logged, and the store still closed."""
+    stream = io.StringIO()
+    configure_logging("INFO", "json", stream=stream)
+    closed, pulse = [], RecordingPulse()
+    try:
+        code = run_worker(ExplodingWorker(), close=lambda: closed.append(True), pulse=pulse)
+    finally:
+        structlog.reset_defaults()
+    assert code == EXIT_CRASHED
+    crash = [json.loads(l) for l in stream.getvalue().splitlines() if '"worker.crashed"' in l]
+    assert crash and "the loop broke" in crash[0]["error"]
+    assert closed == [True] and pulse.states == ["READY", "STOPPING"]
+
+
+def _run(env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SQS_", "MONGO_", "STORE_", "S3_"))}
+    env.update({"SQS_QUEUE_URL": "http://127.0.0.1:9/000000000000/q", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+                "S3_BUCKET": "b", **env_extra})
+    return subprocess.run([sys.executable, "-m", "worker", "run"], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_unreachable_store_at_start_exits_one_with_the_reason():
+    """A store that cannot be reached within the connect budget stops the start-up with exit 1 and a logged reason."""
+    proc = _run({"MONGO_URI": "mongodb://127.0.0.1:9/voice?serverSelectionTimeoutMS=200",
+                 "MONGO_CONNECT_MAX_ATTEMPTS": "2", "MONGO_CONNECT_RETRY_DELAY_MS": "10"})
+    assert proc.returncode == 1
+    lines = [json.loads(l) for l in proc.stderr.splitlines() if l.startswith("{")]
+    failed = [l for l in lines if l["event"] == "worker.startup_failed"]
+    assert failed and failed[0]["error_type"] == "StoreError"
+
+
+def test_bad_pipeline_config_stops_the_start_up_with_its_line(tmp_path):
+    """An unusable pipeline config is a configuration error: one line, exit 2, no AWS call."""
+    bad = tmp_path / "pipeline.toml"
+    bad.write_text('[artifacts]\nfullModel = "../escape.pth"\n')
+    proc = _run({"STORE_URL": f"sqlite:///{tmp_path}/r.db", "PIPELINE_CONFIG": str(bad)})
+    assert proc.returncode == 2
+    assert "pipeline" in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
+def test_aws_clients_retry_in_standard_mode_and_outlast_the_long_poll():
+    """Clients use botocore's standard retries, a read timeout longer than the wait, and AWS_ENDPOINT_URL."""
+    settings = load_settings({"SQS_WAIT_TIME_SECONDS": "20", "AWS_ENDPOINT_URL": "http://127.0.0.1:4566",
+                              "SQS_QUEUE_URL": "https://sqs.eu-west-2.amazonaws.com/1/q"})
+    config = client_config(settings)
+    assert config.retries["mode"] == "standard"
+    assert config.read_timeout > 20
+    client = make_client("sqs", settings)
+    assert client.meta.endpoint_url == "http://127.0.0.1:4566"
+    assert client.meta.region_name == "eu-west-2"
