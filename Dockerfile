@@ -1,0 +1,57 @@
+# voice-worker image: one worker process per container, one GPU per container.
+#
+#   docker build -t voice-worker .
+#   docker run --init --gpus '"device=0"' --env-file /etc/voice-worker/worker.env voice-worker
+#
+# Run it with an init (docker --init, ECS initProcessEnabled): the trainer's own children are
+# reparented to PID 1 when a stage exits, and only an init reaps them.
+#
+# The pipeline in config/pipeline.toml is the CPU reference trainer. A GPU deployment builds FROM this
+# image, adds its trainer and points PIPELINE_CONFIG at a file of the same shape.
+
+# Pinned by tag: a rebuild picks up Debian security fixes for this Python release, nothing newer.
+FROM python:3.11.14-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    LOG_FORMAT=json \
+    LIVENESS_FILE=/tmp/voice-worker.alive \
+    WORK_ROOT=/var/lib/voice-worker/work
+
+# PIPELINE_CONFIG defaults to the relative config/pipeline.toml, so the code's directory is the cwd.
+WORKDIR /app
+
+# Everything the install needs, and nothing else (.dockerignore keeps caches and .venv out).
+COPY pyproject.toml constraints.txt README.md ./
+COPY scripts/ scripts/
+COPY worker/ worker/
+COPY pipeline/ pipeline/
+COPY config/ config/
+COPY samples/ samples/
+
+# The same install step the Makefile runs for the test environment, with the same pins, so the
+# image runs exactly the dependency set the tests ran. No apt packages: soundfile's wheel bundles
+# libsndfile. The user has a fixed UID so EFS access points and host volumes can match it.
+RUN scripts/install.sh python prod \
+    && groupadd --system --gid 10001 voice-worker \
+    && useradd --system --no-log-init --uid 10001 --gid voice-worker \
+        --home-dir /var/lib/voice-worker --shell /usr/sbin/nologin voice-worker \
+    && install -d -o voice-worker -g voice-worker -m 0750 \
+        /var/lib/voice-worker /var/lib/voice-worker/work
+
+USER 10001:10001
+
+# The worker finishes its job within SHUTDOWN_GRACE_SECONDS on SIGTERM, then releases the message.
+# The orchestrator's stop timeout (docker stop -t, ECS stopTimeout) must exceed that grace.
+STOPSIGNAL SIGTERM
+
+# Healthy while the loop and the heartbeat keep touching LIVENESS_FILE (first touched once the
+# worker is ready). The start period covers the store's connect retries: by default up to 7 pings
+# of 5 s each with 21 s of delays between them.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=90s --retries=3 \
+    CMD ["python", "-m", "worker", "health"]
+
+ENTRYPOINT ["python", "-m", "worker"]
+CMD ["run"]

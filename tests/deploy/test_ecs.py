@@ -1,0 +1,103 @@
+"""The ECS task definition: a valid request, one GPU, secrets kept out of plain env, a stop that fits."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import boto3
+import pytest
+from botocore.validate import validate_parameters
+
+from tests.deploy.files import REPO, read_dockerfile, store_connect_worst_s
+from worker.settings import ENV_NAMES, load_settings
+
+TASK_DEFINITION = REPO / "config" / "ecs-task-definition.json"
+PLACEHOLDER = re.compile(r"\$\{([A-Z][A-Z0-9_]*)\}")
+# Past the grace the worker still stops the trainer, clears the lease and releases the message,
+# all before ECS's SIGKILL at stopTimeout.
+RELEASE_MARGIN_S = 15
+SECRET_SETTINGS = {"MONGO_URI", "SENTRY_DSN"}
+
+
+@pytest.fixture(scope="module")
+def task():
+    text = TASK_DEFINITION.read_text()
+    return json.loads(PLACEHOLDER.sub(lambda m: m.group(1).lower().replace("_", "-"), text))
+
+
+@pytest.fixture(scope="module")
+def container(task):
+    (only,) = task["containerDefinitions"]
+    return only
+
+
+def _environment(container) -> dict[str, str]:
+    return {pair["name"]: pair["value"] for pair in container["environment"]}
+
+
+def test_is_a_valid_register_task_definition_request(task):
+    """Every field has the name and type ECS's RegisterTaskDefinition API accepts (botocore's model)."""
+    ecs = boto3.client("ecs", region_name="us-east-1")
+    shape = ecs.meta.service_model.operation_model("RegisterTaskDefinition").input_shape
+    validate_parameters(task, shape)
+
+
+def test_runs_on_ec2_with_one_gpu(task, container):
+    """EC2 compatibility (GPUs) and exactly one GPU for the one worker process."""
+    assert task["family"] and task["requiresCompatibilities"] == ["EC2"]
+    assert container["resourceRequirements"] == [{"type": "GPU", "value": "1"}]
+    assert container["essential"] is True
+
+
+def test_stop_timeout_outlasts_the_shutdown_grace(container):
+    """stopTimeout leaves the release margin after SHUTDOWN_GRACE_SECONDS, and the grace loads."""
+    grace_s = load_settings({"SHUTDOWN_GRACE_SECONDS": _environment(container)["SHUTDOWN_GRACE_SECONDS"]})
+    assert container["stopTimeout"] >= grace_s.shutdown_grace_s + RELEASE_MARGIN_S
+    assert container["stopTimeout"] <= 120  # the most ECS allows
+
+
+def test_runs_as_the_images_user_with_an_init(container):
+    """user is the image's fixed non-root UID, and an init reaps the trainer's orphans."""
+    dockerfile_user = next(
+        i.args for i in reversed(read_dockerfile(REPO / "Dockerfile")) if i.keyword == "USER"
+    )
+    assert container["user"] == dockerfile_user.partition(":")[0] == "10001"
+    assert container["linuxParameters"]["initProcessEnabled"] is True
+
+
+def test_health_check_runs_the_health_command(container):
+    """The container health check runs python -m worker health, like the image's HEALTHCHECK, with a
+    start period past the store's connect retries."""
+    check = container["healthCheck"]
+    assert check["command"] == ["CMD", "python", "-m", "worker", "health"]
+    assert check["timeout"] < check["interval"]
+    assert check["startPeriod"] > store_connect_worst_s(load_settings({}))
+
+
+def test_settings_come_from_env_and_secrets_without_inline_secrets(container):
+    """Queue and bucket are plain env, MONGO_URI and SENTRY_DSN come from Secrets Manager or SSM,
+    every name is a worker setting, and the plain values together load as valid settings."""
+    env = _environment(container)
+    secrets = {s["name"]: s["valueFrom"] for s in container["secrets"]}
+    assert {"SQS_QUEUE_URL", "S3_BUCKET"} <= set(env)
+    assert SECRET_SETTINGS <= set(secrets) and not SECRET_SETTINGS & set(env)
+    assert all(re.match(r"arn:aws:(secretsmanager|ssm):", arn) for arn in secrets.values())
+    assert set(env) | set(secrets) <= set(ENV_NAMES)
+    assert not any("://" in v and "@" in v for v in env.values())  # no credentials in a URL
+    load_settings(env)
+
+
+def test_logs_go_to_cloudwatch(container):
+    """The awslogs driver with a group, region and stream prefix."""
+    logs = container["logConfiguration"]
+    assert logs["logDriver"] == "awslogs"
+    assert {"awslogs-group", "awslogs-region", "awslogs-stream-prefix"} <= set(logs["options"])
+
+
+def test_roles_and_image_are_placeholders_not_real_accounts():
+    """Roles and the image are filled from ${...} placeholders, never a real account baked in."""
+    raw = json.loads(TASK_DEFINITION.read_text())
+    for value in (raw["executionRoleArn"], raw["taskRoleArn"], raw["containerDefinitions"][0]["image"]):
+        assert PLACEHOLDER.search(value)
+        assert not re.search(r"\d{12}", value)
