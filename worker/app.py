@@ -18,6 +18,7 @@ from worker.faults import CrashPoints
 from worker.health import Pulse
 from worker.job import VoiceJobHandler
 from worker.loop import Worker
+from worker.metrics import Metrics
 from worker.queue import Queue
 from worker.reporting import Reporter
 from worker.settings import Settings
@@ -46,6 +47,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     downloads = DownloadSettings.from_settings(settings)
 
     crash_points = CrashPoints(settings.crash_at)
+    metrics = Metrics.from_settings(settings)
 
     def fetch_recording(url: str, dest: Path, *, stop):
         crash_points.reached("during_download")
@@ -65,9 +67,10 @@ def build_app(settings: Settings, *, session=None) -> App:
         worker_id=settings.worker_id,
         lease_s=settings.sqs_visibility_timeout_s,
         crash_points=crash_points,
+        metrics=metrics,
     )
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
     worker = Worker(settings, Queue(sqs, settings.sqs_queue_url), handler,
                     reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
-                    crash_points=crash_points)
+                    crash_points=crash_points, metrics=metrics)
     return App(worker=worker, store=store, pulse=pulse)

@@ -119,6 +119,43 @@ def cmd_health(settings: Settings, _args) -> int:
     return health(settings)
 
 
+def cmd_reconcile(settings: Settings, _args) -> int:
+    from worker.metrics import Metrics
+    from worker.reconcile import Reconciler, cmd_reconcile as reconcile
+
+    if problems := _need(settings, "queue", "store"):
+        return _fail(problems)
+    try:
+        with _store(settings) as store:
+            reconciler = Reconciler(store, _client("sqs", settings), settings.sqs_queue_url,
+                                    stale_after_s=settings.reconcile_stale_s,
+                                    pending_after_s=settings.reconcile_pending_after_s,
+                                    metrics=Metrics.from_settings(settings))
+            return reconcile(reconciler)
+    except WorkerError as exc:
+        print(f"reconcile failed: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_dlq(settings: Settings, args) -> int:
+    from worker.dlq import DeadLetterQueue, cmd_dlq_list, cmd_dlq_redrive
+
+    if problems := _need(settings, "queue"):
+        return _fail(problems)
+    if args.max is not None and args.max < 1:
+        return _fail([f"--max must be at least 1, got {args.max}"])
+    try:
+        dlq = DeadLetterQueue.of(_client("sqs", settings), settings.sqs_queue_url)
+        if dlq is None:
+            return _fail([f"{settings.sqs_queue_url} has no RedrivePolicy: there is no dead-letter queue"])
+        if args.action == "list":
+            return cmd_dlq_list(dlq, as_json=args.json)
+        return cmd_dlq_redrive(dlq, max_messages=args.max, fallback=args.fallback)
+    except WorkerError as exc:
+        print(f"dlq {args.action} failed: {exc}", file=sys.stderr)
+        return 1
+
+
 COMMANDS = {
     "run": (cmd_run, True, "run the worker daemon (the default)",
             "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT.",
@@ -147,6 +184,17 @@ COMMANDS = {
     "health": (cmd_health, True, "exit 0 while the running worker's liveness file is fresh",
                "For container health checks: LIVENESS_FILE must be set for the worker and this command.",
                "LIVENESS_FILE=/tmp/voice-worker.alive python -m worker health"),
+    "reconcile": (cmd_reconcile, True, "one pass over stranded jobs: lost workers, lost messages, dead letters",
+                  "A processing job whose lease ended RECONCILE_STALE_AFTER_SECONDS ago -> error (worker lost);\n"
+                  "a pending job never enqueued after RECONCILE_PENDING_AFTER_SECONDS -> enqueued again, once;\n"
+                  "a job whose message is in the DLQ -> error \"dead-lettered after N receives\".\n"
+                  "Idempotent; run it on a schedule (config/voice-worker-reconcile.timer). Exits 1 if a rule failed.",
+                  "python -m worker reconcile"),
+    "dlq": (cmd_dlq, True, "list the dead-letter queue, or move its messages back",
+            "list: id, job id, receive count, error attributes and age of each message (it stays there).\n"
+            "redrive: StartMessageMoveTask back to SQS_QUEUE_URL; with --max N or --fallback (or where the\n"
+            "service lacks it) receive -> send -> delete, never deleting before the send succeeded.",
+            "python -m worker dlq list --json\n  python -m worker dlq redrive --max 10"),
 }
 
 
@@ -163,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help='print {"jobId": "..."}')
         elif name in ("status", "cancel"):
             p.add_argument("job_id")
+        if name == "dlq":
+            p.add_argument("action", choices=("list", "redrive"))
+            p.add_argument("--json", action="store_true", help="list: print a JSON array")
+            p.add_argument("--max", type=int, default=None, metavar="N",
+                           help="redrive: move at most N messages (receive -> send -> delete)")
+            p.add_argument("--fallback", action="store_true",
+                           help="redrive: receive -> send -> delete even where StartMessageMoveTask exists")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
             p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",

@@ -39,6 +39,7 @@ from worker.errors import (
 )
 from worker.lease import Lease
 from worker.message import Job, job_id_hint, parse_job
+from worker.metrics import NULL_METRICS, STAGE_DIMENSION, STAGE_DURATION, Metrics
 from worker.queue import Message
 from worker.stop import StopSignal
 from worker.store import ASSET_KEYS, Store, is_complete
@@ -77,17 +78,33 @@ def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | 
 
 
 class ProgressReporter:
-    """Writes the job's progress, at most every ``min_interval_s`` unless the stage changed or it finished."""
+    """Writes the job's progress, at most every ``min_interval_s`` unless the stage changed or it finished.
+
+    It also times each stage, from its first report to its first 100 %, as the StageDuration metric.
+    """
 
     def __init__(self, store: Store, job_id: str, token: str, stop: StopSignal,
-                 min_interval_s: float = PROGRESS_MIN_INTERVAL_S, clock=time.monotonic):
+                 min_interval_s: float = PROGRESS_MIN_INTERVAL_S, clock=time.monotonic,
+                 metrics: Metrics = NULL_METRICS):
         self._store, self._job_id, self._token, self._stop = store, job_id, token, stop
         self._min_interval_s, self._clock = min_interval_s, clock
         self._last: tuple[str, float] | None = None
+        self._metrics = metrics
+        self._stage_started: dict[str, float] = {}
+        self._stages_timed: set[str] = set()
         self.writes = 0
+
+    def _time_stage(self, stage: str, percent: float, now: float) -> None:
+        started = self._stage_started.setdefault(stage, now)
+        if percent >= 100 and stage not in self._stages_timed:
+            self._stages_timed.add(stage)
+            self._metrics.seconds(STAGE_DURATION, now - started, dimensions={STAGE_DIMENSION: stage},
+                                  jobId=self._job_id)
 
     def __call__(self, stage: str, percent: float) -> None:
         now = self._clock()
+        # Timed before the rate limit: a report that is not written still marks when a stage ran.
+        self._time_stage(stage, percent, now)
         if self._last is not None:
             last_stage, last_at = self._last
             if stage == last_stage and percent < 100 and now - last_at < self._min_interval_s:
@@ -135,7 +152,8 @@ class StoreLease:
 
 class VoiceJobHandler:
     def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Train, work_root: Path,
-                 s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER):
+                 s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
+                 metrics: Metrics = NULL_METRICS):
         self._store = store
         self._uploader = uploader
         self._train = train
@@ -145,6 +163,7 @@ class VoiceJobHandler:
         # The record's lease lasts as long as the message's visibility: both lapse together.
         self._lease_s = lease_s
         self._crash = crash_points.reached
+        self._metrics = metrics
 
     def __call__(self, message: Message, lease: Lease) -> str:
         try:
@@ -209,7 +228,7 @@ class VoiceJobHandler:
         if reused is not None:
             log.info("job.reusing_verified_artifacts")
             return reused
-        progress = ProgressReporter(self._store, job.job_id, token, stop)
+        progress = ProgressReporter(self._store, job.job_id, token, stop, metrics=self._metrics)
         return self._train(job, work_dir, stop, progress)
 
     def _persist(self, job: Job, token: str, paths: dict[str, Path], stop: StopSignal,

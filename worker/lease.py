@@ -23,6 +23,7 @@ from collections.abc import Callable
 import structlog
 
 from worker.errors import LeaseLost, Stopped, WorkerError
+from worker.metrics import HEARTBEAT_FAILURES, NULL_METRICS, Metrics
 from worker.queue import Message, Queue
 from worker.stop import StopSignal
 
@@ -69,6 +70,7 @@ class Lease:
         shutdown_grace_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_renewed: Callable[[], None] | None = None,
+        metrics: Metrics | None = None,
     ):
         self.message = message
         self.stop = StopSignal()
@@ -84,6 +86,7 @@ class Lease:
         self._deadline = message.received_at_s + visibility_timeout_s
         self._callbacks: list[Callable[[], None]] = []
         self._on_renewed = on_renewed
+        self._metrics = metrics or NULL_METRICS
         self._lost_reason: str | None = None
         self._closing = False
         self._wake = threading.Event()
@@ -166,6 +169,7 @@ class Lease:
         except WorkerError as exc:
             self.failed_renewals += 1
             log.warning("heartbeat.renewal_failed", error=str(exc), failures=self.failed_renewals)
+            self._metrics.count(HEARTBEAT_FAILURES, part="queue", messageId=self.message.message_id)
             return True
         # The new deadline counts from when the request left, not when the answer came back.
         self._deadline = sent_at + self._visibility_timeout_s
@@ -180,6 +184,7 @@ class Lease:
                 return False
             except WorkerError as exc:
                 log.warning("heartbeat.callback_failed", error=str(exc), error_type=exc.error_type)
+                self._metrics.count(HEARTBEAT_FAILURES, part="store", messageId=self.message.message_id)
         return True
 
     def _lose(self, reason: str) -> None:

@@ -34,6 +34,10 @@ from worker.errors import (
 )
 from worker.faults import NEVER, CrashPoints
 from worker.lease import Lease, Shutdown
+from worker.metrics import (
+    COUNT, JOB_DURATION, NULL_METRICS, OUTCOME_METRICS, RECEIVE_COUNT_AT_COMPLETION, SECONDS, Metrics,
+    outcome_of,
+)
 from worker.queue import Message, Queue
 from worker.reporting import Reporter
 from worker.settings import Settings
@@ -90,8 +94,10 @@ class Worker:
         reporter: Reporter | None = None,
         alive: Callable[[], None] | None = None,
         crash_points: CrashPoints = NEVER,
+        metrics: Metrics | None = None,
     ):
         self._settings = settings
+        self._metrics = metrics or NULL_METRICS
         self._queue = queue
         self._handler = handler
         self._reporter = reporter or Reporter(None)
@@ -134,6 +140,7 @@ class Worker:
             if self.shutdown.requested.is_set():
                 # Arrived while we were stopping: hand it straight back.
                 self._settle(message, Decision(RELEASE), lease_lost=False)
+                self._count_outcome(message, RELEASE, None, 0.0)
                 return RELEASE
             return self._process(message)
         finally:
@@ -151,6 +158,7 @@ class Worker:
             shutdown=self.shutdown,
             shutdown_grace_s=s.shutdown_grace_s,
             on_renewed=self._alive,
+            metrics=self._metrics,
         )
         log.info("message.received")
         started_s = time.monotonic()
@@ -179,7 +187,18 @@ class Worker:
             duration_s=round(time.monotonic() - started_s, 3),
         )
         self._settle(message, decision, lease_lost=lease.lost)
+        self._count_outcome(message, decision.action, label, time.monotonic() - started_s)
         return decision.action
+
+    def _count_outcome(self, message: Message, action: str, label: str | None, duration_s: float) -> None:
+        outcome = outcome_of(action, label)
+        if outcome not in OUTCOME_METRICS:
+            return
+        values = {OUTCOME_METRICS[outcome]: (1, COUNT)}
+        if outcome == "completed":
+            values[JOB_DURATION] = (duration_s, SECONDS)
+            values[RECEIVE_COUNT_AT_COMPLETION] = (message.receive_count, COUNT)
+        self._metrics.emit(values, outcome=outcome, messageId=message.message_id)
 
     def _settle(self, message: Message, decision: Decision, *, lease_lost: bool) -> None:
         s = self._settings

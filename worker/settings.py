@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     # --- time
     job_time_limit_s: int = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1)
     shutdown_grace_s: float = Field(60.0, alias="SHUTDOWN_GRACE_SECONDS", ge=0)
+    # The reconciler: a processing job whose lease ended this long ago lost its worker (unset: the job
+    # time limit + visibility timeout + longest backoff + 1 h); a pending job never enqueued this long
+    # after its creation is enqueued again, once.
+    reconcile_stale_after_s: int | None = Field(None, alias="RECONCILE_STALE_AFTER_SECONDS", ge=1)
+    reconcile_pending_after_s: int = Field(1800, alias="RECONCILE_PENDING_AFTER_SECONDS", ge=1)
 
     # --- downloads
     download_timeout_s: float = Field(60.0, alias="DOWNLOAD_TIMEOUT_SECONDS", gt=0)
@@ -77,6 +82,11 @@ class Settings(BaseSettings):
     liveness_max_age_s: float | None = Field(None, alias="LIVENESS_MAX_AGE_SECONDS", gt=0)
     # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
     notify_socket: str | None = Field(None, alias="NOTIFY_SOCKET")
+    # CloudWatch embedded metric format, one JSON object per line on stdout (worker/metrics.py).
+    metrics_enabled: bool = Field(True, alias="METRICS_ENABLED")
+    metrics_namespace: str = Field("VoiceWorker", alias="METRICS_NAMESPACE", min_length=1, max_length=255)
+    # Name=Value pairs added to every metric, e.g. "Environment=production,Queue=jobs".
+    metrics_dimensions: str = Field("", alias="METRICS_DIMENSIONS")
 
     # --- testing only: kill the process at a named point (see worker/faults.py); unset in production
     crash_at: str | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
@@ -112,6 +122,13 @@ class Settings(BaseSettings):
     def mongo_connect_retry_delay_s(self) -> float:
         return self.mongo_connect_retry_delay_ms / 1000.0
 
+    @property
+    def reconcile_stale_s(self) -> int:
+        """RECONCILE_STALE_AFTER_SECONDS, or a default well past anything a live worker can take."""
+        if self.reconcile_stale_after_s is not None:
+            return self.reconcile_stale_after_s
+        return self.job_time_limit_s + self.sqs_visibility_timeout_s + self.sqs_retry_visibility_max_s + 3600
+
 
 def consistency_problems(s: Settings) -> list[str]:
     """Cross-setting rules, one readable line per broken rule (checked once every field is valid)."""
@@ -140,6 +157,20 @@ def consistency_problems(s: Settings) -> list[str]:
 
         if s.crash_at not in POINTS:
             problems.append(f"VOICE_WORKER_CRASH_AT={s.crash_at} is not one of {', '.join(POINTS)}")
+    if s.reconcile_stale_after_s is not None and (
+            s.reconcile_stale_after_s < s.job_time_limit_s + s.sqs_visibility_timeout_s):
+        # A worker whose store renewals fail keeps working (and may still commit) up to the time limit.
+        problems.append(
+            f"RECONCILE_STALE_AFTER_SECONDS={s.reconcile_stale_after_s} must be at least "
+            f"JOB_TIME_LIMIT_SECONDS + SQS_VISIBILITY_TIMEOUT_SECONDS "
+            f"({s.job_time_limit_s + s.sqs_visibility_timeout_s}), or a live job may be marked lost")
+    if s.metrics_dimensions:
+        from worker.metrics import parse_dimensions
+
+        try:
+            parse_dimensions(s.metrics_dimensions)
+        except ValueError as exc:
+            problems.append(f"METRICS_DIMENSIONS: {exc}")
     if s.store_url and not s.store_url.startswith("sqlite:///"):
         problems.append(f"STORE_URL must look like sqlite:///path/to/file.db, got {s.store_url!r}")
     return problems

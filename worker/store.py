@@ -277,6 +277,24 @@ class Store(ABC):
     def find_stale(self, limit: int = 100) -> list[dict]:
         """Jobs left processing with no live lease (their worker died or let go), oldest first."""
 
+    # --- the reconciler's operations (rules in worker.store_recovery); each returns whether it wrote
+
+    @abstractmethod
+    def mark_enqueued(self, job_id: str, *, again: bool = False) -> bool:
+        """Stamp ``enqueuedAt`` (``reenqueuedAt`` when ``again``) once a message for the job was sent."""
+
+    @abstractmethod
+    def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
+        """Pending jobs older than ``older_than_s`` with no message recorded as sent, oldest first."""
+
+    @abstractmethod
+    def mark_worker_lost(self, job_id: str, *, stale_after_s: float, worker: str) -> bool:
+        """Processing job whose lease ended over ``stale_after_s`` ago -> error WorkerLost (retryable)."""
+
+    @abstractmethod
+    def record_dead_letter(self, job_id: str, *, dead_letter: dict, worker: str) -> bool:
+        """Job not final and not leased, this DLQ message not yet applied -> error "dead-lettered …"."""
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -24,6 +24,7 @@ from pymongo import ReturnDocument, WriteConcern
 from pymongo.errors import ConfigurationError, DuplicateKeyError, PyMongoError
 
 from worker import store as rules
+from worker import store_recovery as recovery
 from worker.errors import ConfigError, StaleWrite, StoreError
 from worker.store import Claim, Clock, Store
 
@@ -293,6 +294,38 @@ class MongoStore(Store):
             except DuplicateKeyError:
                 pass  # the profile already exists: keep it as it is
             return job_id, True
+
+    # ------------------------------------------------------------ the reconciler's operations
+
+    def mark_enqueued(self, job_id: str, *, again: bool = False) -> bool:
+        field = recovery.REENQUEUED if again else recovery.ENQUEUED
+        return self._change_job("mark_enqueued", job_id, lambda j, _now: j.get(field) is None,
+                                lambda j, now: recovery.stamped(j, field, now),
+                                lambda _now: {field: None})[1]
+
+    def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
+        query = {"status": rules.PENDING, recovery.ENQUEUED: None, recovery.REENQUEUED: None,
+                 "createdAt": {"$lte": to_bson(recovery.cutoff(self._now(), older_than_s))}}
+        with _translated("find_unenqueued"):
+            raws = list(self._jobs.find(query).sort("createdAt", pymongo.ASCENDING).limit(int(limit)))
+        return [from_bson(raw) for raw in raws]
+
+    def mark_worker_lost(self, job_id: str, *, stale_after_s: float, worker: str) -> bool:
+        def condition(now: datetime) -> dict:
+            ended = to_bson(recovery.cutoff(now, stale_after_s))
+            return {"status": rules.PROCESSING, "$or": [{"lease.expiresAt": {"$lte": ended}},
+                                                        {"lease": None, "heartbeatAt": {"$lte": ended}}]}
+
+        return self._change_job("mark_worker_lost", job_id,
+                                lambda j, now: recovery.worker_lost(j, now, stale_after_s),
+                                lambda j, now: recovery.lost(j, worker=worker, now=now), condition)[1]
+
+    def record_dead_letter(self, job_id: str, *, dead_letter: dict, worker: str) -> bool:
+        message_id = dead_letter["messageId"]
+        return self._change_job(
+            "record_dead_letter", job_id, lambda j, now: recovery.may_record_dead_letter(j, message_id, now),
+            lambda j, now: recovery.dead_lettered(j, dead_letter, worker=worker, now=now),
+            lambda now: {**_claimable(now), recovery.DEAD_LETTERS: {"$ne": message_id}})[1]
 
     def close(self) -> None:
         client, self._client = self._client, None

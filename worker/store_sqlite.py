@@ -19,6 +19,7 @@ from datetime import datetime
 import structlog
 
 from worker import store as rules
+from worker import store_recovery as recovery
 from worker.errors import StaleWrite, StoreError
 from worker.store import Claim, Clock, Store
 
@@ -47,6 +48,8 @@ _SCHEMA = (
 _CLAIMABLE = "status NOT IN ('completed', 'cancelled') AND (lease_token IS NULL OR lease_expires_ms <= ?)"
 _HELD = "status = 'processing' AND lease_token = ?"
 _NOT_FINAL = "status NOT IN ('completed', 'cancelled')"
+_LOST = ("status = 'processing' AND ((lease_token IS NOT NULL AND lease_expires_ms <= ?) "
+         "OR (lease_token IS NULL AND heartbeat_ms <= ?))")
 
 
 def _epoch_ms(moment: datetime | None) -> int | None:
@@ -314,6 +317,43 @@ class SqliteStore(Store):
             if self._read(conn, "profiles", str(profile["_id"])) is None:
                 self._put_profile(conn, rules.new_profile_record(profile, job_id, now))
             return job_id, True
+
+    # ------------------------------------------------------------ the reconciler's operations
+
+    def mark_enqueued(self, job_id: str, *, again: bool = False) -> bool:
+        field = recovery.REENQUEUED if again else recovery.ENQUEUED
+        _job, changed = self._change_job(
+            "mark_enqueued", job_id, lambda j, _now: j.get(field) is None,
+            lambda j, now: recovery.stamped(j, field, now), "1 = 1", lambda _now: ())
+        return changed
+
+    def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
+        now = self._now()
+        with self._guarded("find_unenqueued") as conn:
+            rows = conn.execute("SELECT doc FROM jobs WHERE status = 'pending'").fetchall()
+        # The stamps live only in the JSON document: pending jobs are few, so filter them here.
+        jobs = [job for job in map(_decode, (row[0] for row in rows))
+                if recovery.awaiting_enqueue(job, now, older_than_s)]
+        return sorted(jobs, key=lambda job: job["createdAt"])[:int(limit)]
+
+    def mark_worker_lost(self, job_id: str, *, stale_after_s: float, worker: str) -> bool:
+        def args(now: datetime) -> tuple:
+            cutoff_ms = _epoch_ms(recovery.cutoff(now, stale_after_s))
+            return cutoff_ms, cutoff_ms
+
+        _job, changed = self._change_job(
+            "mark_worker_lost", job_id, lambda j, now: recovery.worker_lost(j, now, stale_after_s),
+            lambda j, now: recovery.lost(j, worker=worker, now=now), _LOST, args)
+        return changed
+
+    def record_dead_letter(self, job_id: str, *, dead_letter: dict, worker: str) -> bool:
+        message_id = dead_letter["messageId"]
+        _job, changed = self._change_job(
+            "record_dead_letter", job_id,
+            lambda j, now: recovery.may_record_dead_letter(j, message_id, now),
+            lambda j, now: recovery.dead_lettered(j, dead_letter, worker=worker, now=now),
+            _CLAIMABLE, lambda now: (_epoch_ms(now),))
+        return changed
 
     def close(self) -> None:
         with self._lock:

@@ -1,4 +1,9 @@
-"""Submitting a job: records first (idempotently), then the message. Used by `submit` and the demo."""
+"""Submitting a job: records first (idempotently), then the message. Used by `submit` and the demo.
+
+The record keeps the exact body as ``messageBody`` and gets ``enqueuedAt`` once the send succeeded:
+a pending job without that stamp is one whose message may never have reached the queue, and the
+reconciler (worker/reconcile.py) sends ``messageBody`` again, once.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,14 @@ import json
 import secrets
 from typing import Any
 
+import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.errors import InvalidMessage, QueueError
+from worker.errors import InvalidMessage, QueueError, WorkerError
 from worker.message import Job, parse_job
 from worker.store import Store
 
+log = structlog.get_logger(__name__)
 
 def new_object_id() -> str:
     """A fresh 24-hex id, the shape of a MongoDB ObjectId."""
@@ -40,13 +47,20 @@ def submit(store: Store, sqs, queue_url: str, payload: Any) -> tuple[str, bool]:
         "profileId": job.profile_id,
         "environment": job.environment,
         "directoryName": job.directory_name,
+        "messageBody": json.dumps(body),
     }
     job_id, created = store.submit(record, {"_id": job.profile_id}, idempotency_key=key)
     if not created and key is not None:
         return job_id, False
     try:
-        sqs.send_message(QueueUrl=queue_url, MessageBody=json.dumps(body))
+        sqs.send_message(QueueUrl=queue_url, MessageBody=record["messageBody"])
     except (ClientError, BotoCoreError) as exc:
         # The record stays pending; `reconcile` re-enqueues pending jobs whose message never arrived.
         raise QueueError(f"job {job_id} recorded but not enqueued: {exc}") from exc
+    try:
+        store.mark_enqueued(job_id)
+    except WorkerError as exc:
+        # The message is on its way: at worst the reconciler sends a duplicate, which the worker
+        # acknowledges without work. Failing the submit here would invite a second submit instead.
+        log.warning("submit.mark_enqueued_failed", job_id=job_id, error=str(exc))
     return job_id, created

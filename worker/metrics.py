@@ -1,0 +1,172 @@
+"""Metrics as CloudWatch embedded metric format (EMF): one JSON object per line, no metrics service.
+
+CloudWatch Logs extracts metrics from any log event that is exactly one EMF document (PutLogEvents
+needs no special header), so whatever ships stdout to a log group is enough: the ECS ``awslogs``
+driver, or the CloudWatch agent tailing a file the unit's stdout goes to. The lines go to **stdout**
+while the structured logs go to stderr, so a shipper can route or drop them separately; each line is
+written whole under a lock, so the heartbeat thread and the loop never interleave. One per event::
+
+    {"_aws": {"Timestamp": 1714564800000,
+              "CloudWatchMetrics": [{"Namespace": "VoiceWorker",
+                                     "Dimensions": [["Environment", "Queue"]],
+                                     "Metrics": [{"Name": "JobDuration", "Unit": "Seconds"}]}]},
+     "Environment": "production", "Queue": "jobs", "JobDuration": 812.4, "outcome": "completed"}
+
+Namespace: METRICS_NAMESPACE. Dimensions: METRICS_DIMENSIONS ("Name=Value,..."), added to every metric;
+stage durations add ``Stage``. METRICS_ENABLED=false writes nothing. The metric names below are the
+ones config/cloudwatch-dashboard.json and config/cloudwatch-alarms.yaml refer to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TextIO
+
+import structlog
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_NAMESPACE = "VoiceWorker"
+SECONDS, COUNT = "Seconds", "Count"
+
+JOB_DURATION = "JobDuration"                            # the completing attempt: receipt to delete
+STAGE_DURATION = "StageDuration"                        # first progress report to 100 %, per Stage
+RECEIVE_COUNT_AT_COMPLETION = "ReceiveCountAtCompletion"
+HEARTBEAT_FAILURES = "HeartbeatFailures"                # a renewal (queue or store) that failed
+STAGE_DIMENSION = "Stage"
+
+# What the loop did with a message -> the count it adds 1 to.
+OUTCOME_METRICS = {
+    "completed": "JobsCompleted",
+    "retried": "JobsRetried",
+    "dead_lettered": "JobsDeadLettered",
+    "cancelled": "JobsCancelled",
+    "released": "JobsReleased",
+    "skipped": "JobsSkipped",        # acknowledged without work: already complete, or a duplicate
+    "lease_lost": "JobsLeaseLost",
+}
+# What one reconcile pass changed -> its count (0 included, so alarms see a steady series).
+RECONCILE_METRICS = {
+    "worker_lost": "ReconciledWorkerLost",
+    "reenqueued": "ReconciledReenqueued",
+    "unenqueueable": "ReconciledUnenqueueable",
+    "dead_lettered": "ReconciledDeadLettered",
+    "failed": "ReconcileFailures",
+}
+METRIC_NAMES = frozenset({JOB_DURATION, STAGE_DURATION, RECEIVE_COUNT_AT_COMPLETION, HEARTBEAT_FAILURES,
+                          *OUTCOME_METRICS.values(), *RECONCILE_METRICS.values()})
+
+MAX_DIMENSIONS = 30  # per dimension set, CloudWatch's limit
+_DIMENSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,249}$")  # EMF allows 250
+_RESERVED = METRIC_NAMES | {STAGE_DIMENSION, "_aws"}
+
+
+def parse_dimensions(text: str) -> dict[str, str]:
+    """``"Environment=production,Queue=jobs"`` -> a dict; ValueError with a readable reason."""
+    dims: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or not value:
+            raise ValueError(f"{item!r} is not Name=Value")
+        if not _DIMENSION_NAME.match(name):
+            raise ValueError(f"dimension name {name!r} must be letters, digits, '_', '.', '-'")
+        if name in _RESERVED:
+            raise ValueError(f"dimension name {name!r} is reserved (a metric or built-in dimension)")
+        if len(value) > 1024:
+            raise ValueError(f"dimension {name} has a value longer than 1024 characters")
+        if name in dims:
+            raise ValueError(f"dimension {name} is given twice")
+        dims[name] = value
+    if len(dims) > MAX_DIMENSIONS - 1:  # one place is kept for Stage
+        raise ValueError(f"at most {MAX_DIMENSIONS - 1} dimensions, got {len(dims)}")
+    return dims
+
+
+def outcome_of(action: str, label: str | None) -> str:
+    """The outcome counted for the loop's action (ack/retry/…) and the handler's label."""
+    if action == "ack":
+        return label if label in ("completed", "cancelled") else "skipped"
+    return {"retry": "retried", "dead_letter": "dead_lettered", "release": "released",
+            "abandon": "lease_lost"}.get(action, action)
+
+
+def emf_document(namespace: str, dimensions: Mapping[str, str], values: Mapping[str, tuple[float, str]],
+                 *, timestamp_ms: int, properties: Mapping[str, Any] | None = None) -> dict | None:
+    """One EMF document; ``values`` maps a metric name to (value, unit). None when nothing is left."""
+    finite = {name: (float(v), unit) for name, (v, unit) in values.items()
+              if isinstance(v, (int, float)) and math.isfinite(v)}
+    if not finite:
+        return None
+    directive = {
+        "Namespace": namespace,
+        "Dimensions": [list(dimensions)],
+        "Metrics": [{"Name": name, "Unit": unit} for name, (_v, unit) in finite.items()],
+    }
+    # Properties first: a property can never shadow a dimension or a metric value.
+    doc: dict[str, Any] = {k: v for k, v in (properties or {}).items() if k not in _RESERVED}
+    doc.update(dimensions)
+    doc.update({name: value for name, (value, _unit) in finite.items()})
+    doc["_aws"] = {"Timestamp": int(timestamp_ms), "CloudWatchMetrics": [directive]}
+    return doc
+
+
+class Metrics:
+    """Writes EMF lines; safe from the heartbeat thread and the main thread at once."""
+
+    def __init__(self, namespace: str = DEFAULT_NAMESPACE, dimensions: Mapping[str, str] | None = None,
+                 *, stream: TextIO | None = None, enabled: bool = True,
+                 clock: Callable[[], float] = time.time):
+        self.namespace = namespace
+        self.dimensions = dict(dimensions or {})
+        self.enabled = enabled
+        self._stream = stream
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._write_failed = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings, stream: TextIO | None = None) -> Metrics:
+        return cls(settings.metrics_namespace, parse_dimensions(settings.metrics_dimensions),
+                   stream=stream, enabled=settings.metrics_enabled)
+
+    def emit(self, values: Mapping[str, tuple[float, str]], *,
+             dimensions: Mapping[str, str] | None = None, **properties: Any) -> None:
+        """Write one document; ``dimensions`` are added to the configured ones for these values."""
+        if not self.enabled:
+            return
+        doc = emf_document(self.namespace, {**self.dimensions, **(dimensions or {})}, values,
+                           timestamp_ms=round(self._clock() * 1000), properties=properties)
+        if doc is None:
+            return
+        line = json.dumps(doc, separators=(",", ":"), default=str) + "\n"
+        with self._lock:
+            try:
+                stream = self._stream or sys.stdout  # looked up late: tests and daemons may swap it
+                stream.write(line)
+                stream.flush()
+            except (OSError, ValueError) as exc:
+                # Metrics are advisory: a closed or broken stdout must never fail a job.
+                if not self._write_failed:
+                    self._write_failed = True
+                    log.warning("metrics.write_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def count(self, name: str, value: float = 1, **properties: Any) -> None:
+        self.emit({name: (value, COUNT)}, **properties)
+
+    def seconds(self, name: str, value_s: float, *, dimensions: Mapping[str, str] | None = None,
+                **properties: Any) -> None:
+        self.emit({name: (value_s, SECONDS)}, dimensions=dimensions, **properties)
+
+
+NULL_METRICS = Metrics(enabled=False)
