@@ -8,6 +8,7 @@
     │   ├── StoreError         the records store is unavailable
     │   ├── StaleWrite         an update matched no record (not ours any more, or gone): never acknowledge
     │   ├── UnknownJob         no job record for the message (yet): the redrive policy bounds the retries
+    │   ├── JobBusy            this very message is being worked on under a lapsed SQS lease: come back later
     │   ├── LeaseLost          our claim on the message or the record is gone: commit nothing, delete nothing
     │   ├── DownloadError      a recording could not be fetched this time (timeout, 5xx, network)
     │   └── StageFailed        a pipeline stage exited with a code not declared permanent
@@ -65,6 +66,10 @@ class StaleWrite(RetryableError):
 
 
 class UnknownJob(RetryableError):
+    pass
+
+
+class JobBusy(RetryableError):
     pass
 
 

@@ -29,6 +29,7 @@ from worker.artifacts import ArtifactUploader, artifact_key, verify_local
 from worker.faults import NEVER, CrashPoints
 from worker.errors import (
     InvalidMessage,
+    JobBusy,
     LeaseLost,
     StaleWrite,
     Stopped,
@@ -175,28 +176,26 @@ class VoiceJobHandler:
             raise
         structlog.contextvars.bind_contextvars(job_id=job.job_id)
         try:
-            return self._handle(job, lease)
+            return self._handle(job, message, lease)
         finally:
             structlog.contextvars.unbind_contextvars("job_id")
 
-    def _handle(self, job: Job, lease: Lease) -> str:
+    def _handle(self, job: Job, message: Message, lease: Lease) -> str:
         store = self._store
         record, profile = store.get_job(job.job_id), store.get_profile(job.profile_id)
         if is_complete(record, profile):
             log.info("job.already_complete", note="redelivery acknowledged without work")
             return "already_complete"
         token = secrets.token_hex(16)
-        claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s)
+        claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
+                            message_id=message.message_id)
         if claim.outcome == "missing":
             raise UnknownJob(f"no job record {job.job_id} (yet)")
         if claim.outcome in ("completed", "cancelled"):
             log.info("job.nothing_to_do", status=claim.outcome)
             return claim.outcome
         if claim.outcome == "held":
-            lease_info = (claim.job or {}).get("lease") or {}
-            log.warning("job.duplicate_delivery", holder=lease_info.get("owner"),
-                        note="another worker holds a live lease; acknowledged without work")
-            return "duplicate"
+            return self._held(claim.job or {}, message)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
         store_lease = StoreLease(store, job.job_id, token, self._lease_s, lease.stop)
         lease.on_renew(store_lease.renew)
@@ -221,6 +220,18 @@ class VoiceJobHandler:
         return "completed"
 
     # --- steps
+    @staticmethod
+    def _held(record: dict, message: Message) -> str:
+        """Another worker holds a live lease on the job: is this delivery a duplicate, or its own message?"""
+        holder = record.get("lease") or {}
+        if holder.get("messageId") == message.message_id:
+            # The holder's SQS lease on this very message lapsed, so SQS handed it to us. Deleting it
+            # would leave the job with no message if the holder (which will stop) commits nothing.
+            raise JobBusy(f"message is held by {holder.get('owner')} under an expired SQS lease; "
+                          "retrying once its record lease ends")
+        log.warning("job.duplicate_delivery", holder=holder.get("owner"),
+                    note="another message for this job is being worked on; acknowledged without work")
+        return "duplicate"
 
     def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, token: str) -> dict[str, Path]:
         work_dir = work_dir_for(self._work_root, job)
@@ -276,7 +287,13 @@ class VoiceJobHandler:
             limit = TimeLimitExceeded(f"job ran past its time limit ({exc})")
             self._record_error(job.job_id, token, limit)
             raise limit from exc
-        raise exc  # lease lost: no writes
+        # Lease lost: no commit. Clearing our store lease (fenced: only if still ours) lets the next
+        # delivery claim at once instead of waiting for it to expire.
+        try:
+            self._store.release_lease(job.job_id, token)
+        except WorkerError as release_exc:
+            log.warning("job.release_failed", error=str(release_exc))
+        raise exc
 
     def _record_error(self, job_id: str, token: str | None, exc: WorkerError) -> None:
         """Record the failure on the job; a failure to record never hides the original error."""

@@ -112,14 +112,18 @@ def close_attempt(history: list, outcome: str, now: datetime, token: str | None 
     return history
 
 
-def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime) -> dict:
+def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
+            message_id: str | None = None) -> dict:
     # A "running" entry left behind is an attempt that died without saying so.
     history = close_attempt(job.get("history"), "abandoned", now)
     history.append({"worker": owner, "token": token, "start": now, "end": None, "outcome": "running"})
     return {
         **job,
         "status": PROCESSING,
-        "lease": {"owner": owner, "token": token, "expiresAt": to_ms(now + timedelta(seconds=lease_s))},
+        # messageId tells a second delivery of this same message (our SQS lease lapsed) from a
+        # duplicate message for the job (ours is still alive).
+        "lease": {"owner": owner, "token": token, "expiresAt": to_ms(now + timedelta(seconds=lease_s)),
+                  "messageId": message_id},
         "heartbeatAt": now,
         "startedAt": now,
         "attempts": int(job.get("attempts") or 0) + 1,
@@ -238,7 +242,8 @@ class Store(ABC):
     def get_profile(self, profile_id: str) -> dict | None: ...
 
     @abstractmethod
-    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float) -> Claim: ...
+    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
+              message_id: str | None = None) -> Claim: ...
 
     @abstractmethod
     def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:

@@ -199,11 +199,13 @@ class MongoStore(Store):
 
     # ------------------------------------------------------------ the attempt's life
 
-    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float) -> Claim:
+    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
+              message_id: str | None = None) -> Claim:
         job, changed = self._change_job(
             "claim", job_id,
             lambda j, now: rules.claim_refusal(j, now) is None,
-            lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now),
+            lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now,
+                                         message_id=message_id),
             _claimable)
         if job is None:
             return Claim("missing", None)

@@ -224,7 +224,8 @@ class SqliteStore(Store):
 
     # ------------------------------------------------------------ the attempt's life
 
-    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float) -> Claim:
+    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
+              message_id: str | None = None) -> Claim:
         def stamp_profile(conn: sqlite3.Connection, job: dict, now: datetime) -> None:
             if not job.get("profileId"):
                 return
@@ -235,7 +236,8 @@ class SqliteStore(Store):
         job, changed = self._change_job(
             "claim", job_id,
             lambda j, now: rules.claim_refusal(j, now) is None,
-            lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now),
+            lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now,
+                                         message_id=message_id),
             _CLAIMABLE, lambda now: (_epoch_ms(now),),
             after=stamp_profile,
         )

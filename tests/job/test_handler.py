@@ -248,3 +248,32 @@ def test_store_lease_is_renewed_with_the_message(queues, make_worker, handler, r
     assert worker.run_once() == "ack"
     first, later = seen[0]
     assert later > first
+
+
+def test_same_message_redelivered_under_a_live_record_lease_is_not_deleted(queues, make_worker, handler, raw_store, train):
+    """A delivery of the very message another worker holds (its SQS lease lapsed) is retried, never deleted."""
+    msg_id = queues.send(message_body())
+    assert raw_store.claim(JOB_ID, owner="worker-a", token="token-a", lease_s=300, message_id=msg_id).outcome == "claimed"
+    worker, client = make_worker(handler)
+    assert worker.run_once() == "retry"
+    assert train.runs == 0 and "delete_message" not in client.ops()
+    assert raw_store.get_job(JOB_ID)["lease"]["token"] == "token-a"
+
+
+def test_lost_message_lease_clears_the_record_lease_for_the_next_delivery(queues, make_worker, handler, raw_store, train):
+    """A worker that lost its SQS lease commits nothing and clears its record lease, so the next delivery claims at once."""
+    from tests.support import client_error
+
+    def wait_for_stop(job, work_dir, stop, progress):
+        assert stop.wait(3)
+        stop.raise_if_set()
+
+    train.during = wait_for_stop
+    worker, client = make_worker(handler)
+    client.faults["change_message_visibility"] = lambda kw: client_error("ReceiptHandleIsInvalid")
+    queues.send(message_body())
+    assert worker.run_once() == "abandon"
+    job = raw_store.get_job(JOB_ID)
+    assert job["status"] == "processing" and job["lease"] is None
+    assert not raw_store.get_profile(PROFILE_ID).get("modelPaths")
+    assert raw_store.claim(JOB_ID, owner="w2", token="t2", lease_s=60).outcome == "claimed"

@@ -99,7 +99,7 @@ def test_claim_once(store, clock):
     assert job == store.get_job(JOB_ID)
     assert job["status"] == "processing" and job["attempts"] == 1
     assert job["lease"] == {"owner": "w1", "token": "t1",
-                            "expiresAt": clock.now + timedelta(seconds=LEASE_S)}
+                            "expiresAt": clock.now + timedelta(seconds=LEASE_S), "messageId": None}
     assert job["lease"]["expiresAt"].tzinfo == timezone.utc
     assert job["heartbeatAt"] == clock.now and job["startedAt"] == clock.now
     assert job["history"] == [{"worker": "w1", "token": "t1", "start": clock.now, "end": None,
@@ -189,3 +189,12 @@ def test_history_keeps_the_last_twenty_attempts(store, clock):
     assert job["attempts"] == HISTORY_LIMIT + 5 and len(job["history"]) == HISTORY_LIMIT
     assert job["history"][0]["token"] == "t5" and job["history"][-1]["token"] == f"t{HISTORY_LIMIT + 4}"
     assert [e["outcome"] for e in job["history"]].count("running") == 1
+
+
+def test_claim_records_the_message_it_came_with(store):
+    """The lease names the SQS message that was claimed, so a later delivery of it can be recognised."""
+    submit(store)
+    result = store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S, message_id="m-1")
+    assert result.job["lease"]["messageId"] == "m-1"
+    held = store.claim(JOB_ID, owner="w2", token="t2", lease_s=LEASE_S, message_id="m-1")
+    assert held.outcome == "held" and held.job["lease"]["messageId"] == "m-1"
