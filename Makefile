@@ -23,3 +23,14 @@ run: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Benchmarks (not part of `make test`): ratios against baselines measured side by side in one run.
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -r benchmarks/requirements.txt
+	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/requests_per_job.py
+	$(BIN)/python benchmarks/handover.py
+	$(BIN)/python benchmarks/idle_rss.py
+	$(BIN)/python benchmarks/download_rss.py
+	$(BIN)/python benchmarks/resume_fraction.py
