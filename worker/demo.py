@@ -111,6 +111,7 @@ def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
         "LOG_LEVEL": "WARNING",
         "LOG_FORMAT": "console",
         "WORKER_ID": "demo-worker",
+        "METRICS_ENABLED": "false",  # EMF lines are for CloudWatch, not for a person reading the demo
     })
 
 

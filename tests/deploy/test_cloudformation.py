@@ -103,10 +103,12 @@ def test_model_bucket_is_encrypted_versioned_private_and_tls_only(stack):
 
 
 def test_outputs_name_what_the_worker_is_configured_with(stack):
-    """Outputs give the queue URL, DLQ URL, bucket and policy ARN."""
+    """Outputs give the queue URL, DLQ URL, bucket and the worker's and operators' policy ARNs."""
     outputs = {name: stack.resolve(o["Value"]) for name, o in stack.template["Outputs"].items()}
     assert outputs["QueueUrl"].endswith("/voice-worker-jobs")
     assert outputs["DeadLetterQueueUrl"].endswith("/voice-worker-jobs-dlq")
     assert outputs["ModelBucketName"] == stack.resolve({"Ref": "ModelBucket"})
     assert outputs["WorkerPolicyArn"].startswith("arn:aws:iam::")
+    assert outputs["OperatorPolicyArn"] == stack.resolve({"Ref": "OperatorPolicy"})
+    assert outputs["OperatorPolicyArn"].startswith("arn:aws:iam::")
     json.dumps(outputs)  # every output resolved to plain values

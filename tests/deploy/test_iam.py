@@ -1,8 +1,11 @@
-"""The worker's IAM policy: exactly the actions it uses, scoped to its queues and prefix, the same in
-the CloudFormation template and the standalone JSON document."""
+"""The IAM policies: the worker's and the operator commands', each exactly the actions its code uses,
+scoped to the queues (and the worker's to its prefix), the same in the CloudFormation template and
+the standalone JSON documents."""
 
 from __future__ import annotations
 
+import fnmatch
+import inspect
 import json
 import re
 
@@ -10,8 +13,10 @@ import pytest
 
 from tests.deploy.cfn import ACCOUNT, MODEL_BUCKET, REGION, Resolver, load_template
 from tests.deploy.files import REPO
+from worker.queue import Queue
 
 POLICY_JSON = REPO / "config" / "iam-policy.json"
+OPERATOR_POLICY_JSON = REPO / "config" / "iam-operator-policy.json"
 PARAMS = {"ModelPrefix": "models/v1", "RecordingsBucketName": "voice-recordings",
           "RecordingsPrefix": "rec/"}
 ALLOWED = {
@@ -35,23 +40,39 @@ RESOURCES = {
 }
 
 
-def _cfn_statements(**params):
+def _cfn_statements(logical_id="WorkerPolicy", **params):
     stack = Resolver(load_template(), **params)
-    return stack.resource("WorkerPolicy")["PolicyDocument"]["Statement"]
+    return stack.resource(logical_id)["PolicyDocument"]["Statement"]
 
 
-def _json_statements():
+def _json_statements(path=POLICY_JSON):
     values = {"AWS_REGION": REGION, "ACCOUNT_ID": ACCOUNT, "QUEUE_NAME": "voice-worker-jobs",
               "DLQ_NAME": "voice-worker-jobs-dlq", "MODEL_BUCKET": MODEL_BUCKET,
               "MODEL_PREFIX": "models/v1", "RECORDINGS_BUCKET": "voice-recordings",
               "RECORDINGS_PREFIX": "rec/"}
-    text = re.sub(r"\$\{([A-Z_]+)\}", lambda m: values[m.group(1)], POLICY_JSON.read_text())
+    text = re.sub(r"\$\{([A-Z_]+)\}", lambda m: values[m.group(1)], path.read_text())
     return json.loads(text)["Statement"]
 
 
 def _actions(statement) -> set[str]:
     action = statement["Action"]
     return {action} if isinstance(action, str) else set(action)
+
+
+def _resources(statement) -> list[str]:
+    resource = statement["Resource"]
+    return [resource] if isinstance(resource, str) else list(resource)
+
+
+def _canonical(statements) -> list[str]:
+    return sorted(json.dumps({**s, "Action": sorted(_actions(s))}, sort_keys=True) for s in statements)
+
+
+def _grants(statements, action: str, resource: str) -> bool:
+    """Whether an unconditional Allow statement grants ``action`` on ``resource`` (IAM's * match)."""
+    return any(s["Effect"] == "Allow" and "Condition" not in s and action in _actions(s)
+               and any(fnmatch.fnmatchcase(resource, pattern) for pattern in _resources(s))
+               for s in statements)
 
 
 @pytest.fixture(params=["cloudformation", "json"])
@@ -81,13 +102,106 @@ def test_list_bucket_is_limited_to_the_model_prefix(statements):
 def test_cloudformation_and_json_policies_are_the_same():
     """The standalone JSON document grants what the template's managed policy grants, statement by
     statement."""
-    def canonical(statements):
-        return sorted(json.dumps({**s, "Action": sorted(_actions(s))}, sort_keys=True) for s in statements)
-
-    assert canonical(_cfn_statements(**PARAMS)) == canonical(_json_statements())
+    assert _canonical(_cfn_statements(**PARAMS)) == _canonical(_json_statements())
 
 
 def test_recordings_statement_is_dropped_without_a_recordings_bucket():
     """With no RecordingsBucketName the policy grants no read on any other bucket."""
     sids = {s["Sid"] for s in _cfn_statements(ModelPrefix="models/v1")}
     assert sids == set(ALLOWED) - {"Recordings"}
+
+
+# ---------------------------------------------------------------- the operator commands' policy
+
+JOB_QUEUE, DLQ = RESOURCES["JobQueue"], RESOURCES["DeadLetterQueue"]
+OPERATOR_ALLOWED = {
+    "JobQueue": {"sqs:SendMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl"},
+    "DeadLetterQueue": {"sqs:GetQueueUrl", "sqs:GetQueueAttributes", "sqs:ReceiveMessage",
+                        "sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:StartMessageMoveTask"},
+}
+OPERATOR_RESOURCES = {"JobQueue": JOB_QUEUE, "DeadLetterQueue": DLQ}
+# (IAM action, resource) of every call each command makes, read from its code. The DLQ is found by
+# Queue.dead_letter_url (GetQueueAttributes on the job queue, GetQueueUrl of the DLQ); a peek receives
+# and resets visibility with ChangeMessageVisibilityBatch (IAM: sqs:ChangeMessageVisibility).
+_FIND_DLQ = {("sqs:GetQueueAttributes", JOB_QUEUE), ("sqs:GetQueueUrl", DLQ)}
+_PEEK = {("sqs:ReceiveMessage", DLQ), ("sqs:ChangeMessageVisibility", DLQ)}
+COMMAND_CALLS = {
+    "submit": {("sqs:SendMessage", JOB_QUEUE)},
+    "reconcile": {("sqs:SendMessage", JOB_QUEUE)} | _FIND_DLQ | _PEEK,
+    "dlq list": _FIND_DLQ | _PEEK,
+    # Move task: both queues' QueueArn, then StartMessageMoveTask, which also needs Receive, Delete and
+    # GetQueueAttributes on the DLQ and SendMessage on the destination. Fallback: receive, send, delete.
+    "dlq redrive": _FIND_DLQ | _PEEK | {
+        ("sqs:GetQueueAttributes", DLQ), ("sqs:StartMessageMoveTask", DLQ),
+        ("sqs:DeleteMessage", DLQ), ("sqs:SendMessage", JOB_QUEUE)},
+}
+# Granted though no command calls it (they take SQS_QUEUE_URL): resolving the job queue's URL by name.
+OPERATOR_UNCALLED = {("sqs:GetQueueUrl", JOB_QUEUE)}
+# `doctor` runs with the worker's credentials (worker/doctor.py): both queues' attributes, the DLQ's
+# URL, and a probe object under <prefix>/.doctor/ written and deleted.
+_PROBE = f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/.doctor/0123456789abcdef"
+DOCTOR_CALLS = _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("s3:PutObject", _PROBE),
+                            ("s3:DeleteObject", _PROBE)}
+# The modules whose SQS calls the operator commands make (worker/cli.py wires them).
+OPERATOR_CODE = ("worker/submit.py", "worker/reconcile.py", "worker/dlq.py")
+
+
+@pytest.fixture(params=["cloudformation", "json"])
+def operator_statements(request):
+    if request.param == "cloudformation":
+        return _cfn_statements("OperatorPolicy", **PARAMS)
+    return _json_statements(OPERATOR_POLICY_JSON)
+
+
+def _sqs_actions_called(source: str) -> set[str]:
+    """IAM actions of the ``sqs.x(...)``/``self._sqs.x(...)`` calls in source; a batch call needs the
+    single call's action."""
+    operations = re.findall(r"\b_?sqs\.([a-z_]+)\(", source)
+    camel = ("".join(word.title() for word in op.split("_")) for op in operations)
+    return {"sqs:" + name.removesuffix("Batch") for name in camel}
+
+
+def test_operator_statements_allow_exactly_the_listed_actions(operator_statements):
+    """Every operator statement is an unconditional Allow of exactly the allowed set for its Sid."""
+    assert {s["Sid"]: _actions(s) for s in operator_statements} == OPERATOR_ALLOWED
+    assert all(s["Effect"] == "Allow" for s in operator_statements)
+    assert not any({"NotAction", "NotResource", "Condition"} & set(s) for s in operator_statements)
+
+
+def test_operator_policy_has_no_wildcard_and_only_the_two_queues(operator_statements):
+    """No action has a *; the resources are the job queue and the DLQ, nothing else (no bucket)."""
+    assert not any("*" in action for s in operator_statements for action in _actions(s))
+    assert {s["Sid"]: s["Resource"] for s in operator_statements} == OPERATOR_RESOURCES
+
+
+def test_operator_policy_grants_what_each_command_calls_and_no_more(operator_statements):
+    """submit, reconcile, dlq list and dlq redrive are each granted every call they make; beyond those
+    calls the policy grants only the one documented extra."""
+    for command, calls in COMMAND_CALLS.items():
+        missing = {call for call in calls if not _grants(operator_statements, *call)}
+        assert not missing, f"{command} is denied {sorted(missing)}"
+    granted = {(action, resource) for s in operator_statements
+               for action in _actions(s) for resource in _resources(s)}
+    assert granted == set().union(*COMMAND_CALLS.values()) | OPERATOR_UNCALLED
+
+
+def test_operator_call_table_matches_the_code():
+    """The SQS operations the operator modules call are the actions COMMAND_CALLS lists: a new call in
+    the code (say ListMessageMoveTasks) fails here until the policy and the table have it."""
+    source = "\n".join((REPO / path).read_text() for path in OPERATOR_CODE)
+    source += inspect.getsource(Queue.dead_letter_url)
+    called = _sqs_actions_called(source)
+    assert called == {action for calls in COMMAND_CALLS.values() for action, _ in calls}
+
+
+def test_cloudformation_and_json_operator_policies_are_the_same():
+    """config/iam-operator-policy.json grants what the template's OperatorPolicy grants."""
+    assert _canonical(_cfn_statements("OperatorPolicy", **PARAMS)) == _canonical(
+        _json_statements(OPERATOR_POLICY_JSON))
+
+
+def test_doctor_runs_on_the_worker_policy_not_the_operators(statements, operator_statements):
+    """Every call `doctor` makes is granted by the worker policy; the operator policy grants no S3."""
+    missing = {call for call in DOCTOR_CALLS if not _grants(statements, *call)}
+    assert not missing, f"doctor is denied {sorted(missing)}"
+    assert not any(a.startswith("s3:") for s in operator_statements for a in _actions(s))

@@ -63,8 +63,12 @@ def kill_at(point: str, worker: WorkerProcess, stack: Stack, job_id: str) -> lis
     return worker.kill_tree()
 
 
-def settled(stack: Stack, job_id: str, confirm_s: float = 0.3) -> str | None:
+def settled(stack: Stack, job_id: str, second: WorkerProcess, confirm_s: float = 0.3) -> str | None:
     """'done' once completed with both queues empty; 'lost' if the message is gone but the job is not done."""
+    # A job killed after its commit marker is completed before the redelivery even happens, and moto
+    # can count a message turning visible in neither column: wait for the second worker's delete.
+    if "message.deleted" not in second.event_names():
+        return None
     for attempt in range(2):
         with stack.store() as store:
             status = (store.get_job(job_id) or {}).get("status")
@@ -93,7 +97,7 @@ def run_case(endpoint: str, root: Path, point: str) -> dict:
             at_kill = AtKill(stack.verified_stages(job_id), stack.stage_logs(job_id), store.get_job(job_id),
                              children)
         second.start()
-        outcome = wait_until(lambda: settled(stack, job_id), CASE_TIMEOUT_S, "the second worker to finish")
+        outcome = wait_until(lambda: settled(stack, job_id, second), CASE_TIMEOUT_S, "the second worker to finish")
         assert outcome == "done", f"{point}: {outcome}"
         assert second.stop() == 0
     finally:
