@@ -20,8 +20,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from worker.errors import ConfigError
+from worker.store import ASSET_KEYS
 
-ARTIFACT_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
 PLACEHOLDERS = frozenset(
     {"python", "dataset_dir", "output_dir", "checkpoint_dir", "log_dir", "job_id", "language"}
 )
@@ -142,18 +142,18 @@ def normalise_output_path(raw: str) -> tuple[str | None, str | None]:
 
 def _parse_artifacts(raw: Any, problems: list[str]) -> dict[str, str]:
     if raw is None:
-        problems.append("missing [artifacts] table (needs " + ", ".join(ARTIFACT_KEYS) + ")")
+        problems.append("missing [artifacts] table (needs " + ", ".join(ASSET_KEYS) + ")")
         return {}
     if not isinstance(raw, Mapping):
         problems.append("artifacts must be a table")
         return {}
-    for key in ARTIFACT_KEYS:
+    for key in ASSET_KEYS:
         if key not in raw:
             problems.append(f"artifacts: missing key {key!r}")
-    for key in sorted(set(raw) - set(ARTIFACT_KEYS)):
-        problems.append(f"artifacts: unknown key {key!r} (exactly {', '.join(ARTIFACT_KEYS)})")
+    for key in sorted(set(raw) - set(ASSET_KEYS)):
+        problems.append(f"artifacts: unknown key {key!r} (exactly {', '.join(ASSET_KEYS)})")
     artifacts: dict[str, str] = {}
-    for key in ARTIFACT_KEYS:
+    for key in ASSET_KEYS:
         if key not in raw:
             continue
         value = raw[key]

@@ -28,8 +28,10 @@ import urllib3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline import netguard
-from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error, redact_url
+from pipeline.files import fsync_dir
+from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error
 from worker.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
+from worker.redact import redact_parsed_url
 from worker.stop import StopSignal
 
 log = structlog.get_logger(__name__)
@@ -86,7 +88,7 @@ def fetch(
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
     """Download ``url`` to ``dest`` (replacing it atomically) and return the number of bytes written."""
-    dest, shown = Path(dest), redact_url(url)
+    dest, shown = Path(dest), redact_parsed_url(url)
     if stop is not None:
         stop.raise_if_set()
     attempt = _Attempt(settings, stop, clock() + settings.timeout_s, clock)
@@ -130,7 +132,7 @@ class _Attempt:
             raise self.deadline_error(url)
 
     def deadline_error(self, url: str) -> DownloadError:
-        return DownloadError(f"{redact_url(url)}: download deadline of {self.settings.timeout_s} s exceeded")
+        return DownloadError(f"{redact_parsed_url(url)}: download deadline of {self.settings.timeout_s} s exceeded")
 
 
 # --- https
@@ -151,7 +153,7 @@ def _fetch_https(url: str, write: Callable[[bytes], None], attempt: _Attempt, re
                 if hop == settings.max_redirects:
                     raise BadRecording(f"{target.redacted}: more than {settings.max_redirects} redirects, refused")
                 following = urljoin(current, location.strip())
-                log.info("download.redirect", status=resp.status, url=target.redacted, to=redact_url(following))
+                log.info("download.redirect", status=resp.status, url=target.redacted, to=redact_parsed_url(following))
                 current = following
                 continue
             error = classify_status(resp.status)
@@ -212,9 +214,9 @@ def _fetch_s3(url: str, write: Callable[[bytes], None], attempt: _Attempt, s3_cl
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         error = BadRecording if s3_error_is_permanent(code, status) else DownloadError
-        raise error(f"{redact_url(url)}: S3 GetObject failed ({code or status})") from None
+        raise error(f"{redact_parsed_url(url)}: S3 GetObject failed ({code or status})") from None
     except BotoCoreError as exc:
-        raise DownloadError(f"{redact_url(url)}: S3 GetObject failed ({type(exc).__name__})") from None
+        raise DownloadError(f"{redact_parsed_url(url)}: S3 GetObject failed ({type(exc).__name__})") from None
     body = reply["Body"]
     try:
         # botocore keeps the urllib3 response it streams from in ``_raw_stream``; without it (moto)
@@ -229,7 +231,7 @@ def _parse_s3(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     bucket, key = parts.netloc, parts.path.lstrip("/")
     if not bucket or not key or parts.query or parts.fragment or "@" in bucket:
-        raise BadRecording(f"recording URL {redact_url(url)} is not s3://bucket/key")
+        raise BadRecording(f"recording URL {redact_parsed_url(url)} is not s3://bucket/key")
     return bucket, key
 
 
@@ -240,7 +242,7 @@ def _copy(read, write, declared: int | None, attempt: _Attempt, interrupt, url: 
     """Copy a body to ``write`` in chunks of at most CHUNK_BYTES, enforcing the cap, deadline and stop."""
     max_bytes = attempt.settings.max_bytes
     if declared is not None and declared > max_bytes:
-        raise BadRecording(f"{redact_url(url)} is {declared} bytes, over the limit of {max_bytes}")
+        raise BadRecording(f"{redact_parsed_url(url)} is {declared} bytes, over the limit of {max_bytes}")
     total = 0
     with _watchdog(attempt, interrupt) as fired:
         try:
@@ -251,15 +253,15 @@ def _copy(read, write, declared: int | None, attempt: _Attempt, interrupt, url: 
                     break
                 total += len(chunk)
                 if total > max_bytes:
-                    raise BadRecording(f"{redact_url(url)} is over the limit of {max_bytes} bytes")
+                    raise BadRecording(f"{redact_parsed_url(url)} is over the limit of {max_bytes} bytes")
                 write(chunk)
         except _TRANSPORT_ERRORS as exc:
             _raise_if_cut(fired, attempt, url)
-            raise DownloadError(f"{redact_url(url)}: body interrupted ({describe_error(exc, url)})") from None
+            raise DownloadError(f"{redact_parsed_url(url)}: body interrupted ({describe_error(exc, url)})") from None
         if fired:  # a cut read can look like the clean end of a body with no declared length
             _raise_if_cut(fired, attempt, url)
     if declared is not None and total != declared:
-        raise DownloadError(f"{redact_url(url)}: body ended after {total} of {declared} bytes")
+        raise DownloadError(f"{redact_parsed_url(url)}: body ended after {total} of {declared} bytes")
     return total
 
 
@@ -343,7 +345,8 @@ def _part_file(dest: Path) -> Iterator[Callable[[bytes], None]]:
             file.flush()
             os.fsync(file.fileno())
         os.replace(part, dest)
-        _fsync_dir(dest.parent)
+        # The rename is durable only once the directory entry is on disk.
+        fsync_dir(dest.parent, strict=True)
     except OSError as exc:
         part.unlink(missing_ok=True)
         raise DownloadError(f"finishing {dest.name} failed: {_os_reason(exc)}") from None
@@ -354,12 +357,3 @@ def _part_file(dest: Path) -> Iterator[Callable[[bytes], None]]:
 
 def _os_reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

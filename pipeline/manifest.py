@@ -9,17 +9,16 @@ reference trainer's checkpoints.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from pipeline.config import MANIFEST_DIR_NAME
+from pipeline.files import file_sha256, fsync_dir
 
 MANIFEST_VERSION = 1
 TEMP_MARKER = ".tmp-"
-_CHUNK_BYTES = 1 << 20
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -38,20 +37,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def remove_stale_temps(directory: Path) -> None:
     """Delete temp files an interrupted ``atomic_write_bytes`` left in ``directory``."""
     if not directory.is_dir():
@@ -59,14 +44,6 @@ def remove_stale_temps(directory: Path) -> None:
     for entry in directory.iterdir():
         if entry.name.startswith(".") and TEMP_MARKER in entry.name and entry.is_file():
             entry.unlink(missing_ok=True)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def describe_outputs(output_dir: Path, outputs: Iterable[str]) -> dict[str, dict]:

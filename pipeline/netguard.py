@@ -5,8 +5,8 @@ fetch from the cloud metadata service, a database on the private network, or its
 hop of a download is parsed, resolved and checked here; the downloader then connects to the checked
 address itself, so DNS cannot answer differently between the check and the connection.
 
-Presigned URLs carry credentials in their query string: ``redact_url`` is the only form of a URL that
-may appear in a log line or an exception message.
+Presigned URLs carry credentials in their query string: ``worker.redact.redact_parsed_url`` is the
+only form of a URL that may appear in a log line or an exception message.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from worker.errors import BadRecording, DownloadError
+from worker.redact import redact_parsed_url, scrub_url_secrets
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -57,44 +58,14 @@ class HttpsTarget:
         return shown if self.port == HTTPS_DEFAULT_PORT else f"{shown}:{self.port}"
 
 
-def redact_url(url: str) -> str:
-    """``url`` as scheme://host[:port]/path: no userinfo, query string or fragment."""
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return "<unparsable url>"
-    if not parts.scheme or not host:
-        return "<unparsable url>"
-    shown = f"[{host}]" if ":" in host else host
-    if port is not None:
-        shown = f"{shown}:{port}"
-    return f"{parts.scheme.lower()}://{shown}{parts.path}"
-
-
-def scrub(text: str, url: str) -> str:
-    """``text`` with every secret part of ``url`` (query, userinfo, fragment) cut out.
-
-    Third-party exception messages sometimes quote the request target; this makes them safe to keep.
-    """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<details withheld: unparsable url>"
-    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
-    for secret in sorted({parts.query, userinfo, parts.fragment} - {""}, key=len, reverse=True):
-        text = text.replace(secret, "<redacted>")
-    return text
-
-
 def describe_error(exc: BaseException, url: str) -> str:
     """A third-party exception as ``Type: message``, with ``url``'s secrets scrubbed out."""
-    return f"{type(exc).__name__}: {scrub(str(exc), url)}"
+    return f"{type(exc).__name__}: {scrub_url_secrets(str(exc), url)}"
 
 
 def parse_https(url: str) -> HttpsTarget:
     """Validate one hop's URL: https, a plain host name or IP literal, no credentials in the URL."""
-    redacted = redact_url(url)
+    redacted = redact_parsed_url(url)
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port

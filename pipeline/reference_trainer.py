@@ -41,6 +41,7 @@ import soundfile as sf
 
 from pipeline.dataset import split_metadata_line
 from pipeline.manifest import atomic_write_bytes, remove_stale_temps
+from worker.names import SAFE_NAME
 
 SAMPLE_RATE_HZ = 22_050
 N_FFT = 1024
@@ -51,7 +52,7 @@ LIGHT_BANDS = 20
 DEFAULT_STEPS = {"embed": 1, "full": 40, "light": 20}
 EXIT_UNUSABLE_DATA = 65
 EXIT_MISSING_INPUT = 66
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ID = re.compile(SAFE_NAME)
 _CKPT = re.compile(r"^ckpt-(\d{6})\.npz$")
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 _KEEP_CHECKPOINTS = 2

@@ -15,11 +15,12 @@ from typing import Protocol
 
 import structlog
 
-from pipeline.config import ARTIFACT_KEYS, PipelineConfig
+from pipeline.config import PipelineConfig
 from pipeline.dataset import build_dataset
 from pipeline.stages import DEFAULT_GRACE_S, StageContext, open_step_log, run_stage
 from worker.errors import DownloadError, StageFailed
 from worker.stop import StopSignal
+from worker.store import ASSET_KEYS
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +133,7 @@ def _run(
 
 def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:
     """All five artifact paths, or StageFailed naming each one that is missing or empty."""
-    paths = {key: output_dir / config.artifacts[key] for key in ARTIFACT_KEYS}
+    paths = {key: output_dir / config.artifacts[key] for key in ASSET_KEYS}
     bad = [
         f"{key} ({config.artifacts[key]})"
         for key, path in paths.items()

@@ -27,41 +27,13 @@ def aws():
         yield
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def moto_server():
-    """A real moto server process on a free loopback port; yields its endpoint URL."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+    """A real moto server process on a free loopback port (the demo's, one way to start it); yields its URL."""
+    from worker.demo import LocalAws
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto server did not start")
-            time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    with LocalAws() as aws:
+        yield aws.url
 
 
 @pytest.fixture

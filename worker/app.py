@@ -13,7 +13,7 @@ from pipeline.downloads import DownloadSettings
 from pipeline.downloads import fetch as download
 from pipeline.run import run_pipeline
 from worker.artifacts import ArtifactUploader
-from worker.aws import make_client
+from worker.aws import lease_client_config, make_client
 from worker.faults import CrashPoints
 from worker.health import Pulse
 from worker.job import VoiceJobHandler
@@ -70,7 +70,8 @@ def build_app(settings: Settings, *, session=None) -> App:
         metrics=metrics,
     )
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
-    worker = Worker(settings, Queue(sqs, settings.sqs_queue_url), handler,
+    lease_sqs = make_client("sqs", settings, session, config=lease_client_config(settings))
+    worker = Worker(settings, Queue(sqs, settings.sqs_queue_url, lease_client=lease_sqs), handler,
                     reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
                     crash_points=crash_points, metrics=metrics)
     return App(worker=worker, store=store, pulse=pulse)

@@ -7,7 +7,6 @@ Bytes are checksummed (SHA-256) in transit, so S3 rejects a corrupted upload ins
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import time
@@ -19,14 +18,14 @@ from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from pipeline.files import sha256_and_size
 from worker.errors import StageFailed, StorageError
-from worker.message import is_safe_name, redact_urls_in_text
+from worker.message import is_safe_name
+from worker.redact import redact_urls_in_text
+from worker.store import ASSET_KEYS
 
 log = structlog.get_logger(__name__)
 
-# The profile's modelPaths/s3Paths keys, in the order they are verified and uploaded.
-ASSET_NAMES = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
-HASH_CHUNK_BYTES = 1024 * 1024
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
 
@@ -60,9 +59,9 @@ def _relative_parts(relative_path: str) -> list[str]:
 
 
 def ordered_assets(names: Iterable[str]) -> list[str]:
-    """The five known assets in their fixed order, then any others alphabetically."""
+    """The five known assets in their fixed order (``ASSET_KEYS``), then any others alphabetically."""
     present = set(names)
-    return [n for n in ASSET_NAMES if n in present] + sorted(present - set(ASSET_NAMES))
+    return [n for n in ASSET_KEYS if n in present] + sorted(present - set(ASSET_KEYS))
 
 
 def verify_local(files: Mapping[str, Path]) -> None:
@@ -87,17 +86,6 @@ def _local_file_problem(path: Path) -> str | None:
     if not stat.S_ISREG(info.st_mode):
         return "not a regular file"
     return "empty" if info.st_size == 0 else None
-
-
-def file_sha256(path: Path) -> tuple[str, int]:
-    """(hex SHA-256, size in bytes) of a file, read in bounded chunks."""
-    digest = hashlib.sha256()
-    size = 0
-    with path.open("rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
 
 
 def object_matches(head: Mapping | None, sha256_hex: str, size_bytes: int) -> bool:
@@ -131,7 +119,7 @@ class ArtifactUploader:
         """Store ``local_path`` at ``key`` (reusing a matching object) and return its s3:// URI."""
         uri = f"s3://{self._bucket}/{key}"
         try:
-            sha256_hex, size_bytes = file_sha256(Path(local_path))
+            sha256_hex, size_bytes = sha256_and_size(Path(local_path))
         except OSError as exc:
             raise StageFailed(f"cannot read artifact {local_path}: {exc.strerror or exc}") from exc
         if object_matches(self._head(key), sha256_hex, size_bytes):

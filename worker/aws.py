@@ -31,6 +31,19 @@ def client_config(settings: Settings) -> Config:
     )
 
 
-def make_client(service: str, settings: Settings, session: boto3.session.Session | None = None):
+def lease_client_config(settings: Settings) -> Config:
+    """For heartbeat renewals: fail fast and try again on the next tick rather than block the tick."""
+    tick_s = max(1.0, settings.heartbeat_interval_s)
+    return Config(
+        region_name=region_of(settings),
+        retries={"mode": "standard", "max_attempts": 2},
+        connect_timeout=min(5.0, tick_s),
+        read_timeout=min(10.0, tick_s),
+    )
+
+
+def make_client(service: str, settings: Settings, session: boto3.session.Session | None = None,
+                config: Config | None = None):
     session = session or boto3.session.Session()
-    return session.client(service, config=client_config(settings), endpoint_url=settings.aws_endpoint_url)
+    return session.client(service, config=config or client_config(settings),
+                          endpoint_url=settings.aws_endpoint_url)

@@ -237,4 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(exc.problems)
     configure_logging(settings.log_level, settings.log_format)
-    return args.func(settings, args)
+    if args.command == "run":
+        return args.func(settings, args)  # the daemon reports its own failures
+    try:
+        return args.func(settings, args)
+    except ConfigError as exc:
+        return _fail(exc.problems)
+    except (WorkerError, OSError) as exc:
+        # An operator command: one readable line, not a traceback.
+        print(f"{args.command} failed: {exc}", file=sys.stderr)
+        return EXIT_CRASHED

@@ -92,7 +92,9 @@ def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | Non
             print(f"no job {job_id}", file=err)
             return EXIT_NOT_FOUND
         print(json.dumps(doc) if as_json else render_status(doc), file=out, flush=True)
-        if not watch_s or doc["job"].get("status") in (*FINAL_STATUSES, "error"):
+        job = doc["job"]
+        permanent_error = job.get("status") == "error" and not (job.get("error") or {}).get("retryable")
+        if not watch_s or job.get("status") in FINAL_STATUSES or permanent_error:
             return EXIT_OK
         sleep(watch_s)
         if not as_json:

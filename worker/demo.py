@@ -60,6 +60,9 @@ class LocalAws:
                 return self
             except OSError:
                 if self._proc.poll() is not None or time.monotonic() > deadline:
+                    # __exit__ never runs when __enter__ raises: do not leave a stuck server behind.
+                    self._proc.kill()
+                    self._proc.wait()
                     raise RuntimeError("the local SQS/S3 server (moto) did not start") from None
                 time.sleep(0.1)
 

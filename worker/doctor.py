@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from botocore.exceptions import BotoCoreError, ClientError
 
 from worker.errors import WorkerError
+from worker.queue import dead_letter_target
 from worker.settings import Settings
 
 
@@ -74,8 +75,7 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
     if attrs is not None:
         dlq_attrs = None
         if attrs.get("RedrivePolicy"):
-            arn = json.loads(attrs["RedrivePolicy"])["deadLetterTargetArn"]
-            _, _, _, _, account, name = arn.split(":", 5)
+            account, name = dead_letter_target(attrs["RedrivePolicy"])
             try:
                 dlq_url = sqs.get_queue_url(QueueName=name, QueueOwnerAWSAccountId=account)["QueueUrl"]
                 dlq_attrs = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["All"])["Attributes"]

@@ -8,7 +8,9 @@
     │   ├── StoreError         the records store is unavailable
     │   ├── StaleWrite         an update matched no record (not ours any more, or gone): never acknowledge
     │   ├── UnknownJob         no job record for the message (yet): the redrive policy bounds the retries
-    │   ├── JobBusy            this very message is being worked on under a lapsed SQS lease: come back later
+    │   ├── JobBusy            this very message is being worked on under a lapsed SQS lease: come back
+    │   │                      when that record lease ends (``retry_after_s``)
+    │   ├── UnexpectedError    a bug or an unforeseen library error inside the job: retried, reported
     │   ├── LeaseLost          our claim on the message or the record is gone: commit nothing, delete nothing
     │   ├── DownloadError      a recording could not be fetched this time (timeout, 5xx, network)
     │   └── StageFailed        a pipeline stage exited with a code not declared permanent
@@ -47,6 +49,8 @@ class ConfigError(WorkerError):
 
 class RetryableError(WorkerError):
     retryable = True
+    # When set, the message comes back after this long instead of the exponential backoff.
+    retry_after_s: float | None = None
 
 
 class QueueError(RetryableError):
@@ -70,6 +74,12 @@ class UnknownJob(RetryableError):
 
 
 class JobBusy(RetryableError):
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UnexpectedError(RetryableError):
     pass
 
 

@@ -18,8 +18,6 @@ longer change anything: its writes match no record and raise ``StaleWrite``.
 from __future__ import annotations
 
 import secrets
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,23 +33,28 @@ from worker.errors import (
     Stopped,
     StoreError,
     TimeLimitExceeded,
+    UnexpectedError,
     UnknownJob,
     WorkerError,
 )
 from worker.lease import Lease
 from worker.message import Job, job_id_hint, parse_job
-from worker.metrics import NULL_METRICS, STAGE_DIMENSION, STAGE_DURATION, Metrics
+from worker.metrics import NULL_METRICS, Metrics
 from worker.queue import Message
 from worker.stop import StopSignal
-from worker.store import ASSET_KEYS, Store, is_complete
+from worker.attempt import ProgressReporter, StoreLease
+from worker.store import ASSET_KEYS, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
 
 log = structlog.get_logger(__name__)
 
 # train(job, work_dir, stop, progress) -> {asset: local path}; the pipeline in production.
 Train = Callable[[Job, Path, StopSignal, Callable[[str, float], None]], dict[str, Path]]
 
-PROGRESS_MIN_INTERVAL_S = 2.0
 OUTPUT_DIR = "output"  # the pipeline's artifact directory inside the job's work dir
+
+
+def unexpected(exc: Exception) -> UnexpectedError:
+    return UnexpectedError(f"unexpected {type(exc).__name__}: {exc}"[:ERROR_MESSAGE_MAX_CHARS])
 
 
 def work_dir_for(work_root: Path, job: Job) -> Path:
@@ -76,79 +79,6 @@ def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | 
     except WorkerError:
         return None
     return paths
-
-
-class ProgressReporter:
-    """Writes the job's progress, at most every ``min_interval_s`` unless the stage changed or it finished.
-
-    It also times each stage, from its first report to its first 100 %, as the StageDuration metric.
-    """
-
-    def __init__(self, store: Store, job_id: str, token: str, stop: StopSignal,
-                 min_interval_s: float = PROGRESS_MIN_INTERVAL_S, clock=time.monotonic,
-                 metrics: Metrics = NULL_METRICS):
-        self._store, self._job_id, self._token, self._stop = store, job_id, token, stop
-        self._min_interval_s, self._clock = min_interval_s, clock
-        self._last: tuple[str, float] | None = None
-        self._metrics = metrics
-        self._stage_started: dict[str, float] = {}
-        self._stages_timed: set[str] = set()
-        self.writes = 0
-
-    def _time_stage(self, stage: str, percent: float, now: float) -> None:
-        started = self._stage_started.setdefault(stage, now)
-        if percent >= 100 and stage not in self._stages_timed:
-            self._stages_timed.add(stage)
-            self._metrics.seconds(STAGE_DURATION, now - started, dimensions={STAGE_DIMENSION: stage},
-                                  jobId=self._job_id)
-
-    def __call__(self, stage: str, percent: float) -> None:
-        now = self._clock()
-        # Timed before the rate limit: a report that is not written still marks when a stage ran.
-        self._time_stage(stage, percent, now)
-        if self._last is not None:
-            last_stage, last_at = self._last
-            if stage == last_stage and percent < 100 and now - last_at < self._min_interval_s:
-                return
-        try:
-            self._store.set_progress(self._job_id, self._token, stage, percent)
-        except StaleWrite as exc:
-            self._stop.set(Stopped.LEASE_LOST, "claim token replaced")
-            raise LeaseLost(f"progress write refused: {exc}") from exc
-        except StoreError as exc:
-            log.warning("job.progress_write_failed", error=str(exc))  # progress is advisory
-            return
-        self._last = (stage, now)
-        self.writes += 1
-
-
-class StoreLease:
-    """Renews the job's lease in the store on each heartbeat tick, until the attempt's final write.
-
-    The final writes (completed, cancelled, error, released) clear the lease, after which a renewal
-    would be refused and read as a lost lease. ``end()`` waits for a renewal in flight, so none can
-    land after the final write.
-    """
-
-    def __init__(self, store: Store, job_id: str, token: str, lease_s: float, stop: StopSignal):
-        self._store, self._job_id, self._token, self._lease_s, self._stop = store, job_id, token, lease_s, stop
-        self._lock = threading.Lock()
-        self._active = True
-
-    def renew(self) -> None:
-        with self._lock:
-            if not self._active:
-                return
-            try:
-                cancel_requested = self._store.renew_lease(self._job_id, self._token, self._lease_s)
-            except StaleWrite as exc:
-                raise LeaseLost(f"store lease renewal refused: {exc}") from exc
-        if cancel_requested and self._stop.set(Stopped.CANCELLED, "cancelRequested on the job record"):
-            log.info("job.cancel_noticed")
-
-    def end(self) -> None:
-        with self._lock:
-            self._active = False
 
 
 class VoiceJobHandler:
@@ -177,18 +107,34 @@ class VoiceJobHandler:
         structlog.contextvars.bind_contextvars(job_id=job.job_id)
         try:
             return self._handle(job, message, lease)
+        except WorkerError:
+            raise
+        except Exception as exc:
+            # The adapter boundary for everything the job touches: a bug or an unforeseen library
+            # error is retried (and reported), not a crash of the whole worker.
+            raise unexpected(exc) from exc
         finally:
             structlog.contextvars.unbind_contextvars("job_id")
 
     def _handle(self, job: Job, message: Message, lease: Lease) -> str:
         store = self._store
         record, profile = store.get_job(job.job_id), store.get_profile(job.profile_id)
+        if record is not None and record.get("profileId") and str(record["profileId"]) != job.profile_id:
+            # Writing this message's paths to another profile than the job's would corrupt both.
+            raise InvalidMessage(f"profileId: the job record belongs to profile {record['profileId']}, "
+                                 f"not {job.profile_id}")
         if is_complete(record, profile):
             log.info("job.already_complete", note="redelivery acknowledged without work")
             return "already_complete"
         token = secrets.token_hex(16)
-        claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
-                            message_id=message.message_id)
+        try:
+            claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
+                                message_id=message.message_id)
+        except StoreError:
+            # The claim may have landed before the failure (MongoDB stamps the profile separately):
+            # let go of it, fenced on our token, so the redelivery is not told the job is busy.
+            self._release(job.job_id, token)
+            raise
         if claim.outcome == "missing":
             raise UnknownJob(f"no job record {job.job_id} (yet)")
         if claim.outcome in ("completed", "cancelled"):
@@ -197,7 +143,8 @@ class VoiceJobHandler:
         if claim.outcome == "held":
             return self._held(claim.job or {}, message)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
-        store_lease = StoreLease(store, job.job_id, token, self._lease_s, lease.stop)
+        store_lease = StoreLease(store, job.job_id, token, self._lease_s, lease.stop,
+                                 margin_s=lease.interval_s)
         lease.on_renew(store_lease.renew)
         if claim.cancel_requested:
             store_lease.end()
@@ -206,7 +153,7 @@ class VoiceJobHandler:
             return "cancelled"
         try:
             paths = self._artifacts(job, profile, lease.stop, token)
-            self._persist(job, token, paths, lease.stop, store_lease)
+            self._persist(job, token, paths, lease, store_lease)
         except Stopped as exc:
             store_lease.end()
             return self._stopped(job, token, exc)
@@ -216,6 +163,11 @@ class VoiceJobHandler:
             store_lease.end()
             self._record_error(job.job_id, token, exc)
             raise
+        except Exception as exc:
+            store_lease.end()
+            error = unexpected(exc)
+            self._record_error(job.job_id, token, error)
+            raise error from exc
         log.info("job.completed")
         return "completed"
 
@@ -227,8 +179,11 @@ class VoiceJobHandler:
         if holder.get("messageId") == message.message_id:
             # The holder's SQS lease on this very message lapsed, so SQS handed it to us. Deleting it
             # would leave the job with no message if the holder (which will stop) commits nothing.
+            # Come back just after the holder's record lease ends, not after the generic backoff.
+            expires_at = holder.get("expiresAt")
+            wait_s = (expires_at - utc_now()).total_seconds() + 5 if expires_at else None
             raise JobBusy(f"message is held by {holder.get('owner')} under an expired SQS lease; "
-                          "retrying once its record lease ends")
+                          "retrying once its record lease ends", retry_after_s=wait_s)
         log.warning("job.duplicate_delivery", holder=holder.get("owner"),
                     note="another message for this job is being worked on; acknowledged without work")
         return "duplicate"
@@ -242,10 +197,10 @@ class VoiceJobHandler:
         progress = ProgressReporter(self._store, job.job_id, token, stop, metrics=self._metrics)
         return self._train(job, work_dir, stop, progress)
 
-    def _persist(self, job: Job, token: str, paths: dict[str, Path], stop: StopSignal,
+    def _persist(self, job: Job, token: str, paths: dict[str, Path], lease: Lease,
                  store_lease: StoreLease) -> None:
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
-        stop.raise_if_set()
+        lease.stop.raise_if_set()
         verify_local(paths)                                                      # 1
         output_dir = work_dir_for(self._work_root, job) / OUTPUT_DIR
         keys = {
@@ -253,24 +208,30 @@ class VoiceJobHandler:
                                path.relative_to(output_dir).as_posix())
             for name, path in paths.items()
         }
+        # S3 writes are not fenced: prove the claim is still ours (and renew it for the uploads'
+        # duration) right before them, so a worker that lost the job cannot overwrite its objects.
+        store_lease.renew()
+        self._check_lease(lease)
         s3_paths = self._uploader.upload_all(paths, keys)                         # 2
         self._crash("after_upload")
-        self._check_lease(stop)
+        self._check_lease(lease)
         model_paths = {name: str(path) for name, path in paths.items()}
-        self._store.write_paths(job.profile_id, token, model_paths, s3_paths)    # 3
+        self._store.write_paths(job.profile_id, token, model_paths, s3_paths,    # 3
+                                job_id=job.job_id)
         self._crash("after_paths")
-        self._check_lease(stop)
-        self._store.mark_profile_completed(job.profile_id, token)                # 4
+        self._check_lease(lease)
+        self._store.mark_profile_completed(job.profile_id, token, job_id=job.job_id)  # 4
         self._crash("after_profile_completed")
-        self._check_lease(stop)
+        self._check_lease(lease)
         store_lease.end()
         self._store.mark_job_completed(job.job_id, token)                        # 5 commit marker
         self._crash("after_job_completed")
 
     @staticmethod
-    def _check_lease(stop: StopSignal) -> None:
-        if stop.reason == Stopped.LEASE_LOST:
-            stop.raise_if_set()
+    def _check_lease(lease: Lease) -> None:
+        # lease.lost, not the stop reason: a lease lost after a shutdown or cancel request still counts.
+        if lease.lost:
+            raise Stopped(Stopped.LEASE_LOST, lease.lost_reason or "")
 
     def _stopped(self, job: Job, token: str, exc: Stopped) -> str:
         if exc.reason == Stopped.CANCELLED:
@@ -278,10 +239,7 @@ class VoiceJobHandler:
             log.info("job.cancelled", when="during work")
             return "cancelled"
         if exc.reason == Stopped.SHUTDOWN:
-            try:
-                self._store.release_lease(job.job_id, token)
-            except WorkerError as release_exc:  # the lease lapses on its own; the message is still released
-                log.error("job.release_failed", error=str(release_exc))
+            self._release(job.job_id, token)  # on failure the lease lapses; the message is released anyway
             raise exc
         if exc.reason == Stopped.TIME_LIMIT:
             limit = TimeLimitExceeded(f"job ran past its time limit ({exc})")
@@ -289,17 +247,20 @@ class VoiceJobHandler:
             raise limit from exc
         # Lease lost: no commit. Clearing our store lease (fenced: only if still ours) lets the next
         # delivery claim at once instead of waiting for it to expire.
+        self._release(job.job_id, token)
+        raise exc
+
+    def _release(self, job_id: str, token: str) -> None:
         try:
-            self._store.release_lease(job.job_id, token)
+            self._store.release_lease(job_id, token)
         except WorkerError as release_exc:
             log.warning("job.release_failed", error=str(release_exc))
-        raise exc
 
     def _record_error(self, job_id: str, token: str | None, exc: WorkerError) -> None:
         """Record the failure on the job; a failure to record never hides the original error."""
         try:
-            self._store.record_error(job_id, token=token, error_type=exc.error_type, message=str(exc)[:2000],
-                                     retryable=exc.retryable)
+            self._store.record_error(job_id, token=token, error_type=exc.error_type,
+                                     message=str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable)
         except WorkerError as record_exc:
             log.error("job.record_error_failed", error=str(record_exc), original=str(exc))
 

@@ -102,6 +102,10 @@ class Lease:
         self._callbacks.append(callback)
 
     @property
+    def interval_s(self) -> float:
+        return self._interval_s
+
+    @property
     def lost(self) -> bool:
         return self._lost_reason is not None
 
@@ -119,15 +123,29 @@ class Lease:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop renewing and wait for the heartbeat thread to end."""
+        """Stop renewing and wait for the heartbeat thread to end.
+
+        A deadline that passed while the thread was blocked in a renewal still loses the lease: the
+        loop must not settle a message another consumer may already hold.
+        """
         self._closing = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
         self._shutdown.unlisten(self._wake)
+        if self._clock() >= self._deadline:
+            self._lose("the visibility deadline passed before the heartbeat stopped")
 
     # --- the heartbeat thread
     def _beat(self) -> None:
+        try:
+            self._beat_until_closed()
+        except Exception as exc:
+            # A heartbeat that died silently would stop renewing while the job runs on: fail safe.
+            log.exception("heartbeat.crashed", error=f"{type(exc).__name__}: {exc}")
+            self._lose(f"heartbeat crashed: {type(exc).__name__}")
+
+    def _beat_until_closed(self) -> None:
         next_tick = self._clock() + self._interval_s
         shutdown_at: float | None = None
         while True:
@@ -162,7 +180,7 @@ class Lease:
         """One renewal; False once the lease is lost and the thread should end."""
         sent_at = self._clock()
         try:
-            self._queue.set_visibility(self.message, self._visibility_timeout_s)
+            self._queue.extend(self.message, self._visibility_timeout_s)
         except LeaseLost as exc:
             self._lose(str(exc))
             return False

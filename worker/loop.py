@@ -27,7 +27,6 @@ from worker.errors import (
     LeaseLost,
     PermanentError,
     QueueError,
-    RetryableError,
     Stopped,
     TimeLimitExceeded,
     WorkerError,
@@ -56,6 +55,14 @@ def retry_delay_s(receive_count: int, base_s: int = 30, max_s: int = 900) -> int
         return 0
     # Cap the exponent first: a receive count in the thousands must not build a huge integer.
     return min(max_s, base_s * 2 ** min(n - 1, 32))
+
+
+def retry_delay_for(error: WorkerError | None, receive_count: int, s: Settings) -> int:
+    """The error's own hint (capped like the backoff), else the backoff for the receive count."""
+    hint_s = getattr(error, "retry_after_s", None)
+    if hint_s is not None:
+        return int(min(max(1.0, hint_s), s.sqs_retry_visibility_max_s))
+    return retry_delay_s(receive_count, s.sqs_retry_visibility_base_s, s.sqs_retry_visibility_max_s)
 
 
 @dataclass(frozen=True)
@@ -207,9 +214,7 @@ class Worker:
                 self._queue.delete(message)
                 log.info("message.deleted")
             elif decision.action == RETRY:
-                delay_s = retry_delay_s(
-                    message.receive_count, s.sqs_retry_visibility_base_s, s.sqs_retry_visibility_max_s
-                )
+                delay_s = retry_delay_for(decision.error, message.receive_count, s)
                 self._queue.set_visibility(message, delay_s)
                 log.info("message.retry_scheduled", delay_s=delay_s)
             elif decision.action == DEAD_LETTER:

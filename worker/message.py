@@ -17,8 +17,9 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from worker.errors import InvalidMessage
+from worker.names import SAFE_NAME
+from worker.redact import redact_url, redact_urls_in_text
 
-SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 ENVIRONMENTS = ("development", "staging", "production")
 DEFAULT_ENVIRONMENT = "production"
 DEFAULT_LANGUAGE = "en"
@@ -29,8 +30,6 @@ _SAFE_NAME = re.compile(SAFE_NAME)
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _ASCII_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
-_QUERY_START = re.compile(r"[?#]")
-_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s\"'<>]*")
 
 MAX_SHOWN_CHARS = 80
 MAX_PROBLEM_LINES = 20
@@ -188,29 +187,7 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return bucket, key
 
 
-# ---------------------------------------------------------------- redaction and echoing
-
-
-def redact_url(url: str) -> str:
-    """``scheme://host[:port]/path``: no userinfo, query or fragment. Never raises."""
-    try:
-        scheme, sep, rest = str(url).partition("://")
-        if not sep:
-            scheme, rest = "", str(url)
-        start = f"{scheme}://" if sep else ""
-        authority, slash, path = rest.partition("/")
-        # Anything before an '@' in the authority is (meant as) credentials, even if malformed.
-        authority = authority.rpartition("@")[2]
-        if _QUERY_START.search(authority):  # the query began before any path
-            return start + _QUERY_START.split(authority, maxsplit=1)[0]
-        return start + authority + slash + _QUERY_START.split(path, maxsplit=1)[0]
-    except Exception:  # noqa: BLE001 - redaction must never be the thing that fails
-        return "<url>"
-
-
-def redact_urls_in_text(text: str) -> str:
-    """Every URL inside free text (e.g. a botocore error) reduced by ``redact_url``."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+# ---------------------------------------------------------------- echoing
 
 
 def show(value: object) -> str:

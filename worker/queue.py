@@ -66,8 +66,11 @@ def _translate(exc: Exception, action: str) -> WorkerError:
 
 
 class Queue:
-    def __init__(self, client, queue_url: str, *, clock=time.monotonic):
+    def __init__(self, client, queue_url: str, *, lease_client=None, clock=time.monotonic):
         self._sqs = client
+        # Renewals get their own client with short timeouts and few retries: a renewal that hangs
+        # for minutes would hide a lapsing lease (see worker.aws.lease_client_config).
+        self._lease_sqs = lease_client or client
         self.url = queue_url
         self._clock = clock
 
@@ -108,6 +111,15 @@ class Queue:
             )
         except (ClientError, BotoCoreError) as exc:
             raise _translate(exc, "ChangeMessageVisibility") from exc
+
+    def extend(self, message: Message, timeout_s: int) -> None:
+        """The heartbeat's renewal: like ``set_visibility``, through the lease client."""
+        try:
+            self._lease_sqs.change_message_visibility(
+                QueueUrl=self.url, ReceiptHandle=message.receipt_handle, VisibilityTimeout=timeout_s
+            )
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "ChangeMessageVisibility (renewal)") from exc
 
     def release(self, message: Message) -> None:
         """Make the message visible now, so another worker can take it at once."""
@@ -178,3 +190,15 @@ def dead_letter_attributes(message: Message, error: WorkerError, source_queue_ur
 def _sendable(attr: dict) -> dict:
     # A received attribute carries list fields SendMessage rejects when empty.
     return {k: v for k, v in attr.items() if k in ("DataType", "StringValue", "BinaryValue")}
+
+
+def dead_letter_target(redrive_policy: str) -> tuple[str, str]:
+    """(account, queue name) of the DLQ named by a RedrivePolicy's ``deadLetterTargetArn``.
+
+    Read exactly as ``Queue.dead_letter_url`` reads it; tools that already hold the queue's
+    attributes resolve the DLQ with this instead of asking SQS for them again.
+    """
+    arn = json.loads(redrive_policy)["deadLetterTargetArn"]
+    # arn:aws:sqs:<region>:<account>:<name>
+    _, _, _, _, account, name = arn.split(":", 5)
+    return account, name

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
 
+from worker.logs import scrub
+
 log = structlog.get_logger(__name__)
+
+
+def scrub_event(event: Any, _hint: Any = None) -> Any:
+    """A Sentry event with every URL in every string cut down to scheme://host/path."""
+    if isinstance(event, str):
+        return scrub(event) if "://" in event else event
+    if isinstance(event, dict):
+        return {k: scrub_event(v) for k, v in event.items()}
+    if isinstance(event, list | tuple):
+        return [scrub_event(v) for v in event]
+    return event
 
 
 class Reporter:
@@ -15,8 +30,10 @@ class Reporter:
         if sdk is None:
             import sentry_sdk as sdk  # imported only when configured
         try:
-            # No default PII: message bodies and URLs stay out of events.
-            sdk.init(dsn=dsn, environment=environment, send_default_pii=False, max_breadcrumbs=20)
+            # No PII, no frame locals (a download's locals hold presigned URLs), and every string in
+            # the event scrubbed of URL query strings as a last line of defence.
+            sdk.init(dsn=dsn, environment=environment, send_default_pii=False, max_breadcrumbs=20,
+                     include_local_variables=False, before_send=scrub_event)
             self._sdk = sdk
         except Exception as exc:  # the reporter must never stop the worker
             log.error("reporting.init_failed", error=f"{type(exc).__name__}: {exc}")

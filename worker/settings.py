@@ -150,6 +150,13 @@ def consistency_problems(s: Settings) -> list[str]:
             f"{s.sqs_visibility_timeout_s} exceeds the {SQS_MAX_VISIBILITY_S} s SQS allows a message "
             f"to stay invisible from its receipt"
         )
+    elif s.job_time_limit_s + s.sqs_retry_visibility_max_s > SQS_MAX_VISIBILITY_S:
+        # The backoff is set when the attempt ends, at most a time limit after the receipt.
+        problems.append(
+            f"JOB_TIME_LIMIT_SECONDS={s.job_time_limit_s} plus SQS_RETRY_VISIBILITY_MAX_SECONDS="
+            f"{s.sqs_retry_visibility_max_s} exceeds the {SQS_MAX_VISIBILITY_S} s SQS allows a message "
+            f"to stay invisible from its receipt: the backoff could not be set"
+        )
     if s.mongo_uri and s.store_url:
         problems.append("MONGO_URI and STORE_URL are both set: choose one store")
     if s.crash_at is not None:

@@ -30,6 +30,11 @@ FINAL_STATUSES = (COMPLETED, CANCELLED)
 HISTORY_LIMIT = 20
 # A record is not a log file: an unbounded message (a stage's whole stderr) must not bloat it.
 ERROR_MESSAGE_MAX_CHARS = 2000
+# The profile's per-job claim tokens (see holds_profile_claim), and the field they replaced.
+CLAIMS, LEGACY_CLAIM_TOKEN = "claims", "claimToken"
+# Distinct jobs whose claims a profile keeps: a job is fenced out only after this many other jobs of
+# its profile were claimed since its own claim, far beyond any real re-train overlap.
+CLAIMS_KEPT = 20
 
 Clock = Callable[[], datetime]
 
@@ -172,12 +177,40 @@ def cancel_requested(job: dict) -> dict:
     return {**job, "cancelRequested": True}
 
 
+def profile_claims(profile: dict | None) -> list[dict]:
+    """The profile's ``claims``: one ``{jobId, token}`` per job that claimed it, newest claim last."""
+    claims = (profile or {}).get(CLAIMS)
+    if not isinstance(claims, list):
+        return []
+    return [dict(entry) for entry in claims if isinstance(entry, dict)]
+
+
+def holds_profile_claim(profile: dict | None, job_id: str, token: str) -> bool:
+    """The fence of a profile write: ``token`` is the newest claim of job ``job_id`` on this profile.
+
+    Per job, not per profile: two jobs of one profile (a re-train while an earlier one runs) each
+    hold their own entry, so neither fences the other out, while a job's own later claim replaces
+    its entry and so fences out the attempt it took over.
+    """
+    return any(entry.get("jobId") == str(job_id) and entry.get("token") == token
+               for entry in profile_claims(profile))
+
+
+def with_claim(claims: list[dict], job_id: str, token: str) -> list[dict]:
+    """``claims`` with ``job_id``'s entry set to ``token`` and moved last; the oldest past the cap dropped."""
+    kept = [entry for entry in claims if entry.get("jobId") != str(job_id)]
+    return [*kept, {"jobId": str(job_id), "token": token}][-CLAIMS_KEPT:]
+
+
 def stamped_profile(profile: dict | None, profile_id: str, job_id: str, token: str,
                     now: datetime) -> dict:
-    """The profile after a claim: fenced on the new token, processing unless already completed."""
+    """The profile after a claim: this job's claim entry set to the new token, processing unless completed."""
     base = profile if profile is not None else new_profile_record({"_id": profile_id}, job_id, now)
     status = base.get("status") if base.get("status") == COMPLETED else PROCESSING
-    return {**base, "status": status, "claimToken": token, "jobId": job_id, "updatedAt": now}
+    # The single profile-wide token fenced concurrent jobs of one profile out of each other's writes.
+    base = {key: value for key, value in base.items() if key != LEGACY_CLAIM_TOKEN}
+    return {**base, "status": status, CLAIMS: with_claim(profile_claims(base), job_id, token),
+            "jobId": str(job_id), "updatedAt": now}
 
 
 def new_job_record(job: dict, idempotency_key: str | None, now: datetime) -> dict:
@@ -207,7 +240,7 @@ def new_profile_record(profile: dict, job_id: str, now: datetime) -> dict:
         "status": PENDING,
         "modelPaths": dict(profile.get("modelPaths") or {}),
         "s3Paths": dict(profile.get("s3Paths") or {}),
-        "claimToken": None,
+        CLAIMS: [],
         "jobId": job_id,
         "updatedAt": now,
     }
@@ -257,10 +290,13 @@ class Store(ABC):
                      retryable: bool) -> bool: ...
 
     @abstractmethod
-    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict) -> None: ...
+    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
+                    job_id: str) -> None:
+        """Set the profile's paths; fenced on ``job_id``'s claim on the profile being ``token``."""
 
     @abstractmethod
-    def mark_profile_completed(self, profile_id: str, token: str) -> None: ...
+    def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
+        """Set the profile completed; fenced as ``write_paths``."""
 
     @abstractmethod
     def mark_job_completed(self, job_id: str, token: str) -> None:
@@ -333,7 +369,7 @@ def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] |
             os.makedirs(parent, exist_ok=True)
         return SqliteStore(path)
     if settings.mongo_uri:
-        from worker.store_mongo import open_mongo_store
+        from worker.mongo_connect import open_mongo_store
 
         return open_mongo_store(settings, client_factory=mongo_client_factory, sleep=sleep)
     raise ConfigError("MONGO_URI or STORE_URL is required: where job and profile records live")

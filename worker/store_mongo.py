@@ -5,31 +5,28 @@ server decides atomically. Operations that rewrite the history list (claim, erro
 release) are compare-and-swap: the new record is computed from a read by the shared pure rules and
 written only if ``_rev`` is unchanged and the condition still holds; a lost race re-reads and
 decides again. (A single update cannot both close the last history entry and append a new one.)
+The claim's profile stamp is compare-and-swap too, on the profile's status and claims list.
 Datetimes are written as naive UTC (what BSON means by a datetime) and returned aware.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pymongo
 import structlog
 from bson import ObjectId
 from pymongo import ReturnDocument, WriteConcern
-from pymongo.errors import ConfigurationError, DuplicateKeyError, PyMongoError
+from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from worker import store as rules
 from worker import store_recovery as recovery
-from worker.errors import ConfigError, StaleWrite, StoreError
+from worker.errors import StaleWrite, StoreError
 from worker.store import Claim, Clock, Store
-
-if TYPE_CHECKING:
-    from worker.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +77,7 @@ def _held(token: str) -> dict:
 
 
 @contextmanager
-def _translated(op: str) -> Iterator[None]:
+def translated(op: str) -> Iterator[None]:
     try:
         yield
     except PyMongoError as exc:
@@ -100,7 +97,7 @@ class MongoStore(Store):
         self._client = client
 
     def ensure_indexes(self) -> None:
-        with _translated("ensure_indexes"):
+        with translated("ensure_indexes"):
             # Partial, not sparse: jobs without a key store idempotencyKey null, and nulls must not collide.
             self._jobs.create_index(
                 [("idempotencyKey", pymongo.ASCENDING)], name="idempotencyKey_unique", unique=True,
@@ -120,7 +117,7 @@ class MongoStore(Store):
                     condition: Callable[[datetime], dict]) -> tuple[dict | None, bool]:
         """Compare-and-swap on ``_rev`` plus the condition; returns (record now, whether it changed)."""
         lost_at_rev: Any = _MISSING
-        with _translated(op):
+        with translated(op):
             for _ in range(_CAS_ATTEMPTS):
                 now = self._now()
                 raw = self._jobs.find_one({"_id": db_id(job_id)})
@@ -150,7 +147,7 @@ class MongoStore(Store):
             raise StaleWrite(f"{op}: job {job_id} is not held by this token any more")
 
     def _set_if_held(self, op: str, job_id: str, token: str, fields: dict) -> dict:
-        with _translated(op):
+        with translated(op):
             after = self._jobs.find_one_and_update(
                 {"_id": db_id(job_id), **_held(token)}, {"$set": to_bson(fields)},
                 return_document=ReturnDocument.AFTER)
@@ -158,42 +155,52 @@ class MongoStore(Store):
             raise StaleWrite(f"{op}: job {job_id} is not held by this token any more")
         return from_bson(after)
 
-    def _set_if_claimed(self, op: str, profile_id: str, token: str, fields: dict) -> None:
-        with _translated(op):
+    def _set_if_claimed(self, op: str, profile_id: str, job_id: str, token: str, fields: dict) -> None:
+        # rules.holds_profile_claim as a filter: a list of {jobId, token}, as a map keyed by job id
+        # would address a dotted path and job ids may contain dots.
+        claimed = {"$elemMatch": {"jobId": str(job_id), "token": token}}
+        with translated(op):
             after = self._profiles.find_one_and_update(
-                {"_id": db_id(profile_id), "claimToken": token}, {"$set": to_bson(fields)})
+                {"_id": db_id(profile_id), rules.CLAIMS: claimed}, {"$set": to_bson(fields)})
         if after is None:
-            raise StaleWrite(f"{op}: profile {profile_id} is not claimed by this token any more")
+            raise StaleWrite(f"{op}: profile {profile_id} holds no claim of job {job_id} by this token")
 
-    def _stamp_profile(self, profile_id: str, job_id: str, token: str, now: datetime) -> None:
-        stamp = to_bson({"claimToken": token, "jobId": str(job_id), "updatedAt": now})
-        # Two filtered updates rather than read-then-write, so a profile completed meanwhile stays so.
-        result = self._profiles.update_one(
-            {"_id": db_id(profile_id), "status": {"$ne": rules.COMPLETED}},
-            {"$set": {**stamp, "status": rules.PROCESSING}})
-        if result.matched_count == 0:
-            self._profiles.update_one(
-                {"_id": db_id(profile_id)},
-                {"$set": stamp,
-                 "$setOnInsert": {"status": rules.PROCESSING, "modelPaths": {}, "s3Paths": {}}},
-                upsert=True)
+    def _stamp_profile(self, profile_id: str, job_id: str, token: str) -> None:
+        # Compare-and-swap on the status and claims read: a profile completed meanwhile stays so, and
+        # the claims of other jobs racing ours all survive.
+        for _ in range(_CAS_ATTEMPTS):
+            raw = self._profiles.find_one({"_id": db_id(profile_id)})
+            new = rules.stamped_profile(raw and from_bson(raw), profile_id, job_id, token, self._now())
+            if raw is None:
+                try:
+                    self._profiles.insert_one(to_bson({**new, "_id": db_id(profile_id)}))
+                    return
+                except DuplicateKeyError:
+                    continue  # created meanwhile: stamp that record instead
+            stamp = {key: new[key] for key in ("status", rules.CLAIMS, "jobId", "updatedAt")}
+            result = self._profiles.update_one(
+                {"_id": raw["_id"], "status": raw.get("status"), rules.CLAIMS: raw.get(rules.CLAIMS)},
+                {"$set": to_bson(stamp), "$unset": {rules.LEGACY_CLAIM_TOKEN: ""}})
+            if result.matched_count == 1:
+                return
+        raise StoreError(f"mongo claim failed: profile {profile_id} kept changing under concurrent writers")
 
     # ------------------------------------------------------------ reads
 
     def get_job(self, job_id: str) -> dict | None:
-        with _translated("get_job"):
+        with translated("get_job"):
             raw = self._jobs.find_one({"_id": db_id(job_id)})
         return None if raw is None else from_bson(raw)
 
     def get_profile(self, profile_id: str) -> dict | None:
-        with _translated("get_profile"):
+        with translated("get_profile"):
             raw = self._profiles.find_one({"_id": db_id(profile_id)})
         return None if raw is None else from_bson(raw)
 
     def find_stale(self, limit: int = 100) -> list[dict]:
         query = {"status": rules.PROCESSING,
                  "$or": [{"lease": None}, {"lease.expiresAt": {"$lte": to_bson(self._now())}}]}
-        with _translated("find_stale"):
+        with translated("find_stale"):
             raws = list(self._jobs.find(query).sort("heartbeatAt", pymongo.ASCENDING).limit(int(limit)))
         return [from_bson(raw) for raw in raws]
 
@@ -213,8 +220,8 @@ class MongoStore(Store):
             outcome = rules.claim_refusal(job, self._now()) or "held"
             return Claim(outcome, job, bool(job.get("cancelRequested")))
         if job.get("profileId"):
-            with _translated("claim"):
-                self._stamp_profile(str(job["profileId"]), job_id, token, self._now())
+            with translated("claim"):
+                self._stamp_profile(str(job["profileId"]), str(job_id), token)
         return Claim("claimed", job, bool(job.get("cancelRequested")))
 
     def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
@@ -238,12 +245,13 @@ class MongoStore(Store):
             (lambda _now: _held(token)) if token is not None else _claimable)
         return changed
 
-    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict) -> None:
-        self._set_if_claimed("write_paths", profile_id, token, {
+    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
+                    job_id: str) -> None:
+        self._set_if_claimed("write_paths", profile_id, job_id, token, {
             "modelPaths": dict(model_paths), "s3Paths": dict(s3_paths), "updatedAt": self._now()})
 
-    def mark_profile_completed(self, profile_id: str, token: str) -> None:
-        self._set_if_claimed("mark_profile_completed", profile_id, token, {
+    def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
+        self._set_if_claimed("mark_profile_completed", profile_id, job_id, token, {
             "status": rules.COMPLETED, "updatedAt": self._now()})
 
     def mark_job_completed(self, job_id: str, token: str) -> None:
@@ -261,7 +269,7 @@ class MongoStore(Store):
         return changed
 
     def request_cancel(self, job_id: str) -> bool:
-        with _translated("request_cancel"):
+        with translated("request_cancel"):
             before = self._jobs.find_one_and_update(
                 {"_id": db_id(job_id), "status": {"$nin": _FINAL}},
                 {"$set": {"cancelRequested": True}})
@@ -277,7 +285,7 @@ class MongoStore(Store):
         job, profile = rules.submission(job, profile)
         job_id = str(job["_id"])
         now = self._now()
-        with _translated("submit"):
+        with translated("submit"):
             if idempotency_key is not None:
                 existing = self._job_id_for_key(idempotency_key)
                 if existing is not None:
@@ -308,7 +316,7 @@ class MongoStore(Store):
     def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
         query = {"status": rules.PENDING, recovery.ENQUEUED: None, recovery.REENQUEUED: None,
                  "createdAt": {"$lte": to_bson(recovery.cutoff(self._now(), older_than_s))}}
-        with _translated("find_unenqueued"):
+        with translated("find_unenqueued"):
             raws = list(self._jobs.find(query).sort("createdAt", pymongo.ASCENDING).limit(int(limit)))
         return [from_bson(raw) for raw in raws]
 
@@ -332,63 +340,11 @@ class MongoStore(Store):
     def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            _close_quietly(client)
+            close_quietly(client)
 
 
-def _close_quietly(client: Any) -> None:
+def close_quietly(client: Any) -> None:
     try:
         client.close()
     except Exception as exc:  # noqa: BLE001 - a close failure must never mask what the caller is doing
         log.warning("store.close_failed", store="mongo", error=str(exc))
-
-
-def connect_mongo(uri: str, *, max_attempts: int = 7, retry_delay_s: float = 1.0,
-                  client_factory: Callable[..., Any] = pymongo.MongoClient,
-                  sleep: Callable[[float], None] = time.sleep) -> Any:
-    """A client whose server answered ``ping``, or StoreError chained to the last failure.
-
-    The delay grows linearly: after failed attempt n it waits ``retry_delay_s * n`` (1, 2, 3 … s by
-    default, 21 s in all before the 7th and last attempt), which rides out a replica set election.
-    """
-    try:
-        client = client_factory(uri, tz_aware=True, serverSelectionTimeoutMS=5000,
-                                connectTimeoutMS=5000)
-    except (ConfigurationError, ValueError) as exc:
-        # An unusable URI (pymongo raises ValueError for some, e.g. a bad port) will not heal by
-        # retrying; its text may hold credentials, so only the type is said.
-        raise ConfigError(f"MONGO_URI is not a usable MongoDB URI ({type(exc).__name__})") from exc
-    except PyMongoError as exc:
-        raise StoreError(f"mongo client could not be created: {type(exc).__name__}") from exc
-    last_exc: BaseException | None = None
-    for attempt in range(1, max_attempts + 1):
-        try:
-            client.admin.command("ping")
-            return client
-        except PyMongoError as exc:
-            last_exc = exc
-            delay_s = retry_delay_s * attempt if attempt < max_attempts else 0.0
-            log.warning("store.mongo_ping_failed", attempt=attempt, max_attempts=max_attempts,
-                        error_type=type(exc).__name__, retry_in_s=delay_s)
-            if delay_s > 0:
-                sleep(delay_s)
-    _close_quietly(client)
-    raise StoreError(f"MongoDB did not answer after {max_attempts} attempts: "
-                     f"{type(last_exc).__name__}") from last_exc
-
-
-def open_mongo_store(settings: Settings, *, client_factory: Callable[..., Any] | None = None,
-                     sleep: Callable[[float], None] | None = None) -> MongoStore:
-    client = connect_mongo(settings.mongo_uri or "", max_attempts=settings.mongo_connect_max_attempts,
-                           retry_delay_s=settings.mongo_connect_retry_delay_s,
-                           client_factory=client_factory or pymongo.MongoClient,
-                           sleep=sleep or time.sleep)
-    try:
-        with _translated("open"):
-            db = client.get_default_database(settings.mongo_database)
-        store = MongoStore(db, jobs_collection=settings.mongo_jobs_collection,
-                           profiles_collection=settings.mongo_profiles_collection, client=client)
-        store.ensure_indexes()
-    except BaseException:
-        _close_quietly(client)
-        raise
-    return store

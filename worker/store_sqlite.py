@@ -36,11 +36,11 @@ _SCHEMA = (
         idempotency_key TEXT UNIQUE
     )""",
     "CREATE INDEX IF NOT EXISTS jobs_status_lease ON jobs (status, lease_expires_ms)",
+    # Files made before profile claims were per job also have a claim_token column: it is left unused.
     """CREATE TABLE IF NOT EXISTS profiles (
         id TEXT PRIMARY KEY,
         doc TEXT NOT NULL,
-        status TEXT NOT NULL,
-        claim_token TEXT
+        status TEXT NOT NULL
     )""",
 )
 
@@ -48,6 +48,9 @@ _SCHEMA = (
 _CLAIMABLE = "status NOT IN ('completed', 'cancelled') AND (lease_token IS NULL OR lease_expires_ms <= ?)"
 _HELD = "status = 'processing' AND lease_token = ?"
 _NOT_FINAL = "status NOT IN ('completed', 'cancelled')"
+# rules.holds_profile_claim, restated on the JSON document (the claims list has no column).
+_PROFILE_CLAIMED = ("EXISTS (SELECT 1 FROM json_each(profiles.doc, '$.claims') "
+                    "WHERE json_extract(value, '$.jobId') = ? AND json_extract(value, '$.token') = ?)")
 _LOST = ("status = 'processing' AND ((lease_token IS NOT NULL AND lease_expires_ms <= ?) "
          "OR (lease_token IS NULL AND heartbeat_ms <= ?))")
 
@@ -149,10 +152,9 @@ class SqliteStore(Store):
     @staticmethod
     def _put_profile(conn: sqlite3.Connection, profile: dict) -> None:
         conn.execute(
-            "INSERT INTO profiles (id, doc, status, claim_token) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, status = excluded.status, "
-            "claim_token = excluded.claim_token",
-            (profile["_id"], _encode(profile), profile["status"], profile.get("claimToken")),
+            "INSERT INTO profiles (id, doc, status) VALUES (?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, status = excluded.status",
+            (profile["_id"], _encode(profile), profile["status"]),
         )
 
     def _change_job(self, op: str, job_id: str,
@@ -188,19 +190,19 @@ class SqliteStore(Store):
             raise StaleWrite(f"{op}: job {job_id} is not held by this token any more")
         return job
 
-    def _fenced_profile(self, op: str, profile_id: str, token: str,
+    def _fenced_profile(self, op: str, profile_id: str, job_id: str, token: str,
                         change: Callable[[dict, datetime], dict]) -> None:
         with self._transaction(op) as conn:
             now = self._now()
             profile = self._read(conn, "profiles", profile_id)
-            if profile is not None and profile.get("claimToken") == token:
+            if rules.holds_profile_claim(profile, job_id, token):
                 new = change(profile, now)
                 cursor = conn.execute(
-                    "UPDATE profiles SET doc = ?, status = ? WHERE id = ? AND claim_token = ?",
-                    (_encode(new), new["status"], str(profile_id), token))
+                    f"UPDATE profiles SET doc = ?, status = ? WHERE id = ? AND {_PROFILE_CLAIMED}",
+                    (_encode(new), new["status"], str(profile_id), str(job_id), token))
                 if cursor.rowcount == 1:
                     return
-        raise StaleWrite(f"{op}: profile {profile_id} is not claimed by this token any more")
+        raise StaleWrite(f"{op}: profile {profile_id} holds no claim of job {job_id} by this token")
 
     # ------------------------------------------------------------ reads
 
@@ -268,12 +270,13 @@ class SqliteStore(Store):
         )
         return changed
 
-    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict) -> None:
-        self._fenced_profile("write_paths", profile_id, token, lambda p, now: {
+    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
+                    job_id: str) -> None:
+        self._fenced_profile("write_paths", profile_id, job_id, token, lambda p, now: {
             **p, "modelPaths": dict(model_paths), "s3Paths": dict(s3_paths), "updatedAt": now})
 
-    def mark_profile_completed(self, profile_id: str, token: str) -> None:
-        self._fenced_profile("mark_profile_completed", profile_id, token, lambda p, now: {
+    def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
+        self._fenced_profile("mark_profile_completed", profile_id, job_id, token, lambda p, now: {
             **p, "status": rules.COMPLETED, "updatedAt": now})
 
     def mark_job_completed(self, job_id: str, token: str) -> None:

@@ -13,13 +13,13 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
 from worker.artifacts import (
-    ASSET_NAMES,
     ArtifactUploader,
     artifact_key,
     object_matches,
     verify_local,
 )
 from worker.errors import StageFailed, StorageError
+from worker.store import ASSET_KEYS as ASSET_NAMES
 
 BUCKET = "voice-artifacts"
 MIB = 1024 * 1024

@@ -277,3 +277,69 @@ def test_lost_message_lease_clears_the_record_lease_for_the_next_delivery(queues
     assert job["status"] == "processing" and job["lease"] is None
     assert not raw_store.get_profile(PROFILE_ID).get("modelPaths")
     assert raw_store.claim(JOB_ID, owner="w2", token="t2", lease_s=60).outcome == "claimed"
+
+
+def test_unexpected_error_in_the_job_is_retried_and_recorded(queues, make_worker, handler, raw_store, train):
+    """A bug or unforeseen library error inside the job is retried and recorded, not a crash of the worker."""
+    def buggy(job, work_dir, stop, progress):
+        raise KeyError("surprise")
+
+    train.during = buggy
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "retry"
+    job = raw_store.get_job(JOB_ID)
+    assert job["error"]["type"] == "UnexpectedError" and "KeyError" in job["error"]["message"]
+    assert job["lease"] is None and "delete_message" not in client.ops()
+
+
+def test_busy_message_comes_back_when_the_holders_record_lease_ends(queues, make_worker, handler, raw_store):
+    """The retry of a busy message waits for the holder's record lease, not the generic backoff."""
+    msg_id = queues.send(message_body())
+    raw_store.claim(JOB_ID, owner="worker-a", token="token-a", lease_s=200, message_id=msg_id)
+    worker, client = make_worker(handler)
+    assert worker.run_once() == "retry"
+    last = [c for c in client.calls if c[0] == "change_message_visibility"][-1]
+    assert 195 <= last[1]["VisibilityTimeout"] <= 206
+
+
+def test_a_failed_claim_lets_go_of_whatever_it_took(queues, make_worker, handler, store, recorder):
+    """A claim that fails in the store is followed by a fenced release, so the redelivery is not told the job is busy."""
+    store.faults["claim"] = lambda: StoreError("connection reset")
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "retry"
+    assert "store.release_lease" in recorder.calls
+
+
+def test_lease_lost_after_a_shutdown_request_still_stops_the_commit(queues, make_worker, handler, raw_store, s3):
+    """A lease lost during the uploads, after a shutdown already set the stop reason, still writes no paths."""
+    from tests.support import client_error
+
+    def during_upload(model, **kw):
+        if not hit:
+            hit.append(1)
+            worker.stop()
+            worker.stop()  # second signal: the stop reason becomes "shutdown" at once
+            client.faults["change_message_visibility"] = lambda kw: client_error("ReceiptHandleIsInvalid")
+            time.sleep(0.6)  # a few ticks: the lease is lost meanwhile
+
+    hit = []
+    s3.meta.events.register("before-call.s3.PutObject", during_upload)
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "abandon"
+    assert not raw_store.get_profile(PROFILE_ID).get("modelPaths")
+    assert raw_store.get_job(JOB_ID)["status"] == "processing"
+    assert "delete_message" not in client.ops()
+
+
+def test_a_message_naming_another_profile_than_the_job_record_is_dead_lettered(queues, make_worker, handler, raw_store, train):
+    """A message whose profileId differs from its job record's is rejected, leaving the record untouched."""
+    before = raw_store.get_job(JOB_ID)
+    worker, _ = make_worker(handler)
+    queues.send(message_body(profile_id="665f1c2e9b1e8a0012ab9999"))
+    assert worker.run_once() == "dead_letter"
+    assert train.runs == 0 and raw_store.get_job(JOB_ID) == before
+    [dead] = queues.receive_now(queues.dlq_url)
+    assert "belongs to profile" in dead["MessageAttributes"]["ErrorMessage"]["StringValue"]

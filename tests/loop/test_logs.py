@@ -99,3 +99,26 @@ def test_reporter_init_failure_is_contained(json_logs):
 def test_no_dsn_means_no_reporting():
     """Without SENTRY_DSN nothing is initialised."""
     assert not Reporter(None).enabled
+
+
+class RecordingSdk:
+    def __init__(self):
+        self.init_kwargs = {}
+
+    def init(self, **kw):
+        self.init_kwargs = kw
+
+    def capture_exception(self, exc):
+        pass
+
+
+def test_sentry_gets_no_locals_and_scrubbed_events():
+    """Sentry is set up without frame locals or PII, and events lose URL query strings before sending."""
+    sdk = RecordingSdk()
+    Reporter("https://key@sentry.example/1", sdk=sdk)
+    kw = sdk.init_kwargs
+    assert kw["include_local_variables"] is False and kw["send_default_pii"] is False
+    event = {"exception": {"values": [{"value": "GET https://h.example/a.wav?X-Amz-Signature=SECRET1 failed"}]},
+             "extra": {"urls": ["s3://b/k?versionId=SECRET2"]}}
+    text = str(kw["before_send"](event, {}))
+    assert "SECRET1" not in text and "SECRET2" not in text and "https://h.example/a.wav" in text

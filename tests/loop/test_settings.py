@@ -105,3 +105,11 @@ def test_importing_modules_starts_nothing():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_time_limit_plus_the_longest_backoff_must_fit_twelve_hours():
+    """A backoff set at the end of a maximal attempt must still fit SQS's 12 hours from receipt."""
+    with pytest.raises(ConfigError) as info:
+        load_settings({"JOB_TIME_LIMIT_SECONDS": "42500", "SQS_VISIBILITY_TIMEOUT_SECONDS": "300",
+                       "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "60000"})
+    assert info.value.problems[0].startswith("JOB_TIME_LIMIT_SECONDS=42500 plus SQS_RETRY_VISIBILITY_MAX_SECONDS=900")

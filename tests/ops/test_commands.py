@@ -177,3 +177,34 @@ def test_health_follows_the_liveness_file(tmp_path):
     old = time.time() - 60
     os.utime(path, (old, old))
     assert cmd_health(settings, out=io.StringIO()) == 1
+
+
+def test_status_watch_goes_on_through_a_retryable_error(store, queues):
+    """status --watch keeps watching a job whose error will be retried, and stops at a permanent one."""
+    _, out, _ = submit(store, queues, PAYLOAD)
+    job_id = json.loads(out)["jobId"]
+    store.claim(job_id, owner="w1", token="t", lease_s=60)
+    store.record_error(job_id, token="t", error_type="StoreError", message="down", retryable=True)
+    sleeps = []
+
+    def sleep(s):
+        sleeps.append(s)
+        store.claim(job_id, owner="w1", token="t2", lease_s=60)
+        store.record_error(job_id, token="t2", error_type="BadRecording", message="not audio", retryable=False)
+
+    buf = io.StringIO()
+    assert cmd_status(store, job_id, as_json=True, watch_s=1.0, out=buf, sleep=sleep) == 0
+    assert len(sleeps) == 1 and len(buf.getvalue().splitlines()) == 2
+
+
+def test_operator_command_failures_are_one_line_not_a_traceback(tmp_path):
+    """A command that cannot read its input prints one line and exits 1."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SQS_", "STORE_", "MONGO_"))}
+    env.update({"SQS_QUEUE_URL": "http://127.0.0.1:9/000000000000/q", "STORE_URL": f"sqlite:///{tmp_path}/r.db"})
+    proc = subprocess.run([sys.executable, "-m", "worker", "submit", str(tmp_path / "missing.json")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("submit failed:")

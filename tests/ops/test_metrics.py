@@ -19,7 +19,7 @@ from tests.store.conftest import FakeClock, make_store
 from tests.support import FAST, FaultyClient, client_error
 from worker import metrics as m
 from worker.errors import BadRecording, ConfigError, DownloadError, Stopped, StoreError
-from worker.job import ProgressReporter
+from worker.attempt import ProgressReporter
 from worker.lease import Lease, Shutdown
 from worker.loop import Worker
 from worker.metrics import Metrics, parse_dimensions

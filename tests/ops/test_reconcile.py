@@ -132,8 +132,8 @@ def test_lost_worker_rule_never_touches_live_recent_completed_or_cancelled_jobs(
     old, done, cancelled = new_job(store, 1), new_job(store, 2), new_job(store, 3)
     for job_id in (old, done, cancelled):
         store.claim(job_id, owner="w", token=f"t-{job_id}", lease_s=LEASE_S)
-    store.write_paths(store.get_job(done)["profileId"], f"t-{done}", {}, {})
-    store.mark_profile_completed(store.get_job(done)["profileId"], f"t-{done}")
+    store.write_paths(store.get_job(done)["profileId"], f"t-{done}", {}, {}, job_id=done)
+    store.mark_profile_completed(store.get_job(done)["profileId"], f"t-{done}", job_id=done)
     store.mark_job_completed(done, f"t-{done}")
     store.mark_cancelled(cancelled, f"t-{cancelled}")
     clock.advance(STALE_S)  # `old` ended STALE_S - LEASE_S ago: not yet lost
@@ -285,8 +285,8 @@ def test_dead_letter_rule_never_touches_leased_completed_or_cancelled_jobs(store
         store.claim(job_id, owner="w", token=f"t-{job_id}", lease_s=LEASE_S)
         dead_letter(queues, job_id)
     profile_id = store.get_job(done)["profileId"]
-    store.write_paths(profile_id, f"t-{done}", {}, {})
-    store.mark_profile_completed(profile_id, f"t-{done}")
+    store.write_paths(profile_id, f"t-{done}", {}, {}, job_id=done)
+    store.mark_profile_completed(profile_id, f"t-{done}", job_id=done)
     store.mark_job_completed(done, f"t-{done}")
     store.mark_cancelled(cancelled, f"t-{cancelled}")
     before = snapshot(store, live, done, cancelled)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import (
-    ARTIFACT_KEYS,
     load_pipeline_config,
     parse_pipeline_config,
     placeholder_problems,
     render_argv,
 )
 from worker.errors import ConfigError
+from worker.store import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

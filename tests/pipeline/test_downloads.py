@@ -33,10 +33,10 @@ from pipeline.netguard import (
     default_resolver,
     describe_error,
     parse_https,
-    redact_url,
     refusal_reason,
 )
 from worker.errors import BadRecording, ConfigError, DownloadError, Stopped
+from worker.redact import redact_parsed_url as redact_url
 from worker.settings import load_settings
 from worker.stop import StopSignal
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from pipeline.files import file_sha256
 from pipeline.manifest import (
     atomic_write_bytes,
-    file_sha256,
     manifest_path,
     manifest_problem,
     remove_stale_temps,

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ARTIFACT_KEYS, load_pipeline_config, parse_pipeline_config
+from pipeline.config import load_pipeline_config, parse_pipeline_config
 from pipeline.run import run_pipeline
 from tests.pipeline.test_dataset import write_inputs
 from worker.errors import BadRecording, DownloadError, StageFailed, Stopped
 from worker.stop import StopSignal
+from worker.store import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -148,17 +148,18 @@ def test_transient_s3_5xx_is_absorbed(rig):
     assert rig.s3_faults.injected["PutObject"] == 5
 
 
-def test_store_down_mid_job_past_the_visibility_timeout_retries_without_commit(rig):
-    """The store down from the start of training for longer than the visibility timeout: SQS renewals hold the message, nothing commits, the retry completes."""
+def test_store_down_mid_job_past_the_record_lease_stops_without_commit(rig):
+    """The store down from the start of training until the record lease lapses: the attempt stops (another worker could claim the job), nothing commits, the message stays, the retry completes."""
     rig.train.work_s = VISIBILITY_S + 0.5
     rig.train.on_start = rig.store.down.set
     job_id, profile_id, _ = rig.submit()
     worker = rig.worker()
     with capture_logs() as logs, VisibilityWatch(rig) as watch:
-        assert worker.run_once() == "retry"
+        assert worker.run_once() == "abandon"
     assert watch.max_visible == 0, "the message turned visible while the job ran"
-    assert rig.store.refused["renew_lease"] >= 2 and rig.store.refused["write_paths"] == 1
-    assert not any(e["event"] == "heartbeat.lease_lost" for e in logs)
+    assert rig.store.refused["renew_lease"] >= 1 and rig.store.refused["write_paths"] == 0
+    assert any(e["event"] == "heartbeat.lease_lost" and "record lease" in e["reason"] for e in logs)
+    assert rig.train.stopped == ["lease_lost"]
     assert rig.counts() == ((0, 1), (0, 0))
     assert rig.profile(profile_id)["status"] != "completed" and rig.job(job_id)["status"] == "processing"
 

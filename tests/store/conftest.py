@@ -62,7 +62,8 @@ def claim(store, token: str, owner: str = "w1", job_id: str = JOB_ID):
     return store.claim(job_id, owner=owner, token=token, lease_s=LEASE_S)
 
 
-def commit(store, token: str) -> None:
-    store.write_paths(PROFILE_ID, token, MODEL_PATHS, S3_PATHS)
-    store.mark_profile_completed(PROFILE_ID, token)
-    store.mark_job_completed(JOB_ID, token)
+def commit(store, token: str, job_id: str = JOB_ID, model_paths: dict = MODEL_PATHS,
+           s3_paths: dict = S3_PATHS) -> None:
+    store.write_paths(PROFILE_ID, token, model_paths, s3_paths, job_id=job_id)
+    store.mark_profile_completed(PROFILE_ID, token, job_id=job_id)
+    store.mark_job_completed(job_id, token)

@@ -135,9 +135,9 @@ def test_replaced_token_cannot_commit(store, clock):
     claim(store, "t2", owner="w2")
     before_job, before_profile = store.get_job(JOB_ID), store.get_profile(PROFILE_ID)
     with pytest.raises(StaleWrite):
-        store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS)
+        store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     with pytest.raises(StaleWrite):
-        store.mark_profile_completed(PROFILE_ID, "t1")
+        store.mark_profile_completed(PROFILE_ID, "t1", job_id=JOB_ID)
     with pytest.raises(StaleWrite):
         store.mark_job_completed(JOB_ID, "t1")
     assert store.get_job(JOB_ID) == before_job and store.get_profile(PROFILE_ID) == before_profile
@@ -146,9 +146,9 @@ def test_replaced_token_cannot_commit(store, clock):
 def test_commit_on_a_missing_profile_is_stale(store):
     """Fenced profile writes on a profile that does not exist raise StaleWrite."""
     with pytest.raises(StaleWrite):
-        store.write_paths("f" * 24, "t1", MODEL_PATHS, S3_PATHS)
+        store.write_paths("f" * 24, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     with pytest.raises(StaleWrite):
-        store.mark_profile_completed("f" * 24, "t1")
+        store.mark_profile_completed("f" * 24, "t1", job_id=JOB_ID)
 
 
 def test_completion_clears_an_earlier_error(store):

@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, submit
 from worker.errors import ConfigError, StoreError
 from worker.store import is_complete
-from worker.store_mongo import MongoStore, connect_mongo
+from worker.mongo_connect import connect_mongo
+from worker.store_mongo import MongoStore
 
 
 class FakeClient:
@@ -177,9 +178,10 @@ def test_claim_of_an_app_created_job_creates_its_profile(mongo, clock):
     assert result.outcome == "claimed" and result.job["attempts"] == 1
     assert result.job["profileId"] == PROFILE_ID
     profile = store.get_profile(PROFILE_ID)
-    assert profile["status"] == "processing" and profile["claimToken"] == "t1"
-    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS)
-    store.mark_profile_completed(PROFILE_ID, "t1")
+    assert profile["status"] == "processing" and profile["claims"] == [{"jobId": JOB_ID, "token": "t1"}]
+    assert profile["modelPaths"] == {} and profile["s3Paths"] == {}
+    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
+    store.mark_profile_completed(PROFILE_ID, "t1", job_id=JOB_ID)
     store.mark_job_completed(JOB_ID, "t1")
     assert is_complete(store.get_job(JOB_ID), store.get_profile(PROFILE_ID))
 
@@ -227,8 +229,8 @@ class DownCollection:
     lambda s: s.renew_lease(JOB_ID, "t", LEASE_S),
     lambda s: s.set_progress(JOB_ID, "t", "x", 1),
     lambda s: s.record_error(JOB_ID, token=None, error_type="X", message="m", retryable=True),
-    lambda s: s.write_paths(PROFILE_ID, "t", {}, {}),
-    lambda s: s.mark_profile_completed(PROFILE_ID, "t"),
+    lambda s: s.write_paths(PROFILE_ID, "t", {}, {}, job_id=JOB_ID),
+    lambda s: s.mark_profile_completed(PROFILE_ID, "t", job_id=JOB_ID),
     lambda s: s.mark_job_completed(JOB_ID, "t"),
     lambda s: s.mark_cancelled(JOB_ID, "t"),
     lambda s: s.release_lease(JOB_ID, "t"),
@@ -265,3 +267,97 @@ def test_claim_racing_a_renewal_does_not_steal_the_lease(mongo, clock):
     assert store.claim(JOB_ID, owner="w2", token="t2", lease_s=LEASE_S).outcome == "held"
     job = store.get_job(JOB_ID)
     assert job["lease"]["token"] == "t1" and job["attempts"] == 1
+
+
+# ---------------------------------------------------------------- the profile's per-job claims
+
+OTHER_JOB = "665f1c2e9b1e8a0012ab34cf"
+
+
+def _rival_acts_after_profile_read(store, act):
+    """Make the store's next profile read run ``act`` right after it, as a racing writer would."""
+    real_find_one, raced = store._profiles.find_one, []
+
+    def find_one_then_rival_acts(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        if not raced:
+            raced.append(True)
+            act()
+        return doc
+
+    store._profiles.find_one = find_one_then_rival_acts
+
+
+def test_profile_stamp_racing_another_jobs_claim_keeps_both_claims(mongo, clock):
+    """A claim of another job landing between our profile read and write is kept: both jobs can write."""
+    store, db = mongo
+    third = "665f1c2e9b1e8a0012ab34d0"
+    for job_id in (JOB_ID, OTHER_JOB, third):
+        submit(store, job_id)
+    rival = MongoStore(db, clock=clock)
+    # The profile is already processing, so only the claims list tells our read is stale.
+    rival.claim(third, owner="w3", token="t3", lease_s=LEASE_S)
+    _rival_acts_after_profile_read(
+        store, lambda: rival.claim(OTHER_JOB, owner="w2", token="t2", lease_s=LEASE_S))
+    assert store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S).outcome == "claimed"
+    claims = store.get_profile(PROFILE_ID)["claims"]
+    assert [entry["jobId"] for entry in claims] == [third, OTHER_JOB, JOB_ID]
+    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
+    store.write_paths(PROFILE_ID, "t2", MODEL_PATHS, S3_PATHS, job_id=OTHER_JOB)
+
+
+def test_profile_completed_during_the_stamp_stays_completed(mongo, clock):
+    """A profile another job completes between our read and write keeps its completed status."""
+    store, db = mongo
+    submit(store)
+    submit(store, OTHER_JOB)
+    rival = MongoStore(db, clock=clock)
+    rival.claim(OTHER_JOB, owner="w2", token="t2", lease_s=LEASE_S)
+    _rival_acts_after_profile_read(
+        store, lambda: rival.mark_profile_completed(PROFILE_ID, "t2", job_id=OTHER_JOB))
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    profile = store.get_profile(PROFILE_ID)
+    assert profile["status"] == "completed"
+    assert [entry["jobId"] for entry in profile["claims"]] == [OTHER_JOB, JOB_ID]
+
+
+def test_profile_of_an_app_created_job_appearing_during_the_stamp_is_stamped(mongo, clock):
+    """A profile the app inserts between our read (none) and our insert is stamped, not duplicated or lost."""
+    store, db = mongo
+    db["voiceclonings"].insert_one({"_id": ObjectId(JOB_ID), "profileId": ObjectId(PROFILE_ID),
+                                    "status": "pending"})
+    _rival_acts_after_profile_read(store, lambda: db["useraudioprofiles"].insert_one(
+        {"_id": ObjectId(PROFILE_ID), "status": "pending", "name": "voice-1"}))
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    profile = store.get_profile(PROFILE_ID)
+    assert profile["name"] == "voice-1" and profile["status"] == "processing"
+    assert profile["claims"] == [{"jobId": JOB_ID, "token": "t1"}]
+
+
+def test_legacy_profile_with_a_claim_token_is_migrated_on_claim(mongo):
+    """A profile written by the old fence (claimToken, no claims) gets a claims entry and loses claimToken."""
+    store, db = mongo
+    submit(store)
+    db["useraudioprofiles"].update_one({"_id": ObjectId(PROFILE_ID)},
+                                       {"$set": {"claimToken": "old"}, "$unset": {"claims": ""}})
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    raw = db["useraudioprofiles"].find_one({"_id": ObjectId(PROFILE_ID)})
+    assert "claimToken" not in raw and raw["claims"] == [{"jobId": JOB_ID, "token": "t1"}]
+    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
+
+
+def test_profile_that_keeps_changing_is_store_error(mongo, clock):
+    """A stamp that loses every compare-and-swap gives up with StoreError instead of looping forever."""
+    store, db = mongo
+    submit(store)
+    real_find_one, profiles = store._profiles.find_one, db["useraudioprofiles"]
+
+    def find_one_then_someone_writes(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        profiles.update_one({"_id": ObjectId(PROFILE_ID)},
+                            {"$push": {"claims": {"jobId": "noise", "token": "n"}}})
+        return doc
+
+    store._profiles.find_one = find_one_then_someone_writes
+    with pytest.raises(StoreError):
+        store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tests.store.conftest import MODEL_PATHS, S3_PATHS
 from worker.store import (
-    HISTORY_LIMIT, claim_refusal, claimed, close_attempt, is_complete, lease_live, to_ms,
+    CLAIMS_KEPT, HISTORY_LIMIT, claim_refusal, claimed, close_attempt, holds_profile_claim, is_complete,
+    lease_live, stamped_profile, to_ms, with_claim,
 )
 
 NOW = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
@@ -79,3 +80,35 @@ def test_history_stays_bounded_with_one_running_entry(endings):
     history = job["history"]
     assert len(history) == min(len(endings), HISTORY_LIMIT) and job["attempts"] == len(endings)
     assert all(entry["outcome"] != "running" for entry in history[:-1])
+
+
+@pytest.mark.parametrize("profile", [None, {}, {"claims": None}, {"claims": "t1"}, {"claims": ["t1"]},
+                                     {"claimToken": "t1"}])
+def test_a_profile_without_claims_fences_everyone_out(profile):
+    """A missing, legacy or malformed claims field holds no claim for anyone."""
+    assert not holds_profile_claim(profile, "j1", "t1")
+
+
+def test_stamp_replaces_only_the_claiming_jobs_entry():
+    """A claim sets its own job's entry (moved last) and leaves other jobs' entries and tokens alone."""
+    profile = {"_id": "p", "status": "pending", "claimToken": "legacy", "claims": []}
+    profile = stamped_profile(profile, "p", "j1", "t1", NOW)
+    profile = stamped_profile(profile, "p", "j2", "t2", NOW)
+    profile = stamped_profile(profile, "p", "j1", "t3", NOW)
+    assert profile["claims"] == [{"jobId": "j2", "token": "t2"}, {"jobId": "j1", "token": "t3"}]
+    assert holds_profile_claim(profile, "j1", "t3") and holds_profile_claim(profile, "j2", "t2")
+    assert not holds_profile_claim(profile, "j1", "t1") and not holds_profile_claim(profile, "j1", "t2")
+    assert "claimToken" not in profile and profile["jobId"] == "j1" and profile["status"] == "processing"
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.text(min_size=1, max_size=3)), max_size=80))
+def test_claims_stay_bounded_with_each_jobs_latest_token(stamps):
+    """Whatever claims happen, at most CLAIMS_KEPT entries, one per job, each job's newest token."""
+    claims: list[dict] = []
+    latest: dict[str, str] = {}
+    for job_no, token in stamps:
+        claims = with_claim(claims, f"j{job_no}", token)
+        latest[f"j{job_no}"] = token
+    assert len(claims) == min(len(latest), CLAIMS_KEPT)
+    assert len({entry["jobId"] for entry in claims}) == len(claims)
+    assert all(latest[entry["jobId"]] == entry["token"] for entry in claims)

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from tests.store.conftest import JOB_ID, LEASE_S, submit
+from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, submit
+from worker import store as rules
 from worker.errors import StaleWrite, StoreError
 from worker.store_sqlite import SqliteStore
 
@@ -74,7 +75,8 @@ def test_claim_race_across_processes_has_one_winner(tmp_path):
             assert mine == ["claimed"] + ["held"] * (PROCESSES - 1)
             job = store.get_job(_job_id(r))
             assert job["attempts"] == 1 and len(job["history"]) == 1
-            assert store.get_profile(_job_id(r)[::-1])["claimToken"] == job["lease"]["token"]
+            assert store.get_profile(_job_id(r)[::-1])["claims"] == [
+                {"jobId": _job_id(r), "token": job["lease"]["token"]}]
 
 
 def test_submit_race_across_processes_creates_one_job(tmp_path):
@@ -176,4 +178,43 @@ def test_heartbeat_thread_and_main_thread_share_the_store(tmp_path):
     store.mark_job_completed(JOB_ID, "t1")
     with pytest.raises(StaleWrite):
         store.renew_lease(JOB_ID, "t1", LEASE_S)
+    store.close()
+
+
+# ---------------------------------------------------------------- the profile's per-job claims
+
+def test_file_with_the_old_profiles_schema_still_works(tmp_path):
+    """A file made when profiles had a claim_token column opens, and two jobs of one profile both commit."""
+    path = str(tmp_path / "records.db")
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE profiles (id TEXT PRIMARY KEY, doc TEXT NOT NULL, status TEXT NOT NULL, "
+                 "claim_token TEXT)")
+    conn.commit()
+    conn.close()
+    other = "665f1c2e9b1e8a0012ab34cf"
+    with SqliteStore(path) as store:
+        submit(store)
+        submit(store, other)
+        store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+        store.claim(other, owner="w2", token="t2", lease_s=LEASE_S)
+        for job_id, token in ((JOB_ID, "t1"), (other, "t2")):
+            store.write_paths(PROFILE_ID, token, MODEL_PATHS, S3_PATHS, job_id=job_id)
+            store.mark_profile_completed(PROFILE_ID, token, job_id=job_id)
+            store.mark_job_completed(job_id, token)
+        assert store.get_profile(PROFILE_ID)["status"] == "completed"
+
+
+def test_profile_update_restates_the_claim_fence(tmp_path, monkeypatch):
+    """Even if the rule wrongly allowed it, the UPDATE's own condition refuses a token the profile does not hold."""
+    store = SqliteStore(str(tmp_path / "records.db"))
+    submit(store)
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    monkeypatch.setattr(rules, "holds_profile_claim", lambda *_args: True)
+    before = store.get_profile(PROFILE_ID)
+    with pytest.raises(StaleWrite):
+        store.write_paths(PROFILE_ID, "other", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
+    with pytest.raises(StaleWrite):
+        store.mark_profile_completed(PROFILE_ID, "t1", job_id="f" * 24)
+    assert store.get_profile(PROFILE_ID) == before
+    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     store.close()

@@ -1,0 +1,104 @@
+"""What one attempt keeps up in the store while it works: its record lease and its progress."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import structlog
+
+from worker.errors import LeaseLost, StaleWrite, Stopped, StoreError
+from worker.metrics import NULL_METRICS, STAGE_DIMENSION, STAGE_DURATION, Metrics
+from worker.stop import StopSignal
+from worker.store import Store
+
+log = structlog.get_logger(__name__)
+
+PROGRESS_MIN_INTERVAL_S = 2.0
+
+
+class ProgressReporter:
+    """Writes the job's progress, at most every ``min_interval_s`` unless the stage changed or it finished.
+
+    It also times each stage, from its first report to its first 100 %, as the StageDuration metric.
+    """
+
+    def __init__(self, store: Store, job_id: str, token: str, stop: StopSignal,
+                 min_interval_s: float = PROGRESS_MIN_INTERVAL_S, clock=time.monotonic,
+                 metrics: Metrics = NULL_METRICS):
+        self._store, self._job_id, self._token, self._stop = store, job_id, token, stop
+        self._min_interval_s, self._clock = min_interval_s, clock
+        self._last: tuple[str, float] | None = None
+        self._metrics = metrics
+        self._stage_started: dict[str, float] = {}
+        self._stages_timed: set[str] = set()
+        self.writes = 0
+
+    def _time_stage(self, stage: str, percent: float, now: float) -> None:
+        started = self._stage_started.setdefault(stage, now)
+        if percent >= 100 and stage not in self._stages_timed:
+            self._stages_timed.add(stage)
+            self._metrics.seconds(STAGE_DURATION, now - started, dimensions={STAGE_DIMENSION: stage},
+                                  jobId=self._job_id)
+
+    def __call__(self, stage: str, percent: float) -> None:
+        now = self._clock()
+        # Timed before the rate limit: a report that is not written still marks when a stage ran.
+        self._time_stage(stage, percent, now)
+        if self._last is not None:
+            last_stage, last_at = self._last
+            if stage == last_stage and percent < 100 and now - last_at < self._min_interval_s:
+                return
+        try:
+            self._store.set_progress(self._job_id, self._token, stage, percent)
+        except StaleWrite as exc:
+            self._stop.set(Stopped.LEASE_LOST, "claim token replaced")
+            raise LeaseLost(f"progress write refused: {exc}") from exc
+        except StoreError as exc:
+            log.warning("job.progress_write_failed", error=str(exc))  # progress is advisory
+            return
+        self._last = (stage, now)
+        self.writes += 1
+
+
+class StoreLease:
+    """Renews the job's lease in the store on each heartbeat tick, until the attempt's final write.
+
+    The final writes (completed, cancelled, error, released) clear the lease, after which a renewal
+    would be refused and read as a lost lease. ``end()`` waits for a renewal in flight, so none can
+    land after the final write.
+    """
+
+    def __init__(self, store: Store, job_id: str, token: str, lease_s: float, stop: StopSignal, *,
+                 margin_s: float = 0.0, clock=time.monotonic):
+        self._store, self._job_id, self._token, self._lease_s, self._stop = store, job_id, token, lease_s, stop
+        self._margin_s, self._clock = margin_s, clock
+        # Counted from just after the claim: a little later than the store's own expiry, never earlier
+        # than the store could hand the job to someone else minus the margin.
+        self._expires_at_s = clock() + lease_s
+        self._lock = threading.Lock()
+        self._active = True
+
+    def renew(self) -> None:
+        """One renewal. Refused, or failing until the record lease is about to lapse: lease lost."""
+        with self._lock:
+            if not self._active:
+                return
+            sent_at_s = self._clock()
+            try:
+                cancel_requested = self._store.renew_lease(self._job_id, self._token, self._lease_s)
+            except StaleWrite as exc:
+                raise LeaseLost(f"store lease renewal refused: {exc}") from exc
+            except StoreError as exc:
+                # Another worker may claim the job once the record lease lapses; the margin (one
+                # heartbeat) makes sure we stop before that, not a tick after.
+                if self._clock() + self._margin_s >= self._expires_at_s:
+                    raise LeaseLost(f"record lease lapsing without a successful renewal: {exc}") from exc
+                raise
+            self._expires_at_s = sent_at_s + self._lease_s
+        if cancel_requested and self._stop.set(Stopped.CANCELLED, "cancelRequested on the job record"):
+            log.info("job.cancel_noticed")
+
+    def end(self) -> None:
+        with self._lock:
+            self._active = False

@@ -1,0 +1,78 @@
+"""URL redaction: the forms of a URL that may appear in an error message, a record or a log line.
+
+Recording URLs may be presigned (credentials in the query string) or carry userinfo, so what is
+shown of a URL is its scheme, host, port and path: never its userinfo, query or fragment.
+
+Two readings exist on purpose. ``redact_url`` reads any text that looks like a URL, however broken,
+because it echoes what a client sent. ``redact_parsed_url`` shows a URL the downloader is about to
+fetch the way ``urllib.parse`` reads it (the host it will connect to), and refuses to guess about
+one it cannot parse.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+UNPARSABLE = "<unparsable url>"
+_QUERY_START = re.compile(r"[?#]")
+_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s\"'<>]*")
+
+
+def redact_url(url: str) -> str:
+    """``scheme://host[:port]/path``: no userinfo, query or fragment. Never raises."""
+    try:
+        scheme, sep, rest = str(url).partition("://")
+        if not sep:
+            scheme, rest = "", str(url)
+        start = f"{scheme}://" if sep else ""
+        authority, slash, path = rest.partition("/")
+        if "@" in authority and _QUERY_START.search(authority):
+            # Credentials or a query holding '@' (https://u:p?w@h, https://h?t=a@b): no reading of
+            # it is safe to show.
+            return start + "<redacted>"
+        # Anything before an '@' in the authority is (meant as) credentials, even if malformed.
+        authority = authority.rpartition("@")[2]
+        if _QUERY_START.search(authority):  # the query began before any path
+            return start + _QUERY_START.split(authority, maxsplit=1)[0]
+        return start + authority + slash + _QUERY_START.split(path, maxsplit=1)[0]
+    except Exception:  # noqa: BLE001 - redaction must never be the thing that fails
+        return "<url>"
+
+
+def redact_urls_in_text(text: str) -> str:
+    """Every URL inside free text (e.g. a botocore error) reduced by ``redact_url``."""
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
+def redact_parsed_url(url: str) -> str:
+    """``url`` as ``urlsplit`` reads it: scheme://host[:port]/path, scheme and host lower-cased.
+
+    ``<unparsable url>`` when it does not parse or has no scheme or host.
+    """
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return UNPARSABLE
+    if not parts.scheme or not host:
+        return UNPARSABLE
+    shown = f"[{host}]" if ":" in host else host
+    if port is not None:
+        shown = f"{shown}:{port}"
+    return f"{parts.scheme.lower()}://{shown}{parts.path}"
+
+
+def scrub_url_secrets(text: str, url: str) -> str:
+    """``text`` with every secret part of ``url`` (query, userinfo, fragment) cut out.
+
+    Third-party exception messages sometimes quote the request target; this makes them safe to keep.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<details withheld: unparsable url>"
+    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+    for secret in sorted({parts.query, userinfo, parts.fragment} - {""}, key=len, reverse=True):
+        text = text.replace(secret, "<redacted>")
+    return text
