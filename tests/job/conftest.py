@@ -93,6 +93,7 @@ class FakeTrain:
     def __init__(self):
         self.runs = 0
         self.during = None  # optional callable(job, work_dir, stop, progress) run before writing
+        self.report_progress = True
 
     def __call__(self, job, work_dir: Path, stop, progress):
         self.runs += 1
@@ -105,7 +106,8 @@ class FakeTrain:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(f"{name} of {job.job_id}\n".encode() * 10)
             paths[name] = path
-        progress("train_full", 100)
+        if self.report_progress:
+            progress("train_full", 100)
         return paths
 
 

@@ -85,8 +85,9 @@ def test_duplicate_delivery_under_a_live_lease_is_acked_without_work(queues, mak
     assert client.ops()[-1] == "delete_message"
 
 
-def test_replaced_token_cannot_write_paths_or_completion(queues, make_worker, handler, raw_store, clock, train):
-    """A worker whose claim was taken over writes no paths and no completion, and does not ack."""
+def test_replaced_token_cannot_write_paths_or_completion(queues, make_worker, handler, raw_store, clock, train,
+                                                         recorder):
+    """A worker whose claim was taken over uploads nothing, writes no paths and no completion, and does not ack."""
     def takeover(job, work_dir, stop, progress):
         clock.offset += timedelta(hours=1)  # our lease lapses in the store ...
         assert raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600).outcome == "claimed"
@@ -94,7 +95,8 @@ def test_replaced_token_cannot_write_paths_or_completion(queues, make_worker, ha
     train.during = takeover
     worker, client = make_worker(handler)
     queues.send(message_body())
-    assert worker.run_once() in ("retry", "abandon")
+    assert worker.run_once() == "abandon"
+    assert not [c for c in recorder.calls if c.startswith("s3.")], "a worker that lost the job uploaded"
     job, profile = raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID)
     assert job["status"] == "processing" and job["lease"]["token"] == "token-b"
     assert not profile.get("modelPaths") and profile["status"] != "completed"
@@ -343,3 +345,18 @@ def test_a_message_naming_another_profile_than_the_job_record_is_dead_lettered(q
     assert train.runs == 0 and raw_store.get_job(JOB_ID) == before
     [dead] = queues.receive_now(queues.dlq_url)
     assert "belongs to profile" in dead["MessageAttributes"]["ErrorMessage"]["StringValue"]
+
+
+def test_a_takeover_after_training_uploads_nothing(queues, make_worker, handler, raw_store, clock, train, recorder):
+    """A claim taken over between training and persisting is caught by the fenced check before any upload."""
+    def takeover(job, work_dir, stop, progress):
+        clock.offset += timedelta(hours=1)
+        assert raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600).outcome == "claimed"
+
+    train.during, train.report_progress = takeover, False
+    # No heartbeat tick during this short job: only the check before the uploads can notice.
+    worker, client = make_worker(handler, SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=1500)
+    queues.send(message_body())
+    assert worker.run_once() == "abandon"
+    assert not [c for c in recorder.calls if c.startswith("s3.")]
+    assert raw_store.get_job(JOB_ID)["lease"]["token"] == "token-b"

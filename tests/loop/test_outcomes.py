@@ -48,20 +48,25 @@ def test_ack_only_after_the_handler_returned(queues, make_worker):
 
 
 def test_heartbeat_is_joined_before_the_delete(queues, make_worker):
-    """No heartbeat thread is alive when the delete is sent, and no renewal follows it."""
-    alive_at_delete = []
+    """A renewal still in flight when the handler returns finishes before the delete; no heartbeat thread is alive then."""
+    alive_at_delete, renewal_ends = [], []
+
+    def slow_renewal(kw):
+        time.sleep(0.3)
+        renewal_ends.append(time.monotonic())
 
     def handler(message, lease):
-        time.sleep(0.5)
+        time.sleep(0.3)  # returns while the first renewal (sent at 0.2 s) is still in flight
 
     worker, client = make_worker(handler)
-    client.faults["delete_message"] = lambda kw: alive_at_delete.append(len(heartbeat_threads()))
+    client.faults["change_message_visibility"] = slow_renewal
+    client.faults["delete_message"] = lambda kw: alive_at_delete.append((len(heartbeat_threads()), time.monotonic()))
     queues.send()
     worker.run_once()
-    assert alive_at_delete == [0]
-    ops = client.ops()
-    assert "change_message_visibility" in ops
-    assert ops[-1] == "delete_message"
+    [(alive, deleted_at)] = alive_at_delete
+    assert alive == 0
+    assert renewal_ends and max(renewal_ends) < deleted_at
+    assert client.ops()[-1] == "delete_message"
 
 
 def test_retryable_error_sets_backoff_and_does_not_delete(queues, make_worker):
