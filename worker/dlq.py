@@ -33,7 +33,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from worker.errors import QueueError
 from worker.logs import scrub
 from worker.message import job_id_hint
-from worker.queue import Queue
+from worker.queue import Queue, sendable_attribute
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +81,7 @@ def dead_letter_receives(message_attributes: dict, max_receive_count: int | None
 
 def redrive_attributes(message_attributes: dict) -> dict:
     """The message's own attributes, without the ones the dead-lettering added, in sendable form."""
-    return {name: {k: v for k, v in attr.items() if k in ("DataType", "StringValue", "BinaryValue")}
+    return {name: sendable_attribute(attr)
             for name, attr in message_attributes.items() if name not in OUR_ATTRIBUTES}
 
 

@@ -183,11 +183,11 @@ def dead_letter_attributes(message: Message, error: WorkerError, source_queue_ur
     }
     kept = {k: v for k, v in message.message_attributes.items() if k not in ours}
     room = 10 - len(ours)
-    kept = {k: _sendable(v) for k, v in sorted(kept.items())[:room]}
+    kept = {k: sendable_attribute(v) for k, v in sorted(kept.items())[:room]}
     return {**kept, **ours}
 
 
-def _sendable(attr: dict) -> dict:
+def sendable_attribute(attr: dict) -> dict:
     # A received attribute carries list fields SendMessage rejects when empty.
     return {k: v for k, v in attr.items() if k in ("DataType", "StringValue", "BinaryValue")}
 
