@@ -1,6 +1,6 @@
 """SQS requests for one real job: the demo's job (three clips, reference trainer) through the real worker.
 
-    python benchmarks/requests_per_job.py [--heartbeat-ms 1000]
+    python benchmarks/requests_per_job.py [--heartbeat-ms 200]
 
 The worker is assembled by ``build_app`` exactly as the daemon is; a botocore hook on its session
 counts each HTTP request by operation. Expected: one ReceiveMessage that returns the job, one
@@ -26,7 +26,7 @@ from worker.submit import submit
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heartbeat-ms", type=int, default=1000)
+    parser.add_argument("--heartbeat-ms", type=int, default=200)
     args = parser.parse_args()
     with LocalAws() as aws, tempfile.TemporaryDirectory() as tmp:
         aws_session = session()
@@ -51,8 +51,10 @@ def main() -> int:
         finally:
             app.close()
     total = sum(counted.values())
-    print(f"one job, {duration_s:.1f} s, heartbeat every {args.heartbeat_ms} ms: {total} SQS requests "
-          f"({', '.join(f'{op} {n}' for op, n in sorted(counted.items()))})")
+    intervals = int(duration_s * 1000 // args.heartbeat_ms)
+    print(f"one job, {duration_s:.2f} s = {intervals} heartbeat intervals of {args.heartbeat_ms} ms: "
+          f"{total} SQS requests ({', '.join(f'{op} {n}' for op, n in sorted(counted.items()))}); "
+          f"2 + N = {2 + intervals}")
     return 0
 
 

@@ -6,6 +6,7 @@ Exit codes: 0 after a requested shutdown, 1 when the loop ended for any other re
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 from collections.abc import Callable
 
@@ -25,6 +26,9 @@ def install_signal_handlers(worker: Worker) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: the way to see where a worker that
+    # does not stop is stuck, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
 def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Pulse | None = None) -> int:
