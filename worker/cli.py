@@ -10,7 +10,7 @@ import structlog
 from worker.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.errors import ConfigError, WorkerError
 from worker.logs import configure_logging
-from worker.settings import Settings, daemon_problems, load_settings
+from worker.settings import Settings, daemon_problems, load_settings, missing
 
 log = structlog.get_logger(__name__)
 
@@ -23,19 +23,6 @@ def _fail(problems: list[str]) -> int:
     for line in problems:
         print(line, file=sys.stderr)
     return EXIT_CONFIG
-
-
-def _need(settings: Settings, *names: str) -> list[str]:
-    wanted = {"queue": ("sqs_queue_url", "SQS_QUEUE_URL is required"),
-              "store": ("store", "MONGO_URI or STORE_URL is required"),
-              "bucket": ("s3_bucket", "S3_BUCKET is required")}
-    problems = []
-    for name in names:
-        attr, line = wanted[name]
-        present = (settings.mongo_uri or settings.store_url) if attr == "store" else getattr(settings, attr)
-        if not present:
-            problems.append(line)
-    return problems
 
 
 def _store(settings: Settings):
@@ -75,7 +62,7 @@ def cmd_demo(_settings, _args) -> int:
 def cmd_submit(settings: Settings, args) -> int:
     from worker.commands import cmd_submit as submit
 
-    if problems := _need(settings, "queue", "store"):
+    if problems := missing(settings, "queue", "store"):
         return _fail(problems)
     source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
     with source, _store(settings) as store:
@@ -85,7 +72,7 @@ def cmd_submit(settings: Settings, args) -> int:
 def cmd_status(settings: Settings, args) -> int:
     from worker.commands import cmd_status as status
 
-    if problems := _need(settings, "store"):
+    if problems := missing(settings, "store"):
         return _fail(problems)
     with _store(settings) as store:
         return status(store, args.job_id, as_json=args.json, watch_s=args.watch)
@@ -94,7 +81,7 @@ def cmd_status(settings: Settings, args) -> int:
 def cmd_cancel(settings: Settings, args) -> int:
     from worker.commands import cmd_cancel as cancel
 
-    if problems := _need(settings, "store"):
+    if problems := missing(settings, "store"):
         return _fail(problems)
     with _store(settings) as store:
         return cancel(store, args.job_id)
@@ -105,7 +92,7 @@ def cmd_doctor(settings: Settings, _args) -> int:
     from worker.doctor import report, run_checks
     from worker.store import open_store
 
-    if problems := _need(settings, "queue", "store", "bucket"):
+    if problems := missing(settings, "queue", "store", "bucket"):
         return _fail(problems)
     checks = run_checks(settings, sqs=_client("sqs", settings), s3=_client("s3", settings),
                         sts=_client("sts", settings), open_store=open_store,
@@ -123,7 +110,7 @@ def cmd_reconcile(settings: Settings, _args) -> int:
     from worker.metrics import Metrics
     from worker.reconcile import Reconciler, cmd_reconcile as reconcile
 
-    if problems := _need(settings, "queue", "store"):
+    if problems := missing(settings, "queue", "store"):
         return _fail(problems)
     try:
         with _store(settings) as store:
@@ -140,7 +127,7 @@ def cmd_reconcile(settings: Settings, _args) -> int:
 def cmd_dlq(settings: Settings, args) -> int:
     from worker.dlq import DeadLetterQueue, cmd_dlq_list, cmd_dlq_redrive
 
-    if problems := _need(settings, "queue"):
+    if problems := missing(settings, "queue"):
         return _fail(problems)
     if args.max is not None and args.max < 1:
         return _fail([f"--max must be at least 1, got {args.max}"])

@@ -142,9 +142,7 @@ class Queue:
         policy = attrs.get("RedrivePolicy")
         if not policy:
             return None
-        arn = json.loads(policy)["deadLetterTargetArn"]
-        # arn:aws:sqs:<region>:<account>:<name>
-        _, _, _, _, account, name = arn.split(":", 5)
+        account, name = dead_letter_target(policy)
         try:
             return self._sqs.get_queue_url(QueueName=name, QueueOwnerAWSAccountId=account)["QueueUrl"]
         except (ClientError, BotoCoreError) as exc:

@@ -196,16 +196,22 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(_problem_lines(exc)) from None
 
 
+_REQUIRED = {
+    "queue": (lambda s: s.sqs_queue_url, "SQS_QUEUE_URL is required: the queue to take jobs from"),
+    "store": (lambda s: s.mongo_uri or s.store_url,
+              "MONGO_URI or STORE_URL is required: where job and profile records live"),
+    "bucket": (lambda s: s.s3_bucket, "S3_BUCKET is required: where the trained artifacts are uploaded"),
+}
+
+
+def missing(s: Settings, *needs: str) -> list[str]:
+    """One line for each of ``needs`` ("queue", "store", "bucket") the settings do not provide."""
+    return [line for need in needs for present, line in [_REQUIRED[need]] if not present(s)]
+
+
 def daemon_problems(s: Settings) -> list[str]:
     """What the long-running worker needs beyond valid settings: a queue, a store and a bucket."""
-    problems = []
-    if not s.sqs_queue_url:
-        problems.append("SQS_QUEUE_URL is required: the queue to take jobs from")
-    if not (s.mongo_uri or s.store_url):
-        problems.append("MONGO_URI or STORE_URL is required: where job and profile records live")
-    if not s.s3_bucket:
-        problems.append("S3_BUCKET is required: where the trained artifacts are uploaded")
-    return problems
+    return missing(s, "queue", "store", "bucket")
 
 
 def _problem_lines(exc: ValidationError) -> list[str]:
