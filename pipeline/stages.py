@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -298,6 +298,11 @@ def group_has_live_members(pgid: int) -> bool:
         except PermissionError:
             return True
         return True
+    return any(len(fields) >= 3 and int(fields[2]) == pgid for _pid, fields in live_processes(proc_root))
+
+
+def live_processes(proc_root: Path = Path("/proc")) -> Iterator[tuple[int, list[str]]]:
+    """(pid, the /proc stat fields after the command name) of every process that is not a zombie."""
     for entry in os.scandir(proc_root):
         if not entry.name.isdigit():
             continue
@@ -307,9 +312,8 @@ def group_has_live_members(pgid: int) -> bool:
             continue
         # The command name in parentheses may hold spaces; the fixed fields follow the last ')'.
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
+        if fields and fields[0] not in ("Z", "X"):
+            yield int(entry.name), fields
 
 
 def _log_line(log_file: IO[bytes], text: str) -> None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.stages import live_processes
 from tests.reliability.stack import REPO
 
 
@@ -32,18 +33,7 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, int
 
 
 def _parents() -> dict[int, int]:
-    parents = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if fields and fields[0] not in ("Z", "X"):
-            parents[int(entry.name)] = int(fields[1])
-    return parents
+    return {pid: int(fields[1]) for pid, fields in live_processes() if len(fields) > 1}
 
 
 def descendants(pid: int) -> list[int]:
