@@ -67,3 +67,18 @@ def commit(store, token: str, job_id: str = JOB_ID, model_paths: dict = MODEL_PA
     store.write_paths(PROFILE_ID, token, model_paths, s3_paths, job_id=job_id)
     store.mark_profile_completed(PROFILE_ID, token, job_id=job_id)
     store.mark_job_completed(job_id, token)
+
+
+def race_after_first_read(store, action, collection: str = "_jobs") -> None:
+    """Make ``action()`` (another writer) run right after the MongoDB store's next read, once."""
+    target = getattr(store, collection)
+    real_find_one, raced = target.find_one, []
+
+    def find_one_then_race(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        if not raced:
+            raced.append(True)
+            action()
+        return doc
+
+    target.find_one = find_one_then_race

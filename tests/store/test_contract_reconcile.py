@@ -7,7 +7,7 @@ from datetime import timedelta
 import mongomock
 import pytest
 
-from tests.store.conftest import JOB_ID, LEASE_S, PROFILE_ID, claim, commit, submit
+from tests.store.conftest import JOB_ID, LEASE_S, PROFILE_ID, claim, commit, race_after_first_read, submit
 from worker.store_mongo import MongoStore
 
 STALE_S = 3600.0
@@ -139,16 +139,7 @@ def test_mongo_mark_worker_lost_racing_a_renewal_leaves_the_holder(clock):
     submit(store)
     holder.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
     clock.advance(LEASE_S + STALE_S)
-    real_find_one, raced = store._jobs.find_one, []
-
-    def find_one_then_holder_renews(*args, **kwargs):
-        doc = real_find_one(*args, **kwargs)
-        if not raced:
-            raced.append(True)
-            holder.renew_lease(JOB_ID, "t1", LEASE_S)
-        return doc
-
-    store._jobs.find_one = find_one_then_holder_renews
+    race_after_first_read(store, lambda: holder.renew_lease(JOB_ID, "t1", LEASE_S))
     assert store.mark_worker_lost(JOB_ID, stale_after_s=STALE_S, worker="r") is False
     assert store.get_job(JOB_ID)["status"] == "processing"
 

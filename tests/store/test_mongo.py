@@ -9,7 +9,7 @@ from bson import ObjectId
 from pymongo.errors import ConfigurationError, ConnectionFailure, ServerSelectionTimeoutError
 from structlog.testing import capture_logs
 
-from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, submit
+from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, race_after_first_read, submit
 from worker.errors import ConfigError, StoreError
 from worker.store import is_complete
 from worker.mongo_connect import connect_mongo
@@ -191,17 +191,8 @@ def test_claim_racing_another_writer_recomputes_history(mongo, clock):
     store, db = mongo
     submit(store)
     rival = MongoStore(db, clock=clock)
-    real_find_one, raced = store._jobs.find_one, []
-
-    def find_one_then_rival_acts(*args, **kwargs):
-        doc = real_find_one(*args, **kwargs)
-        if not raced:
-            raced.append(True)
-            rival.claim(JOB_ID, owner="w2", token="t2", lease_s=LEASE_S)
-            rival.release_lease(JOB_ID, "t2")
-        return doc
-
-    store._jobs.find_one = find_one_then_rival_acts
+    race_after_first_read(store, lambda: (rival.claim(JOB_ID, owner="w2", token="t2", lease_s=LEASE_S),
+                                          rival.release_lease(JOB_ID, "t2")))
     assert store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S).outcome == "claimed"
     job = store.get_job(JOB_ID)
     assert job["attempts"] == 2
@@ -254,16 +245,7 @@ def test_claim_racing_a_renewal_does_not_steal_the_lease(mongo, clock):
     holder = MongoStore(db, clock=clock)
     holder.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
     clock.advance(LEASE_S + 1)
-    real_find_one, raced = store._jobs.find_one, []
-
-    def find_one_then_holder_renews(*args, **kwargs):
-        doc = real_find_one(*args, **kwargs)
-        if not raced:
-            raced.append(True)
-            holder.renew_lease(JOB_ID, "t1", LEASE_S)
-        return doc
-
-    store._jobs.find_one = find_one_then_holder_renews
+    race_after_first_read(store, lambda: holder.renew_lease(JOB_ID, "t1", LEASE_S))
     assert store.claim(JOB_ID, owner="w2", token="t2", lease_s=LEASE_S).outcome == "held"
     job = store.get_job(JOB_ID)
     assert job["lease"]["token"] == "t1" and job["attempts"] == 1
@@ -276,16 +258,7 @@ OTHER_JOB = "665f1c2e9b1e8a0012ab34cf"
 
 def _rival_acts_after_profile_read(store, act):
     """Make the store's next profile read run ``act`` right after it, as a racing writer would."""
-    real_find_one, raced = store._profiles.find_one, []
-
-    def find_one_then_rival_acts(*args, **kwargs):
-        doc = real_find_one(*args, **kwargs)
-        if not raced:
-            raced.append(True)
-            act()
-        return doc
-
-    store._profiles.find_one = find_one_then_rival_acts
+    race_after_first_read(store, act, collection="_profiles")
 
 
 def test_profile_stamp_racing_another_jobs_claim_keeps_both_claims(mongo, clock):
