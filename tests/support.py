@@ -6,8 +6,14 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from botocore.exceptions import ClientError
+
+from pipeline.config import load_pipeline_config
+
+# The five artifacts where the shipped pipeline puts them: fakes write exactly that layout.
+SHIPPED_ARTIFACTS = dict(load_pipeline_config(Path(__file__).resolve().parents[1] / "config" / "pipeline.toml").artifacts)
 
 # Short timings so heartbeat behaviour shows in well under a second of test time.
 FAST = {

@@ -11,6 +11,7 @@ import boto3
 import mongomock
 import pytest
 
+from tests.support import SHIPPED_ARTIFACTS
 from worker.artifacts import ArtifactUploader
 from worker.job import VoiceJobHandler
 from worker.store_mongo import MongoStore
@@ -19,13 +20,7 @@ from worker.store_sqlite import SqliteStore
 JOB_ID = "665f1c2e9b1e8a0012ab34cd"
 PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"
 BUCKET = "voice-models"
-ARTIFACTS = {
-    "fullModel": "full/model.pth",
-    "fullConfig": "full/config.json",
-    "speakerEmbeddings": "full/speakers.pth",
-    "lightModel": "light/model.onnx",
-    "lightConfig": "light/model.onnx.json",
-}
+ARTIFACTS = SHIPPED_ARTIFACTS
 # Writes that change records; reads are not writes.
 STORE_WRITES = {"claim", "renew_lease", "set_progress", "record_error", "write_paths",
                 "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease"}

@@ -19,20 +19,14 @@ import soundfile as sf
 
 from pipeline.config import load_pipeline_config
 from pipeline.manifest import manifest_path, manifest_problem
-from tests.support import Queues, create_queues
+from tests.support import SHIPPED_ARTIFACTS, Queues, create_queues
 from worker.store import ASSET_KEYS
 from worker.store_sqlite import SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
 ENVIRONMENT = "production"
 
-ARTIFACTS = {
-    "fullModel": "full/model.pth",
-    "fullConfig": "full/config.json",
-    "speakerEmbeddings": "full/speakers.pth",
-    "lightModel": "light/model.onnx",
-    "lightConfig": "light/model.onnx.json",
-}
+ARTIFACTS = SHIPPED_ARTIFACTS
 _ARTIFACTS_TOML = "[artifacts]\n" + "".join(f'{k} = "{v}"\n' for k, v in ARTIFACTS.items())
 
 
