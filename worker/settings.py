@@ -7,6 +7,7 @@ line per problem, before any AWS or store call, so a bad deployment fails loudly
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from typing import Literal
@@ -56,6 +57,10 @@ class Settings(BaseSettings):
     s3_prefix: str = Field("", alias="S3_PREFIX")
     work_root: str = Field("var/work", alias="WORK_ROOT")
     pipeline_config: str = Field("config/pipeline.toml", alias="PIPELINE_CONFIG")
+    # Stages get a secret-free environment: a built-in allow-list (pipeline/stages.py) plus these names.
+    stage_env_passthrough: str = Field("", alias="STAGE_ENV_PASSTHROUGH")
+    # After the commit a job's work directory is emptied except its logs/; true keeps every file.
+    keep_work_files: bool = Field(False, alias="KEEP_WORK_FILES")
 
     # --- time
     job_time_limit_s: int = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1)
@@ -71,6 +76,17 @@ class Settings(BaseSettings):
     download_max_bytes: int = Field(2 * 1024**3, alias="DOWNLOAD_MAX_BYTES", ge=1)
     # Local runs only: lets recordings come from loopback/private hosts (never in production).
     download_allow_private_hosts: bool = Field(False, alias="DOWNLOAD_ALLOW_PRIVATE_HOSTS")
+    # s3:// recordings must be in this bucket (unset: s3:// recordings are refused), under this key
+    # prefix, in which {profileId} stands for the message's profileId: no job reads another's files.
+    recordings_s3_bucket: str | None = Field(None, alias="RECORDINGS_S3_BUCKET")
+    recordings_s3_key_prefix: str = Field("recordings/{profileId}/", alias="RECORDINGS_S3_KEY_PREFIX")
+
+    # --- limits: what one job may ask for; past a limit the job fails permanently
+    max_recordings_per_job: int = Field(500, alias="MAX_RECORDINGS_PER_JOB", ge=1, le=100_000)
+    max_text_chars: int = Field(2000, alias="MAX_TEXT_CHARS", ge=1)
+    max_job_download_bytes: int = Field(8 * 1024**3, alias="MAX_JOB_DOWNLOAD_BYTES", ge=1)
+    max_recording_seconds: float = Field(1800.0, alias="MAX_RECORDING_SECONDS", gt=0)
+    max_job_audio_seconds: float = Field(36_000.0, alias="MAX_JOB_AUDIO_SECONDS", gt=0)
 
     # --- observability and identity
     sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)
@@ -110,6 +126,16 @@ class Settings(BaseSettings):
     @property
     def heartbeat_interval_s(self) -> float:
         return self.sqs_visibility_heartbeat_interval_ms / 1000.0
+
+    @property
+    def stage_stop_grace_s(self) -> float:
+        """How long a stopped stage gets between SIGTERM and SIGKILL."""
+        return min(10.0, self.shutdown_grace_s or 10.0)
+
+    @property
+    def stage_env_names(self) -> tuple[str, ...]:
+        """STAGE_ENV_PASSTHROUGH as a tuple of names."""
+        return tuple(n.strip() for n in self.stage_env_passthrough.split(",") if n.strip())
 
     @property
     def liveness_age_limit_s(self) -> float:
@@ -178,6 +204,15 @@ def consistency_problems(s: Settings) -> list[str]:
             parse_dimensions(s.metrics_dimensions)
         except ValueError as exc:
             problems.append(f"METRICS_DIMENSIONS: {exc}")
+    prefix = s.recordings_s3_key_prefix
+    rest = prefix.replace("{profileId}/", "")
+    if "{profileId}/" not in prefix or "{" in rest or "}" in rest or prefix.startswith("/"):
+        # The "/" after it matters: without it profile "ab" could read the keys of profile "abc".
+        problems.append(f"RECORDINGS_S3_KEY_PREFIX={prefix!r} must contain \"{{profileId}}/\" and no "
+                        "other placeholder, so a job can only read its own profile's recordings")
+    for name in s.stage_env_names:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            problems.append(f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name")
     if s.store_url and not s.store_url.startswith("sqlite:///"):
         problems.append(f"STORE_URL must look like sqlite:///path/to/file.db, got {s.store_url!r}")
     return problems
