@@ -82,19 +82,20 @@ def one_run(endpoint: str, work: Path, grace_s: float, run_no: int) -> tuple[flo
     queue_url = sqs.create_queue(QueueName=f"handover-{run_no}")["QueueUrl"]
     for bucket in (f"models-{run_no}", f"recordings-{run_no}"):
         s3.create_bucket(Bucket=bucket)
-    s3.upload_file(str(ROOT / "samples" / "clip-1.wav"), f"recordings-{run_no}", "clip-1.wav")
+    key = "recordings/665f1c2e9b1e8a0012ab34ce/clip-1.wav"  # under the default RECORDINGS_S3_KEY_PREFIX
+    s3.upload_file(str(ROOT / "samples" / "clip-1.wav"), f"recordings-{run_no}", key)
     (work / "pipeline.toml").write_text(PIPELINE)
     db = work / "records.db"
     env = {**os.environ, "SQS_QUEUE_URL": queue_url, "AWS_ENDPOINT_URL": endpoint, "AWS_REGION": "us-east-1",
            "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "STORE_URL": f"sqlite:///{db}",
-           "S3_BUCKET": f"models-{run_no}", "WORK_ROOT": str(work / "work"),
+           "S3_BUCKET": f"models-{run_no}", "RECORDINGS_S3_BUCKET": f"recordings-{run_no}", "WORK_ROOT": str(work / "work"),
            "PIPELINE_CONFIG": str(work / "pipeline.toml"), "SQS_VISIBILITY_TIMEOUT_SECONDS": "30",
            "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000", "SQS_WAIT_TIME_SECONDS": "1",
            "SHUTDOWN_GRACE_SECONDS": str(grace_s), "LOG_FORMAT": "json"}
     store = SqliteStore(str(db))
     job_id, _ = submit(store, sqs, queue_url, {
         "profileId": "665f1c2e9b1e8a0012ab34ce", "metadata": {"directoryName": "handover"},
-        "input": [{"recordingUrl": f"s3://recordings-{run_no}/clip-1.wav", "originalText": "Hello there."}]})
+        "input": [{"recordingUrl": f"s3://recordings-{run_no}/{key}", "originalText": "Hello there."}]})
 
     def start(name: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "worker", "run"], cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -8,7 +8,7 @@ signal is checked between steps and watched during stages; the handler maps ``St
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
@@ -17,8 +17,9 @@ import structlog
 
 from pipeline.config import PipelineConfig
 from pipeline.dataset import build_dataset
+from pipeline.limits import JobLimits
 from pipeline.stages import DEFAULT_GRACE_S, StageContext, open_step_log, run_stage
-from worker.errors import DownloadError, StageFailed
+from worker.errors import BadRecording, DownloadError, StageFailed
 from worker.stop import StopSignal
 from worker.store import ASSET_KEYS
 
@@ -47,7 +48,8 @@ class Job(Protocol):
     def recordings(self) -> Sequence[Recording]: ...
 
 
-Fetch = Callable[[str, Path], object]
+# fetch(url, dest), plus remaining_job_bytes=N when the job has a download budget (JobLimits).
+Fetch = Callable[..., object]
 Progress = Callable[[str, float], None]
 
 
@@ -75,10 +77,17 @@ def run_pipeline(
     fetch: Fetch,
     progress: Progress,
     grace_s: float = DEFAULT_GRACE_S,
+    limits: JobLimits | None = None,
+    stage_env: Mapping[str, str] | None = None,
 ) -> dict[str, Path]:
-    """Run every step that is not already complete; returns the five artifact paths by key."""
+    """Run every step that is not already complete; returns the five artifact paths by key.
+
+    ``stage_env`` is the stages' whole environment (``pipeline.stage_env``); None means the built-in
+    allow-list from this process.
+    """
     try:
-        return _run(job, Path(work_dir), stop, config, fetch, _without_repeats(progress), grace_s)
+        return _run(job, Path(work_dir), stop, config, fetch, _without_repeats(progress), grace_s,
+                    stage_env, limits or JobLimits())
     except OSError as exc:
         # Our own file system work failed (full or unavailable shared disk): worth another attempt.
         where = Path(exc.filename).name if exc.filename else "work dir"
@@ -93,13 +102,16 @@ def _run(
     fetch: Fetch,
     progress: Progress,
     grace_s: float,
+    stage_env: Mapping[str, str] | None,
+    limits: JobLimits,
 ) -> dict[str, Path]:
     dirs = work_layout(work_dir)
     for directory in dirs.values():
         directory.mkdir(parents=True, exist_ok=True)
 
     stop.raise_if_set()
-    sources = _download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress)
+    sources = _download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
+                            limits.max_job_download_bytes)
 
     stop.raise_if_set()
     progress(DATASET_STEP, 0.0)
@@ -107,6 +119,7 @@ def _run(
         [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
         dirs["dataset"],
         stop,
+        limits=limits,
     )
     if result.rebuilt:
         _write_step_log(dirs["logs"], DATASET_STEP, result.notes)
@@ -119,6 +132,7 @@ def _run(
         log_dir=dirs["logs"],
         job_id=job.job_id,
         language=job.language,
+        **({} if stage_env is None else {"env": stage_env}),
     )
     for stage in config.stages:
         stop.raise_if_set()
@@ -145,20 +159,32 @@ def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path
 
 
 def _download_all(
-    job: Job, downloads_dir: Path, log_dir: Path, stop: StopSignal, fetch: Fetch, progress: Progress
+    job: Job, downloads_dir: Path, log_dir: Path, stop: StopSignal, fetch: Fetch, progress: Progress,
+    budget_bytes: int | None = None,
 ) -> list[Path]:
     recordings = list(job.recordings)
     progress(DOWNLOAD_STEP, 0.0)
+    destinations = [download_path(downloads_dir, index) for index in range(len(recordings))]
+    # Files kept from an earlier attempt were downloaded for this job too: they spend the same budget.
+    used = sum(path.stat().st_size for path in destinations if path.is_file())
+    over = f"the job's total download limit of {budget_bytes} bytes (MAX_JOB_DOWNLOAD_BYTES) was hit"
+    if budget_bytes is not None and used > budget_bytes:
+        raise BadRecording(f"recordings kept from an earlier attempt: {over}")
     paths, notes = [], []
-    for index, recording in enumerate(recordings):
+    for index, (recording, destination) in enumerate(zip(recordings, destinations, strict=True)):
         stop.raise_if_set()
-        destination = download_path(downloads_dir, index)
         if destination.is_file():
             notes.append(f"recording {index}: kept from an earlier attempt")
         else:
-            fetch(recording.url, destination)
+            if budget_bytes is None:
+                fetch(recording.url, destination)
+            else:
+                fetch(recording.url, destination, remaining_job_bytes=budget_bytes - used)
             if not destination.is_file():
                 raise DownloadError(f"recording {index}: the download left no file")
+            used += destination.stat().st_size
+            if budget_bytes is not None and used > budget_bytes:
+                raise BadRecording(f"recording {index}: {over}")  # a fetch that ignored its budget
             notes.append(f"recording {index}: fetched {destination.stat().st_size} bytes")
         paths.append(destination)
         progress(DOWNLOAD_STEP, 100.0 * (index + 1) / len(recordings))

@@ -1,17 +1,20 @@
-"""The stage runner: one configured command, run as an argv array in its own process group.
+"""The stage runner: one configured command, run as an argv array in its own session.
 
 Why it is shaped this way:
 - The command never sees a shell, and each placeholder is substituted inside one argv element, so
   job data cannot become syntax.
-- ``start_new_session`` puts the stage and everything it spawns in one process group, so a stop or
-  a timeout can end all of it: SIGTERM to the group, SIGKILL to whatever is left after the grace.
+- The stage gets an explicit, secret-free environment (``pipeline.stage_env``), never the worker's.
+- A stop or a timeout ends every process the stage started, also those that left its process group
+  (``pipeline.proctree``): SIGTERM, then SIGKILL to whatever is left after the grace.
 - Output goes through a pipe that a reader thread copies line by line into a timestamped log (kept
-  across retries) while it picks out ``PROGRESS n`` lines. The progress callback runs on the
-  caller's thread, so an error it raises (``StaleWrite``) reaches the caller after the stage is
-  stopped, never silently in a thread.
+  across retries) while it picks out ``PROGRESS n`` lines. The reader can be ended without
+  end-of-file, so a process that still holds the pipe never keeps ``run_stage`` waiting. The
+  progress callback runs on the caller's thread, so an error it raises (``StaleWrite``) reaches the
+  caller after the stage is stopped, never silently in a thread.
 - The caller's thread blocks on the stop signal in short slices (``poll_interval_s``) between
   checks of the process and the timeout: a stop is seen at once, nothing spins.
-- A failed stage is reported only after its output is in the log, with the log's tail.
+- A failed stage is reported only after its output is in the log, with the log's tail redacted
+  (``worker.redact.redact_text``): the message goes to the job record, DLQ attributes, logs and Sentry.
 - A stage whose manifest verifies is not run again; otherwise its declared outputs (and, unless it
   is resumable, its checkpoint directory) are removed first, so nothing half-written survives.
 """
@@ -21,13 +24,14 @@ from __future__ import annotations
 import os
 import queue
 import re
+import select
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +41,11 @@ import structlog
 
 from pipeline.config import StageSpec, render_argv
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
+from pipeline.proctree import TOKEN_NAME, StageTree, end_tree
+from pipeline.proctree import live_processes  # noqa: F401 - tests/reliability read /proc through it
+from pipeline.stage_env import stage_environment
 from worker.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
+from worker.redact import redact_text
 from worker.stop import StopSignal
 
 log = structlog.get_logger(__name__)
@@ -48,7 +56,8 @@ DEFAULT_GRACE_S = 10.0
 TAIL_LINES = 20
 _TAIL_MAX_BYTES = 64 * 1024
 _LINE_MAX_BYTES = 64 * 1024
-_READER_JOIN_S = 5.0
+_READER_DRAIN_S = 1.0
+_READ_POLL_S = 0.1
 _PROGRESS_LINE = re.compile(rb"^\s*PROGRESS\s+(\d{1,3}(?:\.\d+)?)\s*$")
 
 
@@ -63,6 +72,9 @@ class StageContext:
     job_id: str
     language: str
     python: str = field(default_factory=lambda: sys.executable)
+    # The worker passes the one it built at start-up; a context made without one (tests, benchmarks)
+    # still gets only the built-in allow-list, never this process's whole environment.
+    env: Mapping[str, str] = field(default_factory=lambda: stage_environment(os.environ), repr=False)
 
     def checkpoint_dir(self, stage: StageSpec) -> Path:
         return self.checkpoints_root / stage.name
@@ -101,9 +113,12 @@ def log_file_name(now: datetime, step: str) -> str:
 
 
 def exit_error(stage: StageSpec, code: int, log_name: str, tail: str) -> WorkerError:
-    """The typed error for a non-zero exit: permanent only for the codes the config declares."""
+    """The typed error for a non-zero exit: permanent only for the codes the config declares.
+
+    The tail is redacted here, since the message leaves the worker: record, DLQ, logs, Sentry.
+    """
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    message = f"stage {stage.name} {how}; last lines of {log_name}:\n{tail}"
+    message = f"stage {stage.name} {how}; last lines of {log_name}:\n{redact_text(tail)}"
     if code in stage.permanent_exit_codes:
         return StageFailedPermanently(message)
     return StageFailed(message)
@@ -148,7 +163,9 @@ def run_stage(
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
     with log_file:
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
-        code = _run_supervised(stage, argv, log_file, stop, progress, grace_s, poll_interval_s, clock)
+        code = _run_supervised(
+            stage, argv, ctx.env, log_file, stop, progress, grace_s, poll_interval_s, clock
+        )
         _log_line(log_file, f"stage {stage.name} exited with code {code}")
     if code != 0:
         raise exit_error(stage, code, log_path.name, tail_lines(log_path))
@@ -178,6 +195,7 @@ def prepare_rerun(stage: StageSpec, ctx: StageContext) -> None:
 def _run_supervised(
     stage: StageSpec,
     argv: list[str],
+    env: Mapping[str, str],
     log_file: IO[bytes],
     stop: StopSignal,
     progress: Progress,
@@ -185,8 +203,9 @@ def _run_supervised(
     poll_interval_s: float,
     clock: Callable[[], float],
 ) -> int:
-    """Run to completion and return the exit code, or end the group and raise on stop/timeout."""
+    """Run to completion and return the exit code, or end the stage's processes and raise on stop/timeout."""
     updates: queue.SimpleQueue[float] = queue.SimpleQueue()
+    token = uuid.uuid4().hex
     try:
         proc = subprocess.Popen(
             argv,
@@ -194,15 +213,13 @@ def _run_supervised(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**env, TOKEN_NAME: token},
         )
     except OSError as exc:
         _log_line(log_file, f"stage {stage.name} could not start: {exc}")
         raise StageFailed(f"stage {stage.name} could not start: {exc.strerror or exc}") from exc
-    reader = threading.Thread(
-        target=_copy_output, args=(proc.stdout, log_file, updates), daemon=True,
-        name=f"stage-{stage.name}-output",
-    )
-    reader.start()
+    tree = StageTree(pgid=proc.pid, token=token, pipe_inode=os.fstat(proc.stdout.fileno()).st_ino)
+    reader = OutputReader(proc.stdout, log_file, updates, name=f"stage-{stage.name}-output")
     last_reported: list[float | None] = [None]
     deadline = clock() + stage.timeout_s if stage.timeout_s is not None else None
     finished = False
@@ -210,30 +227,27 @@ def _run_supervised(
         while proc.poll() is None:
             _report(stage.name, updates, progress, last_reported)
             if stop.is_set():
-                _end_group(proc, grace_s)
+                end_tree(proc, tree, grace_s)
                 _log_line(log_file, f"stage {stage.name} stopped: {stop.reason}")
                 stop.raise_if_set()
             remaining_s = None if deadline is None else deadline - clock()
             if remaining_s is not None and remaining_s <= 0:
-                _end_group(proc, grace_s)
+                end_tree(proc, tree, grace_s)
                 _log_line(log_file, f"stage {stage.name} ran past its timeout")
                 raise TimeLimitExceeded(
                     f"stage {stage.name} ran past its timeout of {stage.timeout_s:g} s"
                 )
             stop.wait(poll_interval_s if remaining_s is None else min(poll_interval_s, remaining_s))
         finished = True
-        # Anything the stage left running in its group is a stray that would hold the pipe open.
-        if group_has_live_members(proc.pid):
-            _end_group(proc, grace_s)
+        # Whatever the stage left running is a stray that holds the pipe, a GPU, or both.
+        if tree.members():
+            end_tree(proc, tree, grace_s)
     finally:
         # Also reached when the progress callback raised: the stage must not outlive the attempt.
-        if not finished and (proc.poll() is None or group_has_live_members(proc.pid)):
-            _end_group(proc, grace_s)
-        reader.join(_READER_JOIN_S)
-        if reader.is_alive():
+        if not finished and (proc.poll() is None or tree.members()):
+            end_tree(proc, tree, grace_s)
+        if not reader.finish(_READER_DRAIN_S):
             log.warning("stage.output_still_open", stage=stage.name)
-        else:
-            proc.stdout.close()
     _report(stage.name, updates, progress, last_reported)
     return proc.returncode
 
@@ -250,70 +264,71 @@ def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, las
         progress(stage_name, latest)
 
 
-def _copy_output(pipe: IO[bytes], log_file: IO[bytes], updates: queue.SimpleQueue) -> None:
-    # Flushing each line keeps the log complete up to the moment a stage or the worker dies.
-    for line in iter(lambda: pipe.readline(_LINE_MAX_BYTES), b""):
+class OutputReader:
+    """Copies a stage's output into its log line by line, noting ``PROGRESS`` values on the way.
+
+    It reads with a timeout rather than until end-of-file alone, so ``finish`` can end it even when
+    some process we could not kill still holds the pipe's write end.
+    """
+
+    def __init__(self, pipe: IO[bytes], log_file: IO[bytes], updates: queue.SimpleQueue, *, name: str):
+        self._pipe, self._log, self._updates = pipe, log_file, updates
+        self._finish_by: float | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def finish(self, drain_s: float) -> bool:
+        """Read what is already buffered (at most ``drain_s``), then stop and close the pipe.
+
+        False when the thread did not end in time; the pipe is then left open, since closing a
+        descriptor another thread still reads could hand its number to an unrelated file.
+        """
+        self._finish_by = time.monotonic() + drain_s
+        self._thread.join(drain_s + 2 * _READ_POLL_S)
+        if self._thread.is_alive():
+            return False
+        self._pipe.close()
+        return True
+
+    def _run(self) -> None:
+        fd = self._pipe.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        pending = b""
+        while True:
+            ready = poller.poll(_READ_POLL_S * 1000)
+            finish_by = self._finish_by
+            if finish_by is not None and (not ready or time.monotonic() >= finish_by):
+                break
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            pending = self._write_lines(pending + chunk)
+        if pending:
+            self._write_line(pending)
+
+    def _write_lines(self, data: bytes) -> bytes:
+        """Write every complete line (and over-long fragments); return the incomplete rest."""
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            self._write_line(line + b"\n")
+        while len(rest) >= _LINE_MAX_BYTES:
+            self._write_line(rest[:_LINE_MAX_BYTES])
+            rest = rest[_LINE_MAX_BYTES:]
+        return rest
+
+    def _write_line(self, line: bytes) -> None:
+        # Flushing each line keeps the log complete up to the moment a stage or the worker dies.
         try:
-            log_file.write(line)
-            log_file.flush()
+            self._log.write(line)
+            self._log.flush()
         except (OSError, ValueError):
             pass
         value = parse_progress(line)
         if value is not None:
-            updates.put(value)
-
-
-def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the stage's process group, then SIGKILL whatever is still alive after the grace."""
-    pgid = proc.pid
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    try:
-        proc.wait(timeout=max(0.0, grace_s))
-    except subprocess.TimeoutExpired:
-        pass
-    # The leader is gone; members may still be finishing. The group id stays ours while any live.
-    while time.monotonic() < deadline and group_has_live_members(pgid):
-        time.sleep(0.02)
-    if proc.poll() is None or group_has_live_members(pgid):
-        _signal_group(pgid, signal.SIGKILL)
-        proc.wait()
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def group_has_live_members(pgid: int) -> bool:
-    """Whether any non-zombie process is in the group (zombies wait for a reaper; they hold nothing)."""
-    proc_root = Path("/proc")
-    if not proc_root.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return any(len(fields) >= 3 and int(fields[2]) == pgid for _pid, fields in live_processes(proc_root))
-
-
-def live_processes(proc_root: Path = Path("/proc")) -> Iterator[tuple[int, list[str]]]:
-    """(pid, the /proc stat fields after the command name) of every process that is not a zombie."""
-    for entry in os.scandir(proc_root):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        # The command name in parentheses may hold spaces; the fixed fields follow the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields and fields[0] not in ("Z", "X"):
-            yield int(entry.name), fields
+            self._updates.put(value)
 
 
 def _log_line(log_file: IO[bytes], text: str) -> None:

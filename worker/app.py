@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,11 +12,15 @@ import structlog
 from pipeline.config import load_pipeline_config
 from pipeline.downloads import DownloadSettings
 from pipeline.downloads import fetch as download
+from pipeline.limits import JobLimits
 from pipeline.run import run_pipeline
+from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.artifacts import ArtifactUploader
 from worker.aws import lease_client_config, make_client
+from worker.errors import ConfigError
 from worker.faults import CrashPoints
 from worker.health import Pulse
+from worker.input_policy import InputPolicy
 from worker.job import VoiceJobHandler
 from worker.loop import Worker
 from worker.metrics import Metrics
@@ -41,7 +46,13 @@ def build_app(settings: Settings, *, session=None) -> App:
     """Check everything that can be checked before the first receive, then assemble the worker."""
     # Cheapest checks first: a bad pipeline file must not wait on a store connection.
     config = load_pipeline_config(settings.pipeline_config)
+    if problems := stage_env_problems(settings.stage_env_names):
+        raise ConfigError(problems)
+    # Read once, here: stages get this allow-listed copy, never the worker's own environment.
+    stage_env = stage_environment(os.environ, settings.stage_env_names)
     sqs = make_client("sqs", settings, session)
+    # Before the store: a mistyped queue URL must not create a SQLite file or wait on MongoDB.
+    Queue(sqs, settings.sqs_queue_url).check_exists()
     s3 = make_client("s3", settings, session)
     store = open_store(settings)
     downloads = DownloadSettings.from_settings(settings)
@@ -49,14 +60,17 @@ def build_app(settings: Settings, *, session=None) -> App:
     crash_points = CrashPoints(settings.crash_at)
     metrics = Metrics.from_settings(settings)
 
-    def fetch_recording(url: str, dest: Path, *, stop):
+    def fetch_recording(url: str, dest: Path, *, stop, remaining_job_bytes=None):
         crash_points.reached("during_download")
-        return download(url, dest, settings=downloads, s3_client=s3, stop=stop)
+        return download(url, dest, settings=downloads, s3_client=s3, stop=stop,
+                        remaining_job_bytes=remaining_job_bytes)
 
     def train(job, work_dir: Path, stop, progress):
         fetch = functools.partial(fetch_recording, stop=stop)
         return run_pipeline(job, work_dir, stop, config=config, fetch=fetch, progress=progress,
-                            grace_s=min(10.0, settings.shutdown_grace_s or 10.0))
+                            grace_s=settings.stage_stop_grace_s,
+                            limits=JobLimits.from_settings(settings),
+                            stage_env=stage_env)
 
     handler = VoiceJobHandler(
         store=store,
@@ -68,6 +82,8 @@ def build_app(settings: Settings, *, session=None) -> App:
         lease_s=settings.sqs_visibility_timeout_s,
         crash_points=crash_points,
         metrics=metrics,
+        policy=InputPolicy.from_settings(settings),
+        keep_work_files=settings.keep_work_files,
     )
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
     lease_sqs = make_client("sqs", settings, session, config=lease_client_config(settings))

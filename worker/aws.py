@@ -6,7 +6,9 @@ import re
 
 import boto3
 from botocore.config import Config
+from botocore.exceptions import NoRegionError
 
+from worker.errors import ConfigError
 from worker.settings import Settings
 
 _REGION_IN_QUEUE_URL = re.compile(r"^https://sqs[.-]([a-z0-9-]+)\.amazonaws\.com")
@@ -42,8 +44,18 @@ def lease_client_config(settings: Settings) -> Config:
     )
 
 
+NO_REGION = "AWS_REGION is not set and cannot be derived from SQS_QUEUE_URL: set AWS_REGION"
+
+
 def make_client(service: str, settings: Settings, session: boto3.session.Session | None = None,
                 config: Config | None = None):
+    """A client, or ConfigError when no region can be found (SQS has no default region)."""
     session = session or boto3.session.Session()
-    return session.client(service, config=config or client_config(settings),
-                          endpoint_url=settings.aws_endpoint_url)
+    # Checked for every service, not only SQS: S3 and STS would quietly default to us-east-1.
+    if region_of(settings) is None and session.region_name is None:
+        raise ConfigError(NO_REGION)
+    try:
+        return session.client(service, config=config or client_config(settings),
+                              endpoint_url=settings.aws_endpoint_url)
+    except NoRegionError:
+        raise ConfigError(NO_REGION) from None

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import textwrap
 
 import structlog
 
+from worker.commands import EXIT_INTERRUPTED
 from worker.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.errors import ConfigError, WorkerError
 from worker.logs import configure_logging
 from worker.settings import Settings, daemon_problems, load_settings, missing
 
 log = structlog.get_logger(__name__)
+
+WORK_FILES_UMASK = 0o027
 
 DESCRIPTION = """\
 voice-worker: trains voice-cloning models from jobs on an SQS queue.
@@ -25,10 +30,10 @@ def _fail(problems: list[str]) -> int:
     return EXIT_CONFIG
 
 
-def _store(settings: Settings):
+def _store(settings: Settings, access: str = "create"):
     from worker.store import open_store
 
-    return open_store(settings)
+    return open_store(settings, access=access)
 
 
 def _client(service: str, settings: Settings):
@@ -42,6 +47,10 @@ def cmd_run(settings: Settings, _args) -> int:
     if problems:
         return _fail(problems)
     from worker.app import build_app  # the heavy wiring, only for the daemon
+
+    # Models, datasets and logs are the user's voice data: not world-readable, also in a container
+    # whose runtime hands the process umask 022.
+    os.umask(WORK_FILES_UMASK)
 
     try:
         app = build_app(settings)
@@ -59,14 +68,27 @@ def cmd_demo(_settings, _args) -> int:
     return run_demo()
 
 
+def cmd_dev_stack(_settings, args) -> int:
+    from worker.devstack import run_dev_stack
+
+    try:
+        return run_dev_stack(port=args.port, **({"state_dir": args.dir} if args.dir else {}))
+    except RuntimeError as exc:
+        print(f"dev-stack failed: {exc}", file=sys.stderr)
+        return EXIT_CRASHED
+
+
 def cmd_submit(settings: Settings, args) -> int:
     from worker.commands import cmd_submit as submit
+    from worker.input_policy import InputPolicy
 
     if problems := missing(settings, "queue", "store"):
         return _fail(problems)
+    sqs = _client("sqs", settings)  # first: a settings problem must not leave a new store file behind
     source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
     with source, _store(settings) as store:
-        return submit(store, _client("sqs", settings), settings.sqs_queue_url, source, as_json=args.json)
+        return submit(store, sqs, settings.sqs_queue_url, source, as_json=args.json,
+                      policy=InputPolicy.from_settings(settings))
 
 
 def cmd_status(settings: Settings, args) -> int:
@@ -74,7 +96,7 @@ def cmd_status(settings: Settings, args) -> int:
 
     if problems := missing(settings, "store"):
         return _fail(problems)
-    with _store(settings) as store:
+    with _store(settings, "read") as store:
         return status(store, args.job_id, as_json=args.json, watch_s=args.watch)
 
 
@@ -83,19 +105,18 @@ def cmd_cancel(settings: Settings, args) -> int:
 
     if problems := missing(settings, "store"):
         return _fail(problems)
-    with _store(settings) as store:
-        return cancel(store, args.job_id)
+    with _store(settings, "existing") as store:
+        return cancel(store, args.job_id, heartbeat_s=settings.heartbeat_interval_s)
 
 
 def cmd_doctor(settings: Settings, _args) -> int:
     from pipeline.config import load_pipeline_config
     from worker.doctor import report, run_checks
-    from worker.store import open_store
 
     if problems := missing(settings, "queue", "store", "bucket"):
         return _fail(problems)
     checks = run_checks(settings, sqs=_client("sqs", settings), s3=_client("s3", settings),
-                        sts=_client("sts", settings), open_store=open_store,
+                        sts=_client("sts", settings), open_store=lambda s: _store(s, "read"),
                         load_pipeline=load_pipeline_config)
     return report(checks)
 
@@ -112,20 +133,24 @@ def cmd_reconcile(settings: Settings, _args) -> int:
 
     if problems := missing(settings, "queue", "store"):
         return _fail(problems)
+    sqs = _client("sqs", settings)  # a settings problem first, before any store connection
     try:
-        with _store(settings) as store:
-            reconciler = Reconciler(store, _client("sqs", settings), settings.sqs_queue_url,
+        with _store(settings, "existing") as store:
+            reconciler = Reconciler(store, sqs, settings.sqs_queue_url,
                                     stale_after_s=settings.reconcile_stale_s,
                                     pending_after_s=settings.reconcile_pending_after_s,
                                     metrics=Metrics.from_settings(settings))
             return reconcile(reconciler)
+    except ConfigError:
+        raise  # a settings problem: main prints its line and exits 2
     except WorkerError as exc:
         print(f"reconcile failed: {exc}", file=sys.stderr)
         return 1
 
 
 def cmd_dlq(settings: Settings, args) -> int:
-    from worker.dlq import DeadLetterQueue, cmd_dlq_list, cmd_dlq_redrive
+    from worker.commands import cmd_dlq_list, cmd_dlq_redrive
+    from worker.dlq import DeadLetterQueue
 
     if problems := missing(settings, "queue"):
         return _fail(problems)
@@ -138,49 +163,84 @@ def cmd_dlq(settings: Settings, args) -> int:
         if args.action == "list":
             return cmd_dlq_list(dlq, as_json=args.json)
         return cmd_dlq_redrive(dlq, max_messages=args.max, fallback=args.fallback)
+    except ConfigError:
+        raise  # a settings problem: main prints its line and exits 2
     except WorkerError as exc:
         print(f"dlq {args.action} failed: {exc}", file=sys.stderr)
         return 1
 
 
+def _exits(specific: str, store_file: bool = False, usage: str = "") -> str:
+    """The exit-code paragraph of an operator command's help: its own codes, then the shared ones."""
+    settings = f"2 settings{usage}, one line each on stderr" + (
+        " (also a STORE_URL file that does not exist)" if store_file else "")
+    return textwrap.fill(f"exit codes: {specific}; {settings}; 130 Ctrl-C", 96)
+
 COMMANDS = {
     "run": (cmd_run, True, "run the worker daemon (the default)",
-            "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT.",
+            "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT.\n\n"
+            "exit codes: 0 stopped on SIGTERM/SIGINT; 1 crashed, or could not start (store or queue\n"
+            "unreachable after retries); 2 settings: one line each on stderr (missing region, a queue that\n"
+            "does not exist, a bad pipeline config, ...)",
             "SQS_QUEUE_URL=https://sqs.eu-west-1.amazonaws.com/123/jobs MONGO_URI=mongodb://db/voice \\\n"
             "    S3_BUCKET=voice-models python -m worker run"),
     "demo": (cmd_demo, False, "run one sample job end to end on a local SQS/S3 server",
              "Start a local SQS/S3 server (moto), use the SQLite store, submit a sample job from the\n"
              "shipped recordings and run the real worker and pipeline until it completes.\n"
-             "Needs no configuration and no network.",
+             "Needs no configuration and no network.\n\n"
+             "exit codes: 0 the job completed; 1 it did not",
              "python -m worker demo"),
+    "dev-stack": (cmd_dev_stack, False, "start a persistent local SQS/S3 stack for the dev loop",
+                  "Start a local SQS/S3 server (moto) on 127.0.0.1:PORT with the queue, its dead-letter\n"
+                  "queue and redrive policy, the model and recordings buckets and the sample recordings;\n"
+                  "write every setting to DIR/env.sh and wait until Ctrl-C. Records (SQLite) persist in DIR;\n"
+                  "queues and buckets live in the server's memory. See docs/operations.md, \"The local dev loop\".\n\n"
+                  "exit codes: 0 stopped on Ctrl-C/SIGTERM; 1 the server did not start (port in use)",
+                  "python -m worker dev-stack\n  . var/dev/env.sh && python -m worker run"),
     "submit": (cmd_submit, True, "create a job's records and enqueue it",
                "FILE (or - for stdin) holds a JSON object with the message's fields. jobId and _doc are\n"
                "generated when absent; an optional idempotencyKey makes a repeated submit return the\n"
-               "same job id without enqueuing again. Prints the job id.",
+               "same job id without enqueuing again. Prints the job id. Creates a missing STORE_URL file.\n\n"
+               + _exits("0 submitted (or already submitted with this key); 1 store, queue or file failure",
+                        usage=" or a submission that is not valid JSON or not a valid job"),
                "python -m worker submit job.json\n  echo '{...}' | python -m worker submit - --json"),
     "status": (cmd_status, True, "show a job: status, attempts, progress, error, paths",
-               "Print the job and profile records; --json prints {\"job\": {...}, \"profile\": {...}}.",
+               "Print the job and profile records; --json prints {\"job\": {...}, \"profile\": {...}}.\n"
+               "Opens a STORE_URL file read-only and never creates one.\n\n"
+               + _exits("0 shown; 1 store failure; 3 no such job", store_file=True),
                "python -m worker status 665f1c2e9b1e8a0012ab34cd\n"
                "  python -m worker status 665f1c2e9b1e8a0012ab34cd --watch 2"),
     "cancel": (cmd_cancel, True, "request a job's cancellation",
-               "A running attempt stops at its next heartbeat and the job ends cancelled.",
+               "A running attempt stops at its next heartbeat (SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS) and the\n"
+               "job ends cancelled; a pending job ends cancelled when a worker receives it, before any\n"
+               "training. Says which applies. Never creates a STORE_URL file.\n\n"
+               + _exits("0 cancel requested; 1 store failure; 3 no such job; 4 nothing to cancel (completed, "
+                        "cancelled, or failed permanently)", store_file=True),
                "python -m worker cancel 665f1c2e9b1e8a0012ab34cd"),
     "doctor": (cmd_doctor, True, "check credentials, queue, DLQ, bucket, store and pipeline config",
-               "One PASS/FAIL line per check; exits 1 if any check fails.",
+               "One PASS/FAIL line per check. Opens a STORE_URL file read-only and never creates one.\n\n"
+               + _exits("0 every check passed; 1 a check failed (a missing STORE_URL file is a FAIL)"),
                "python -m worker doctor"),
     "health": (cmd_health, True, "exit 0 while the running worker's liveness file is fresh",
-               "For container health checks: LIVENESS_FILE must be set for the worker and this command.",
+               "For container health checks: LIVENESS_FILE must be set for the worker and this command.\n\n"
+               + _exits("0 healthy; 1 unhealthy (file stale or missing, or LIVENESS_FILE unset)"),
                "LIVENESS_FILE=/tmp/voice-worker.alive python -m worker health"),
     "reconcile": (cmd_reconcile, True, "one pass over stranded jobs: lost workers, lost messages, dead letters",
                   "A processing job whose lease ended RECONCILE_STALE_AFTER_SECONDS ago -> error (worker lost);\n"
                   "a pending job never enqueued after RECONCILE_PENDING_AFTER_SECONDS -> enqueued again, once;\n"
                   "a job whose message is in the DLQ -> error \"dead-lettered after N receives\".\n"
-                  "Idempotent; run it on a schedule (config/voice-worker-reconcile.timer). Exits 1 if a rule failed.",
+                  "Idempotent; run it on a schedule (config/voice-worker-reconcile.timer). Never creates a\n"
+                  "STORE_URL file.\n\n"
+                  + _exits("0 every rule ran; 1 a rule, the store or the queue failed", store_file=True),
                   "python -m worker reconcile"),
     "dlq": (cmd_dlq, True, "list the dead-letter queue, or move its messages back",
             "list: id, job id, receive count, error attributes and age of each message (it stays there).\n"
             "redrive: StartMessageMoveTask back to SQS_QUEUE_URL; with --max N or --fallback (or where the\n"
-            "service lacks it) receive -> send -> delete, never deleting before the send succeeded.",
+            "service lacks it) receive -> send -> delete, never deleting before the send succeeded, moving\n"
+            "at most the messages there at the start, each once, with progress on stderr. The first\n"
+            "Ctrl-C stops after the current message; a second one at once.\n\n"
+            + _exits("0 listed, moved, or move task started; 1 an SQS call failed (redrive says how far it got)",
+                     usage=", no dead-letter queue, or --max below 1"),
             "python -m worker dlq list --json\n  python -m worker dlq redrive --max 10"),
 }
 
@@ -193,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, description=f"{text}\n\nexample:\n  {example}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(func=func, needs_settings=needs_settings)
+        if name == "dev-stack":
+            from pathlib import Path
+
+            p.add_argument("--port", type=int, default=4566, help="loopback port (default 4566)")
+            p.add_argument("--dir", type=Path, default=None,
+                           help="where env.sh and records.db go (default var/dev in the checkout)")
         if name == "submit":
             p.add_argument("file", help="JSON file with the message's fields, or - for stdin")
             p.add_argument("--json", action="store_true", help='print {"jobId": "..."}')
@@ -230,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(settings, args)
     except ConfigError as exc:
         return _fail(exc.problems)
+    except KeyboardInterrupt:
+        print(f"{args.command} interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (WorkerError, OSError) as exc:
         # An operator command: one readable line, not a traceback.
         print(f"{args.command} failed: {exc}", file=sys.stderr)

@@ -1,20 +1,32 @@
-"""The operator's commands: submit, status, cancel, health. Each takes its clients, prints, returns an exit code."""
+"""The operator's commands: submit, status, cancel, health, dlq list/redrive.
+
+Each takes its clients, prints, and returns an exit code (the table is in worker/cli.py's help texts).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TextIO
 
+from worker.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.errors import InvalidMessage, WorkerError
+from worker.input_policy import SHAPE_ONLY, InputPolicy
 from worker.health import liveness_problem
+from worker.logs import scrub
 from worker.settings import Settings
-from worker.store import FINAL_STATUSES, Store
+from worker.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live, utc_now
 from worker.submit import submit
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
 def _jsonable(value: Any) -> Any:
@@ -27,15 +39,17 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def cmd_submit(store: Store, sqs, queue_url: str, source: TextIO, *, as_json: bool, out=sys.stdout,
-               err=sys.stderr) -> int:
+def cmd_submit(store: Store, sqs, queue_url: str, source: TextIO, *, as_json: bool,
+               policy: InputPolicy = SHAPE_ONLY, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Refuses (exit 2) what the worker's ``policy`` would refuse, before any record exists."""
+    out, err = out or sys.stdout, err or sys.stderr
     try:
         payload = json.loads(source.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         print(f"submission is not valid JSON: {exc}", file=err)
         return EXIT_USAGE
     try:
-        job_id, created = submit(store, sqs, queue_url, payload)
+        job_id, created = submit(store, sqs, queue_url, payload, policy=policy)
     except InvalidMessage as exc:
         for line in exc.problems:
             print(line, file=err)
@@ -84,8 +98,9 @@ def render_status(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | None = None, out=sys.stdout,
-               err=sys.stderr, sleep=time.sleep) -> int:
+def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | None = None,
+               out: TextIO | None = None, err: TextIO | None = None, sleep=time.sleep) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     while True:
         doc = status_document(store, job_id)
         if doc is None:
@@ -101,23 +116,160 @@ def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | Non
             print("", file=out)
 
 
-def cmd_cancel(store: Store, job_id: str, out=sys.stdout, err=sys.stderr) -> int:
+def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[bool, str]:
+    """(whether a cancel request can still change anything, what happens next) for this job."""
+    job_id, status = job["_id"], job.get("status")
+    if status in FINAL_STATUSES:
+        return False, f"job {job_id} is already {status}: nothing to cancel"
+    error = job.get("error") or {}
+    if status == ERROR and not error.get("retryable"):
+        return False, f"job {job_id} already failed permanently ({error.get('type')}): nothing to cancel"
+    if status == PROCESSING and lease_live(job, now):
+        return True, (f"cancel requested for job {job_id}: the running attempt on {job['lease'].get('owner')} "
+                      f"stops at its next heartbeat, within ~{math.ceil(heartbeat_s)} s "
+                      "(SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS), and the job ends cancelled")
+    if status == PENDING:
+        return True, (f"job {job_id} is pending: it will be cancelled when a worker picks it up "
+                      "(no training will start)")
+    # A retryable error, or processing with a lapsed lease: SQS delivers the message again.
+    return True, (f"job {job_id} has no running attempt ({status}, waiting to be retried): it will be "
+                  "cancelled when a worker next receives it (no training will start)")
+
+
+def cmd_cancel(store: Store, job_id: str, *, heartbeat_s: float, out: TextIO | None = None,
+               err: TextIO | None = None, now: Callable[[], datetime] = utc_now) -> int:
+    # Resolved per call, not at import: pytest and wrappers replace sys.stdout after that.
+    out, err = out or sys.stdout, err or sys.stderr
     job = store.get_job(job_id)
     if job is None:
         print(f"no job {job_id}", file=err)
         return EXIT_NOT_FOUND
-    if store.request_cancel(job_id):
-        print(f"cancel requested for {job_id}: a running attempt stops at its next heartbeat; "
-              "a queued one ends cancelled when it is received", file=out)
-        return EXIT_OK
-    print(f"job {job_id} is already {job.get('status')}: nothing to cancel", file=err)
-    return EXIT_FAILED
+    useful, text = cancel_outcome(job, heartbeat_s, now())
+    # request_cancel re-checks inside the store: a job that finished since the read is not touched.
+    if not useful or not store.request_cancel(job_id):
+        if useful:  # it became final between the read and the request
+            text = f"job {job_id} is already {(store.get_job(job_id) or {}).get('status')}: nothing to cancel"
+        print(text, file=err)
+        return EXIT_NOTHING_TO_DO
+    print(text, file=out)
+    return EXIT_OK
 
 
-def cmd_health(settings: Settings, out=sys.stdout) -> int:
+def cmd_health(settings: Settings, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     problem = liveness_problem(settings.liveness_file, settings.liveness_age_limit_s)
     if problem:
         print(f"unhealthy: {problem}", file=out)
         return EXIT_FAILED
     print("healthy", file=out)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------ the dead-letter queue
+
+def format_age(age_s: float | None) -> str:
+    if age_s is None:
+        return "?"
+    minutes, _ = divmod(int(age_s), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h" if days else (f"{hours}h{minutes:02d}m" if hours else f"{minutes}m")
+
+
+def render_letter(summary: dict) -> str:
+    error = (f"{summary['errorType']}: {summary['errorMessage'] or '-'}" if summary["errorType"]
+             else "(moved by SQS's redrive policy: no error attributes)")
+    return (f"{summary['messageId']}  job {summary['jobId'] or '-'}  receives {summary['receiveCount']}  "
+            f"age {format_age(summary['ageSeconds'])}  {error}")
+
+
+def cmd_dlq_list(dlq: DeadLetterQueue, *, as_json: bool, max_messages: int = 1000,
+                 out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    letters = dlq.peek(max_messages)
+    dlq.release(letters)
+    now_s = dlq.now_s()
+    summaries = sorted((letter.summary(now_s) for letter in letters),
+                       key=lambda s: -(s["ageSeconds"] or 0))
+    if as_json:
+        print(json.dumps(summaries), file=out)
+    elif not summaries:
+        print(f"the dead-letter queue is empty ({dlq.url})", file=out)
+    else:
+        print(f"{len(summaries)} message(s) in {dlq.url}, oldest first:", file=out)
+        for summary in summaries:
+            print(render_letter(summary), file=out)
+    return EXIT_OK
+
+
+@contextmanager
+def first_interrupt_stops() -> Iterator[Callable[[], bool]]:
+    """Yields "was Ctrl-C pressed?": the first Ctrl-C only asks to stop between messages, a second one
+    interrupts at once (KeyboardInterrupt). Outside the main thread signals cannot be caught: never set."""
+    # A plain flag, not a threading.Event: the handler runs between any two bytecodes of the main
+    # thread, also while that thread holds the Event's lock, and taking it again there deadlocks.
+    pressed = [False]
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: pressed[0]
+        return
+
+    def on_sigint(_signum, _frame):
+        # No printing here: the handler can run in the middle of another write to stderr.
+        if pressed[0]:
+            raise KeyboardInterrupt
+        pressed[0] = True
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield lambda: pressed[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class Progress:
+    """ "moved 10 of ~42" on stderr every ``every`` messages and at least every ``interval_s``."""
+
+    def __init__(self, err: TextIO, *, every: int = 10, interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._err, self._every, self._interval_s, self._clock = err, every, interval_s, clock
+        self._last = clock()
+
+    def __call__(self, moved: int, expected: int) -> None:
+        now = self._clock()
+        if moved % self._every == 0 or now - self._last >= self._interval_s:
+            print(f"moved {moved} of ~{expected}", file=self._err, flush=True)
+            self._last = now
+
+
+def cmd_dlq_redrive(dlq: DeadLetterQueue, *, max_messages: int | None, fallback: bool,
+                    out: TextIO | None = None, err: TextIO | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    with first_interrupt_stops() as stop:
+        result = dlq.redrive(max_messages=max_messages, fallback=fallback,
+                             progress=Progress(err, clock=clock), stop=stop)
+    if result.method == MOVE_TASK and result.error is None:
+        print(f"started a message move task ({result.task_handle}): the dead-letter queue's messages "
+              f"go back to {dlq.source_url} in the background; `dlq list` shows what is left", file=out)
+        return EXIT_OK
+    if result.method == RECEIVE_SEND_DELETE:
+        print(f"moved {result.moved} message(s) back to {dlq.source_url} by receive, send, delete "
+              f"({result.fallback_reason}); ~{'?' if result.expected is None else result.expected} "
+              "were in the dead-letter queue at the start", file=out)
+    if result.came_back:
+        print(f"  {result.came_back} message(s) this run had moved came back to the dead-letter queue "
+              "(dead-lettered again): left there, not moved twice; see `dlq list`", file=out)
+    for message_id in result.not_deleted:
+        print(f"  {message_id}: sent, but its delete from the dead-letter queue failed: it is in both "
+              "queues (the worker acknowledges the duplicate without work)", file=out)
+    if result.unsettled:
+        print(f"  {result.unsettled}: interrupted between its send and its delete: it may be in both "
+              "queues (the worker acknowledges the duplicate without work)", file=out)
+    if result.interrupted:
+        print(f"redrive interrupted after moving {result.moved} message(s); the rest stay in the "
+              "dead-letter queue", file=err)
+        return EXIT_INTERRUPTED
+    if result.error:
+        print(f"redrive stopped: {scrub(result.error)}", file=err)
+        return EXIT_FAILED
     return EXIT_OK

@@ -1,9 +1,11 @@
 """`python -m worker demo`: the whole product on one machine, with nothing configured and no network.
 
 A moto server process stands in for SQS and S3 on a free loopback port, the SQLite store holds the
-records, the shipped speech clips are uploaded to the local bucket and referenced as ``s3://``. The
-real worker loop and pipeline (with the reference trainer, the local stand-in for GPU training) run
-in this process until the job is completed; then a summary is printed. Exit 0 only if it completed.
+records, the shipped speech clips are uploaded to the local recordings bucket under the profile's
+prefix (RECORDINGS_S3_KEY_PREFIX) and referenced as ``s3://``. The real worker loop and pipeline
+(with the reference trainer, the local stand-in for GPU training) run in this process until the
+job is completed; then a summary is printed. Exit 0 only if it completed.
+The demo keeps the job's work files (KEEP_WORK_FILES), so the local files it lists can be looked at.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ CLIPS = (
     ("clip-3.flac", "Please train a model that sounds just like me."),
 )
 QUEUE, DLQ, BUCKET, RECORDINGS_BUCKET = "voice-jobs", "voice-jobs-dlq", "voice-models", "voice-recordings"
+PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"
+# Where the worker's default RECORDINGS_S3_KEY_PREFIX lets this profile's job read recordings.
+RECORDINGS_PREFIX = f"recordings/{PROFILE_ID}/"
 DEMO_TIMEOUT_S = 120
 
 
@@ -43,12 +48,19 @@ def _free_port() -> int:
 class LocalAws:
     """A moto server process on loopback; stopped on exit."""
 
-    def __init__(self) -> None:
-        self.port = _free_port()
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LocalAws:
+        # The readiness probe below cannot tell our server from another one already on the port.
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", self.port))
+            except OSError:
+                raise RuntimeError(f"port {self.port} on 127.0.0.1 is in use: is a local stack "
+                                   "already running? (choose another with --port)") from None
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -75,8 +87,9 @@ class LocalAws:
                 self._proc.kill()
 
 
-def _session() -> boto3.session.Session:
-    # moto accepts any credentials; fixed ones keep the demo away from the user's real AWS profile.
+def dev_session() -> boto3.session.Session:
+    """A session for the local server: moto accepts any credentials; fixed ones keep the demo and the
+    dev stack away from the user's real AWS profile."""
     return boto3.session.Session(aws_access_key_id="demo", aws_secret_access_key="demo",
                                  region_name="us-east-1")
 
@@ -94,7 +107,7 @@ def provision(session, endpoint: str) -> str:
     for bucket in (BUCKET, RECORDINGS_BUCKET):
         s3.create_bucket(Bucket=bucket)
     for name, _text in CLIPS:
-        s3.upload_file(str(SAMPLES / name), RECORDINGS_BUCKET, f"samples/{name}")
+        s3.upload_file(str(SAMPLES / name), RECORDINGS_BUCKET, RECORDINGS_PREFIX + name)
     return queue_url
 
 
@@ -109,6 +122,8 @@ def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
         "STORE_URL": f"sqlite:///{run_dir / 'records.db'}",
         "S3_BUCKET": BUCKET,
         "S3_PREFIX": "models",
+        "RECORDINGS_S3_BUCKET": RECORDINGS_BUCKET,
+        "KEEP_WORK_FILES": "true",  # the summary lists the local files: they must still be there
         "WORK_ROOT": str(run_dir / "work"),
         "PIPELINE_CONFIG": str(REPO / "config" / "pipeline.toml"),
         "LOG_LEVEL": "WARNING",
@@ -120,10 +135,10 @@ def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
 
 def sample_job() -> dict:
     return {
-        "profileId": "665f1c2e9b1e8a0012ab34ce",
+        "profileId": PROFILE_ID,
         "environment": "development",
         "metadata": {"directoryName": "demo-user-voice-1", "language": "en"},
-        "input": [{"recordingUrl": f"s3://{RECORDINGS_BUCKET}/samples/{name}", "originalText": text}
+        "input": [{"recordingUrl": f"s3://{RECORDINGS_BUCKET}/{RECORDINGS_PREFIX}{name}", "originalText": text}
                   for name, text in CLIPS],
     }
 
@@ -165,8 +180,10 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
             last = (stage, percent)
 
 
-def run_demo(out=sys.stdout) -> int:
+def run_demo(out=None) -> int:
+    out = out or sys.stdout
     from worker.app import build_app
+    from worker.input_policy import InputPolicy
     from worker.logs import configure_logging
     from worker.submit import submit
 
@@ -176,13 +193,14 @@ def run_demo(out=sys.stdout) -> int:
     print("voice-worker demo: local SQS/S3 (moto), SQLite records, reference trainer "
           "(the local stand-in for GPU training)", file=out, flush=True)
     with LocalAws() as aws:
-        session = _session()
+        session = dev_session()
         queue_url = provision(session, aws.url)
         settings = demo_settings(aws.url, queue_url, run_dir)
         configure_logging(settings.log_level, settings.log_format)
         app = build_app(settings, session=session)
         try:
-            job_id, _ = submit(app.store, session.client("sqs", endpoint_url=aws.url), queue_url, sample_job())
+            job_id, _ = submit(app.store, session.client("sqs", endpoint_url=aws.url), queue_url, sample_job(),
+                               policy=InputPolicy.from_settings(settings))
             print(f"submitted job {job_id}; working:", file=out, flush=True)
             clock, done = StageClock(), threading.Event()
             watcher = threading.Thread(target=_watch, args=(app.store, job_id, clock, done, out), daemon=True)

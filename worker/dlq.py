@@ -15,17 +15,19 @@ Redriving uses SQS's ``StartMessageMoveTask`` (everything, in the background) wh
 supports it. With ``--max``, with ``--fallback``, or when the endpoint does not implement it (local
 emulators), it receives, sends to the source queue, and deletes from the DLQ only after that send
 succeeded: a failure can leave a message in both queues (the worker acknowledges the duplicate
-without work), never in neither.
+without work), never in neither. Such a run moves at most the ApproximateNumberOfMessages of its
+start and never the same message twice: one a worker dead-letters again during the run stays.
+The operator's commands over this (``dlq list``, ``dlq redrive``) are in ``worker.commands``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
@@ -60,6 +62,10 @@ def move_task_unsupported(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
     return isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") in _UNSUPPORTED_CODES
+
+
+def _digest(body: str) -> str:
+    return hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _attr_text(attrs: dict, name: str) -> str | None:
@@ -121,8 +127,15 @@ class RedriveResult:
     method: str
     task_handle: str | None = None
     moved: int = 0
+    # ApproximateNumberOfMessages when a receive -> send -> delete run began: the most it moves.
+    expected: int | None = None
+    # Received again in this run (re-dead-lettered by a worker, or a same-body duplicate): left there.
+    came_back: int = 0
     # Sent to the source queue but still in the DLQ (its delete failed): a later redrive duplicates it.
     not_deleted: list[str] = field(default_factory=list)
+    # Ctrl-C landed between its send and its delete: it may be in both queues.
+    unsettled: str | None = None
+    interrupted: bool = False
     fallback_reason: str | None = None
     error: str | None = None  # why it stopped early; ``moved`` says how far it got
 
@@ -216,9 +229,16 @@ class DeadLetterQueue:
 
     # ------------------------------------------------------------ moving back
 
-    def redrive(self, *, max_messages: int | None = None, fallback: bool = False,
-                hold_s: int = 60) -> RedriveResult:
-        """Move messages back to the source queue (see the module docstring); failures are in ``error``."""
+    def redrive(self, *, max_messages: int | None = None, fallback: bool = False, hold_s: int = 60,
+                progress: Callable[[int, int], None] | None = None,
+                stop: Callable[[], bool] | None = None) -> RedriveResult:
+        """Move messages back to the source queue (see the module docstring); failures are in ``error``.
+
+        receive -> send -> delete moves only what was there at the start, each message at most once:
+        a worker re-dead-lettering the moved messages at once must not keep the run going. ``stop``
+        is asked between messages; Ctrl-C (KeyboardInterrupt) mid-message ends the run with
+        ``interrupted`` set and, if it fell between a send and its delete, ``unsettled`` naming it.
+        """
         reason = "--fallback" if fallback else ("--max" if max_messages is not None else None)
         if reason is None:
             try:
@@ -233,10 +253,72 @@ class DeadLetterQueue:
                 log.info("dlq.move_task_unsupported", fallback=RECEIVE_SEND_DELETE)
         result = RedriveResult(RECEIVE_SEND_DELETE, fallback_reason=reason)
         try:
-            self._receive_send_delete(result, max_messages, hold_s)
+            self._receive_send_delete(result, max_messages, hold_s, progress or (lambda *_: None),
+                                      stop or (lambda: False))
         except QueueError as exc:
             result.error = str(exc)
         return result
+
+    def _visible_count(self) -> int:
+        try:
+            attrs = self._sqs.get_queue_attributes(
+                QueueUrl=self.url, AttributeNames=["ApproximateNumberOfMessages"])["Attributes"]
+        except (ClientError, BotoCoreError) as exc:
+            raise _queue_error(exc, "GetQueueAttributes of the dead-letter queue") from exc
+        return int(attrs.get("ApproximateNumberOfMessages", "0"))
+
+    def _receive_send_delete(self, result: RedriveResult, max_messages: int | None, hold_s: int,
+                             progress: Callable[[int, int], None], stop: Callable[[], bool]) -> None:
+        result.expected = self._visible_count()
+        limit = result.expected if max_messages is None else min(max_messages, result.expected)
+        # What this run has touched. SQS's redrive policy dead-letters a moved message under the id
+        # our send got; the worker's own dead-lettering sends the same body under a new id.
+        seen_ids: set[str] = set()
+        moved_bodies: set[str] = set()
+        # Not to be moved in this run: hidden for hold_s so receives get past them, visible again at the end.
+        held: dict[str, DeadLetter] = {}
+        waiting: list[DeadLetter] = []  # received, not yet tried: visible again at once when the run ends
+        try:
+            while result.moved < limit and not stop():
+                for letter in self._receive(limit - result.moved, hold_s):
+                    if letter.message_id in seen_ids or _digest(letter.body) in moved_bodies:
+                        result.came_back += letter.message_id not in held
+                        held[letter.message_id] = letter
+                    else:
+                        waiting.append(letter)
+                if not waiting:  # empty, or only messages this run already moved
+                    return
+                while waiting and result.moved < limit and not stop():
+                    letter = waiting[0]
+                    seen_ids.add(letter.message_id)
+                    self._move(letter, result, seen_ids)  # a failed send leaves it in ``waiting``
+                    waiting.pop(0)
+                    moved_bodies.add(_digest(letter.body))
+                    progress(result.moved, result.expected)
+                if waiting:
+                    return
+        except KeyboardInterrupt:
+            result.interrupted = True
+        finally:
+            result.interrupted = result.interrupted or stop()
+            self.release([*held.values(), *waiting])
+
+    def _move(self, letter: DeadLetter, result: RedriveResult, seen_ids: set[str]) -> None:
+        # Never delete before the send succeeded: a failure leaves a message in both queues, never in neither.
+        result.unsettled = letter.message_id  # until the delete is settled either way
+        try:
+            seen_ids.add(self._send_to_source(letter))
+        except QueueError:
+            result.unsettled = None  # SQS said no: it is only in the DLQ
+            raise
+        try:
+            self._sqs.delete_message(QueueUrl=self.url, ReceiptHandle=letter.receipt_handle)
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("dlq.delete_failed", message_id=letter.message_id,
+                        error=str(_queue_error(exc, "DeleteMessage")))
+            result.not_deleted.append(letter.message_id)
+        result.unsettled = None
+        result.moved += 1
 
     def _arn(self, url: str) -> str:
         try:
@@ -251,33 +333,7 @@ class DeadLetterQueue:
                                                  DestinationArn=self._arn(self.source_url))
         return resp["TaskHandle"]
 
-    def _receive_send_delete(self, result: RedriveResult, max_messages: int | None, hold_s: int) -> None:
-        handled: set[str] = set()
-        while max_messages is None or result.moved < max_messages:
-            want = BATCH if max_messages is None else max_messages - result.moved
-            received = self._receive(want, hold_s)
-            batch = [letter for letter in received if letter.message_id not in handled]
-            if not batch:
-                # Only messages already sent (their delete failed): put them back as they were.
-                self.release(received)
-                return
-            for index, letter in enumerate(batch):
-                handled.add(letter.message_id)
-                try:
-                    self._send_to_source(letter)
-                except QueueError:
-                    # Nothing was deleted: this one and the rest of the batch go back to the DLQ now.
-                    self.release(batch[index:])
-                    raise
-                try:
-                    self._sqs.delete_message(QueueUrl=self.url, ReceiptHandle=letter.receipt_handle)
-                except (ClientError, BotoCoreError) as exc:
-                    log.warning("dlq.delete_failed", message_id=letter.message_id,
-                                error=str(_queue_error(exc, "DeleteMessage")))
-                    result.not_deleted.append(letter.message_id)
-                result.moved += 1
-
-    def _send_to_source(self, letter: DeadLetter) -> None:
+    def _send_to_source(self, letter: DeadLetter) -> str:
         params: dict[str, Any] = {"QueueUrl": self.source_url, "MessageBody": letter.body}
         attributes = redrive_attributes(letter.message_attributes)
         if attributes:
@@ -287,63 +343,6 @@ class DeadLetterQueue:
             params["MessageGroupId"] = group
             params["MessageDeduplicationId"] = letter.message_id
         try:
-            self._sqs.send_message(**params)
+            return self._sqs.send_message(**params)["MessageId"]
         except (ClientError, BotoCoreError) as exc:
             raise _queue_error(exc, f"SendMessage of {letter.message_id} to the source queue") from exc
-
-
-# ------------------------------------------------------------ the operator's commands
-
-def format_age(age_s: float | None) -> str:
-    if age_s is None:
-        return "?"
-    minutes, _ = divmod(int(age_s), 60)
-    hours, minutes = divmod(minutes, 60)
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h" if days else (f"{hours}h{minutes:02d}m" if hours else f"{minutes}m")
-
-
-def render_letter(summary: dict) -> str:
-    error = (f"{summary['errorType']}: {summary['errorMessage'] or '-'}" if summary["errorType"]
-             else "(moved by SQS's redrive policy: no error attributes)")
-    return (f"{summary['messageId']}  job {summary['jobId'] or '-'}  receives {summary['receiveCount']}  "
-            f"age {format_age(summary['ageSeconds'])}  {error}")
-
-
-def cmd_dlq_list(dlq: DeadLetterQueue, *, as_json: bool, max_messages: int = 1000,
-                 out: TextIO | None = None) -> int:
-    out = out or sys.stdout
-    letters = dlq.peek(max_messages)
-    dlq.release(letters)
-    now_s = dlq.now_s()
-    summaries = sorted((letter.summary(now_s) for letter in letters),
-                       key=lambda s: -(s["ageSeconds"] or 0))
-    if as_json:
-        print(json.dumps(summaries), file=out)
-    elif not summaries:
-        print(f"the dead-letter queue is empty ({dlq.url})", file=out)
-    else:
-        print(f"{len(summaries)} message(s) in {dlq.url}, oldest first:", file=out)
-        for summary in summaries:
-            print(render_letter(summary), file=out)
-    return 0
-
-
-def cmd_dlq_redrive(dlq: DeadLetterQueue, *, max_messages: int | None, fallback: bool,
-                    out: TextIO | None = None, err: TextIO | None = None) -> int:
-    out, err = out or sys.stdout, err or sys.stderr
-    result = dlq.redrive(max_messages=max_messages, fallback=fallback)
-    if result.method == MOVE_TASK and result.error is None:
-        print(f"started a message move task ({result.task_handle}): the dead-letter queue's messages "
-              f"go back to {dlq.source_url} in the background; `dlq list` shows what is left", file=out)
-        return 0
-    if result.method == RECEIVE_SEND_DELETE:
-        print(f"moved {result.moved} message(s) back to {dlq.source_url} by receive, send, delete "
-              f"({result.fallback_reason})", file=out)
-    for message_id in result.not_deleted:
-        print(f"  {message_id}: sent, but its delete from the dead-letter queue failed: it is in both "
-              "queues (the worker acknowledges the duplicate without work)", file=out)
-    if result.error:
-        print(f"redrive stopped: {scrub(result.error)}", file=err)
-        return 1
-    return 0

@@ -110,7 +110,8 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
     return checks
 
 
-def report(checks: list[Check], out=sys.stdout) -> int:
+def report(checks: list[Check], out=None) -> int:
+    out = out or sys.stdout  # looked up per call, so a replaced sys.stdout (tests, wrappers) is honoured
     for c in checks:
         print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}", file=out)
     failed = [c for c in checks if not c.ok]

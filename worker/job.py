@@ -13,11 +13,26 @@ Persisting, in this order, each step only after the previous one succeeded:
 Returning tells the loop to delete the message; raising tells it to retry, dead-letter or release.
 Every write after the claim carries the claim's token, so a worker whose lease was taken over can no
 longer change anything: its writes match no record and raise ``StaleWrite``.
+
+Two rules around that path:
+
+* Once the commit marker is written, the job's work directory is emptied except its ``logs/``
+  (``keep_work_files`` keeps every file). The models are in S3 by then; the profile's
+  ``modelPaths`` still name the local files, which no longer exist. A failed removal is logged,
+  never a failed job. A crashed attempt keeps its files, so its retry still resumes from them.
+* A redelivery of the very message whose attempt failed permanently (the record says ``error``,
+  not retryable, names this message id when the failure came from an attempt, and the message was
+  received before) goes straight back to the DLQ: no claim, no
+  work, no write. That is the message whose delete failed after it was dead-lettered. A new message
+  for the job (a DLQ redrive's copy, a resubmit) is worked on as before, and so is any message
+  once the reconciler has recorded the job's dead letter (that record means the DLQ copy exists,
+  so whatever arrives next is an operator's redrive).
 """
 
 from __future__ import annotations
 
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +44,7 @@ from worker.errors import (
     InvalidMessage,
     JobBusy,
     LeaseLost,
+    PermanentError,
     StaleWrite,
     Stopped,
     StoreError,
@@ -38,12 +54,13 @@ from worker.errors import (
     WorkerError,
 )
 from worker.lease import Lease
+from worker.input_policy import InputPolicy
 from worker.message import Job, job_id_hint, parse_job
 from worker.metrics import NULL_METRICS, Metrics
 from worker.queue import Message
 from worker.stop import StopSignal
 from worker.attempt import ProgressReporter, StoreLease
-from worker.store import ASSET_KEYS, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
+from worker.store import ASSET_KEYS, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +68,22 @@ log = structlog.get_logger(__name__)
 Train = Callable[[Job, Path, StopSignal, Callable[[str, float], None]], dict[str, Path]]
 
 OUTPUT_DIR = "output"  # the pipeline's artifact directory inside the job's work dir
+LOGS_DIR = "logs"  # kept after the commit: what an operator reads when asking how a job went
+
+
+class AlreadyFailed(PermanentError):
+    """A redelivery of a message whose permanent failure is recorded: dead-lettered again, unworked.
+
+    ``error_type`` is the recorded one, so the DLQ copy says what actually went wrong.
+    """
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.recorded_type = error_type
+
+    @property
+    def error_type(self) -> str:
+        return self.recorded_type
 
 
 def unexpected(exc: Exception) -> UnexpectedError:
@@ -64,6 +97,36 @@ def work_dir_for(work_root: Path, job: Job) -> Path:
     if root not in path.parents:
         raise InvalidMessage(f"work directory {path} escapes WORK_ROOT")
     return path
+
+
+def recorded_failure(record: dict | None, message: Message) -> AlreadyFailed | None:
+    """The permanent failure this message already met (see the module docstring), or None."""
+    error = (record or {}).get("error") or {}
+    if (record or {}).get("status") != ERROR or error.get("retryable") is not False:
+        return None
+    if "deadLetter" in error or message.receive_count < 2:
+        return None
+    if error.get("messageId") not in (None, message.message_id):
+        return None  # a new message for the job (a resubmit): worked on
+    return AlreadyFailed(str(error.get("type") or "PermanentError"), str(error.get("message") or ""))
+
+
+def remove_work_files(work_dir: Path) -> list[str]:
+    """Delete everything in ``work_dir`` except its logs/ directory; one line per entry left behind."""
+    failures = []
+    entries = list(work_dir.iterdir()) if work_dir.is_dir() else []
+    for entry in entries:
+        is_dir = entry.is_dir() and not entry.is_symlink()  # a link is removed, never followed
+        if is_dir and entry.name == LOGS_DIR:
+            continue
+        try:
+            if is_dir:
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError as exc:
+            failures.append(f"{entry.name}: {exc.strerror or exc}")
+    return failures
 
 
 def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | None:
@@ -84,8 +147,12 @@ def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | 
 class VoiceJobHandler:
     def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Train, work_root: Path,
                  s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
-                 metrics: Metrics = NULL_METRICS):
+                 metrics: Metrics = NULL_METRICS, policy: InputPolicy = InputPolicy(),
+                 keep_work_files: bool = False):
         self._store = store
+        # The default policy refuses every s3:// recording: a handler is never more open than asked.
+        self._policy = policy
+        self._keep_work_files = keep_work_files
         self._uploader = uploader
         self._train = train
         self._work_root = Path(work_root)
@@ -98,7 +165,7 @@ class VoiceJobHandler:
 
     def __call__(self, message: Message, lease: Lease) -> str:
         try:
-            job = parse_job(message.body)
+            job = parse_job(message.body, self._policy)
         except InvalidMessage as exc:
             hinted = job_id_hint(message.body)
             if hinted:
@@ -126,6 +193,11 @@ class VoiceJobHandler:
         if is_complete(record, profile):
             log.info("job.already_complete", note="redelivery acknowledged without work")
             return "already_complete"
+        failed = recorded_failure(record, message)
+        if failed is not None:
+            log.warning("job.already_failed", error_type=failed.error_type,
+                        note="redelivery of a permanently failed message: dead-lettered again without work")
+            raise failed
         token = secrets.token_hex(16)
         try:
             claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
@@ -168,6 +240,7 @@ class VoiceJobHandler:
             error = unexpected(exc)
             self._record_error(job.job_id, token, error)
             raise error from exc
+        self._remove_work_files(job)
         log.info("job.completed")
         return "completed"
 
@@ -226,6 +299,17 @@ class VoiceJobHandler:
         store_lease.end()
         self._store.mark_job_completed(job.job_id, token)                        # 5 commit marker
         self._crash("after_job_completed")
+
+    def _remove_work_files(self, job: Job) -> None:
+        """After the commit: the job's files are in S3, so only its logs stay on this host's disk."""
+        if self._keep_work_files:
+            return
+        try:
+            failures = remove_work_files(work_dir_for(self._work_root, job))
+        except Exception as exc:  # noqa: BLE001 - the job is committed: nothing here may fail it
+            failures = [f"{type(exc).__name__}: {exc}"]
+        if failures:
+            log.warning("job.work_files_not_removed", failures=failures[:5], count=len(failures))
 
     @staticmethod
     def _check_lease(lease: Lease) -> None:

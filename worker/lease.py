@@ -2,12 +2,18 @@
 
 One thread per message. Every ``interval_s`` it sets the message's visibility back to the full timeout
 (a reset, never an addition), then runs the handler's renewal callbacks (the store's lease, the cancel
-check) on the same tick. It also watches three clocks for the handler, which waits on ``lease.stop``:
+check) on the same tick. It also watches these clocks for the handler, which waits on ``lease.stop``:
 
 - the visibility deadline: no successful renewal before it means another consumer may already hold the
   message, so the lease is lost;
 - the job time limit, measured from the receipt;
-- the shutdown grace, once a shutdown was requested.
+- the shutdown grace, once a shutdown was requested;
+- the hard cap, when the loop sets one (``wind_down_s``): the time limit plus the stage runner's stop
+  grace (``settings.stage_stop_grace_s``, its SIGTERM to SIGKILL wait) plus one heartbeat interval.
+  A handler told to stop at the time limit has had every chance to stop by then; past the cap the
+  heartbeat stops renewing (SQS and the store callbacks alike) whatever the handler does, and the
+  lease is lost. The loop then leaves the message alone and SQS redelivers it once its visibility
+  lapses, instead of a hung job keeping it forever.
 
 ``close()`` stops the thread through an event and joins it. The loop calls it before any delete or
 visibility change, so no renewal can race the acknowledgement.
@@ -31,30 +37,36 @@ log = structlog.get_logger(__name__)
 
 
 class Shutdown:
-    """Shutdown requests, settable from a signal handler: it only sets events.
+    """Shutdown requests: the first starts the grace period, a second one ends it at once.
 
-    The first request starts the grace period, a second one ends it at once. Every running lease
-    registers its wake-up event here so it notices without polling.
+    Every running lease registers its wake-up event here so it notices without polling. ``request``
+    takes locks, so it must never run inside a signal handler: the daemon's signal relay calls it from
+    a thread of its own.
     """
 
     def __init__(self) -> None:
         self.requested = threading.Event()
         self.hurried = threading.Event()
+        self._lock = threading.Lock()
         self._listeners: list[threading.Event] = []
 
     def request(self) -> None:
-        if self.requested.is_set():
-            self.hurried.set()
-        self.requested.set()
-        for wake in tuple(self._listeners):
+        with self._lock:
+            if self.requested.is_set():
+                self.hurried.set()
+            self.requested.set()
+            listeners = tuple(self._listeners)
+        for wake in listeners:
             wake.set()
 
     def listen(self, wake: threading.Event) -> None:
-        self._listeners.append(wake)
+        with self._lock:
+            self._listeners.append(wake)
 
     def unlisten(self, wake: threading.Event) -> None:
-        if wake in self._listeners:
-            self._listeners.remove(wake)
+        with self._lock:
+            if wake in self._listeners:
+                self._listeners.remove(wake)
 
 
 class Lease:
@@ -68,6 +80,7 @@ class Lease:
         time_limit_s: float,
         shutdown: Shutdown,
         shutdown_grace_s: float,
+        wind_down_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_renewed: Callable[[], None] | None = None,
         metrics: Metrics | None = None,
@@ -80,6 +93,7 @@ class Lease:
         self._visibility_timeout_s = visibility_timeout_s
         self._interval_s = interval_s
         self._time_limit_at = message.received_at_s + time_limit_s
+        self._hard_cap_at = None if wind_down_s is None else self._time_limit_at + wind_down_s
         self._shutdown = shutdown
         self._grace_s = shutdown_grace_s
         self._clock = clock
@@ -153,9 +167,15 @@ class Lease:
                 shutdown_at = self._clock() + self._grace_s
             if self._shutdown.hurried.is_set():
                 shutdown_at = self._clock()
-            wake_at = min(next_tick, self._deadline, self._time_limit_at)
-            if shutdown_at is not None and not self.stop.is_set():
-                wake_at = min(wake_at, shutdown_at)
+            wake_at = min(next_tick, self._deadline)
+            if self._hard_cap_at is not None:
+                wake_at = min(wake_at, self._hard_cap_at)
+            # Once the stop is set, the time limit and the grace have done their part: a moment already
+            # past kept in the min() would make every wait return at once, a busy loop.
+            if not self.stop.is_set():
+                wake_at = min(wake_at, self._time_limit_at)
+                if shutdown_at is not None:
+                    wake_at = min(wake_at, shutdown_at)
             self._wake.wait(max(0.0, wake_at - self._clock()))
             self._wake.clear()
             if self._closing:
@@ -168,6 +188,8 @@ class Lease:
             if now >= self._deadline:
                 self._lose("no successful renewal before the visibility deadline")
                 return
+            if self._past_hard_cap():
+                return
             if now >= next_tick:
                 # Fixed rate, so renewals track elapsed time; after a stall, start afresh from now.
                 next_tick += self._interval_s
@@ -175,6 +197,13 @@ class Lease:
                     next_tick = now + self._interval_s
                 if not self._renew():
                     return
+
+    def _past_hard_cap(self) -> bool:
+        """True, and the lease lost, once the hard cap passed: no renewal of any kind after it."""
+        if self._hard_cap_at is None or self._clock() < self._hard_cap_at:
+            return False
+        self._lose("hard cap: the time limit plus the stop grace passed")
+        return True
 
     def _renew(self) -> bool:
         """One renewal; False once the lease is lost and the thread should end."""
@@ -192,6 +221,8 @@ class Lease:
         # The new deadline counts from when the request left, not when the answer came back.
         self._deadline = sent_at + self._visibility_timeout_s
         self.renewals += 1
+        if self._past_hard_cap():  # the SQS call may have blocked until past it
+            return False
         if self._on_renewed is not None:
             self._on_renewed()
         for callback in tuple(self._callbacks):

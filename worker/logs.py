@@ -1,7 +1,8 @@
 """Structured logs: JSON lines by default, readable console output with LOG_FORMAT=console.
 
 A last line of defence scrubs URL query strings, fragments and userinfo from every string value, since
-presigned URLs carry credentials; message bodies are never logged in the first place.
+presigned URLs carry credentials, and masks other credential shapes (``worker.redact.redact_secrets``:
+userinfo in any scheme's URL, AWS key ids, ``password=...``); message bodies are never logged at all.
 """
 
 from __future__ import annotations
@@ -12,18 +13,30 @@ import sys
 
 import structlog
 
+from worker.redact import redact_secrets
+
 _URL = re.compile(r"\b((?:https?|s3)://)(?:[^\s/@?#]*@)?([^\s?#]*)(?:\?[^\s#]*)?(?:#\S*)?", re.I)
 
 
 def scrub(text: str) -> str:
-    """``text`` with every URL cut down to scheme://host/path."""
-    return _URL.sub(lambda m: m.group(1) + m.group(2), text)
+    """``text`` with every http(s)/s3 URL cut down to scheme://host/path and secret shapes masked."""
+    return redact_secrets(_URL.sub(lambda m: m.group(1) + m.group(2), text))
+
+
+def _scrubbed(value, depth: int = 0):
+    # Nested too: a list of failures or a dict of paths carries the same URLs as a plain string.
+    if isinstance(value, str):
+        return scrub(value)
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return [_scrubbed(v, depth + 1) for v in value]
+    if depth < 4 and isinstance(value, dict):
+        return {k: _scrubbed(v, depth + 1) for k, v in value.items()}
+    return value
 
 
 def _scrub_event(_logger, _name, event_dict: dict) -> dict:
     for key, value in event_dict.items():
-        if isinstance(value, str) and "://" in value:
-            event_dict[key] = scrub(value)
+        event_dict[key] = _scrubbed(value)
     return event_dict
 
 

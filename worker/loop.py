@@ -5,7 +5,7 @@
 Settling maps the handler's result to exactly one queue action:
 
     handler returned                 -> delete (the job is completed, cancelled, or a duplicate)
-    RetryableError                   -> visibility := backoff for the receive count; no delete
+    RetryableError                   -> visibility := jittered backoff for the receive count; no delete
     PermanentError / time limit      -> copy to the DLQ with why, then delete; no DLQ -> max backoff
     Stopped(shutdown)                -> visibility := 0, another worker takes it now
     lease lost (any result)          -> nothing: the message is no longer ours to touch
@@ -17,6 +17,7 @@ optional string names the outcome for the logs), raises a project error otherwis
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,8 +49,8 @@ Handler = Callable[[Message, Lease], "str | None"]
 ACK, RETRY, DEAD_LETTER, RELEASE, ABANDON = "ack", "retry", "dead_letter", "release", "abandon"
 
 
-def retry_delay_s(receive_count: int, base_s: int = 30, max_s: int = 900) -> int:
-    """Exponential backoff for a message received ``receive_count`` times: base * 2^(n-1), capped."""
+def retry_ceiling_s(receive_count: int, base_s: int = 30, max_s: int = 900) -> int:
+    """The longest backoff for a message received ``receive_count`` times: base * 2^(n-1), capped."""
     n = max(1, receive_count)
     if base_s == 0:
         return 0
@@ -57,12 +58,30 @@ def retry_delay_s(receive_count: int, base_s: int = 30, max_s: int = 900) -> int
     return min(max_s, base_s * 2 ** min(n - 1, 32))
 
 
-def retry_delay_for(error: WorkerError | None, receive_count: int, s: Settings) -> int:
-    """The error's own hint (capped like the backoff), else the backoff for the receive count."""
+def retry_delay_s(receive_count: int, base_s: int = 30, max_s: int = 900,
+                  rng: random.Random | None = None) -> int:
+    """The backoff with full jitter: uniform in [1, ceiling] whole seconds (0 when the ceiling is 0).
+
+    Messages that failed together (an outage) would otherwise all return together and fail together
+    again; spread over the whole range they come back a few at a time.
+    """
+    ceiling_s = retry_ceiling_s(receive_count, base_s, max_s)
+    if ceiling_s < 1:
+        return ceiling_s
+    # By default the random module's own generator: seeded from the OS and reseeded in a forked child,
+    # so workers draw apart.
+    draw = rng.randint if rng is not None else random.randint
+    return draw(1, ceiling_s)
+
+
+def retry_delay_for(error: WorkerError | None, receive_count: int, s: Settings,
+                    rng: random.Random | None = None) -> int:
+    """The error's own hint (capped like the backoff, not jittered: it names when the holder's lease
+    ends), else the jittered backoff for the receive count."""
     hint_s = getattr(error, "retry_after_s", None)
     if hint_s is not None:
         return int(min(max(1.0, hint_s), s.sqs_retry_visibility_max_s))
-    return retry_delay_s(receive_count, s.sqs_retry_visibility_base_s, s.sqs_retry_visibility_max_s)
+    return retry_delay_s(receive_count, s.sqs_retry_visibility_base_s, s.sqs_retry_visibility_max_s, rng)
 
 
 @dataclass(frozen=True)
@@ -102,8 +121,10 @@ class Worker:
         alive: Callable[[], None] | None = None,
         crash_points: CrashPoints = NEVER,
         metrics: Metrics | None = None,
+        rng: random.Random | None = None,
     ):
         self._settings = settings
+        self._rng = rng  # the backoff's jitter; tests pass a seeded one
         self._metrics = metrics or NULL_METRICS
         self._queue = queue
         self._handler = handler
@@ -121,7 +142,8 @@ class Worker:
         log.info("worker.stopped")
 
     def stop(self) -> None:
-        """Request a shutdown: safe to call from a signal handler (it only sets events)."""
+        """Request a shutdown (a second request skips the grace); from any thread, never from a signal
+        handler: it takes locks (see ``worker.daemon`` for how signals get here)."""
         self.shutdown.request()
 
     def run_once(self) -> str | None:
@@ -164,6 +186,8 @@ class Worker:
             time_limit_s=s.job_time_limit_s,
             shutdown=self.shutdown,
             shutdown_grace_s=s.shutdown_grace_s,
+            # Time for the stage runner's SIGTERM -> SIGKILL and one last tick to record the stop.
+            wind_down_s=s.stage_stop_grace_s + s.heartbeat_interval_s,
             on_renewed=self._alive,
             metrics=self._metrics,
         )
@@ -214,7 +238,7 @@ class Worker:
                 self._queue.delete(message)
                 log.info("message.deleted")
             elif decision.action == RETRY:
-                delay_s = retry_delay_for(decision.error, message.receive_count, s)
+                delay_s = retry_delay_for(decision.error, message.receive_count, s, self._rng)
                 self._queue.set_visibility(message, delay_s)
                 log.info("message.retry_scheduled", delay_s=delay_s)
             elif decision.action == DEAD_LETTER:

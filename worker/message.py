@@ -3,6 +3,8 @@
 ``jobId``, ``profileId`` and ``metadata.directoryName`` become file path components and S3 key
 parts, so they must each be one safe name. Recording URLs may be presigned (credentials in the query
 string), so nothing here ever echoes a URL's query, fragment or userinfo back into an error line.
+Where s3:// recordings may live and how much input a job may list is an ``InputPolicy``
+(worker/input_policy.py), passed in by the caller.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      ValidationInfo)
 
 from worker.errors import InvalidMessage
+from worker.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
 from worker.names import SAFE_NAME
 from worker.redact import redact_url, redact_urls_in_text
 
@@ -220,9 +224,29 @@ class _Wire(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+def _policy_rule(problem_of, validator=AfterValidator):
+    """A check of the caller's ``InputPolicy`` (validation context): ``problem_of(policy, value, context)``."""
+
+    def check(value, info: ValidationInfo):
+        context = info.context or {}
+        if problem := problem_of(context.get("policy", SHAPE_ONLY), value, context):
+            raise ValueError(problem)
+        return value
+
+    return validator(check)
+
+
+# After the well-formedness rule, so only a URL that parsed is checked for where it points.
+_in_scope = _policy_rule(lambda policy, url, ctx: policy.recording_url_problem(url, ctx.get("profile_id")))
+_not_too_long = _policy_rule(lambda policy, text, _ctx: policy.text_length_problem(text))
+# Before: an over-long list is refused without validating each of its entries first.
+_not_too_many = _policy_rule(lambda policy, items, _ctx: isinstance(items, list)
+                             and policy.recordings_count_problem(len(items)), BeforeValidator)
+
+
 class _RecordingIn(_Wire):
-    recordingUrl: Annotated[str, _rule(url_problem)]
-    originalText: Annotated[str, _rule(text_problem)]
+    recordingUrl: Annotated[str, _rule(url_problem), _in_scope]
+    originalText: Annotated[str, _rule(text_problem), _not_too_long]
 
 
 class _MetadataIn(_Wire):
@@ -236,19 +260,25 @@ class _BodyIn(_Wire):
     profileId: _SafeName
     environment: Annotated[str | None, _rule(environment_problem)] = None
     metadata: _MetadataIn
-    input: list[_RecordingIn] = Field(min_length=1)
+    input: Annotated[list[_RecordingIn], _not_too_many] = Field(min_length=1)
 
 
 # ---------------------------------------------------------------- parsing
 
 
-def parse_job(body: str | bytes) -> Job:
-    """The job in an SQS body, or ``InvalidMessage`` listing every violation, one line each."""
+def parse_job(body: str | bytes, policy: InputPolicy = SHAPE_ONLY) -> Job:
+    """The job in an SQS body, or ``InvalidMessage`` listing every violation, one line each.
+
+    The worker passes ``InputPolicy.from_settings``; the default checks the shape and the body size
+    only, for tools whose output the worker validates again.
+    """
     raw = _load_json(body)
     if not isinstance(raw, dict):
         raise InvalidMessage(f"body: must be a JSON object, got {_json_type(raw)}")
+    profile_id = raw.get("profileId")
+    context = {"policy": policy, "profile_id": profile_id if is_safe_name(profile_id) else None}
     try:
-        wire = _BodyIn.model_validate(raw)
+        wire = _BodyIn.model_validate(raw, context=context)
     except ValidationError as exc:
         raise InvalidMessage(_problem_lines(exc)) from None
     return Job(
@@ -265,6 +295,8 @@ def parse_job(body: str | bytes) -> Job:
 
 def job_id_hint(body: str | bytes) -> str | None:
     """The ``jobId`` of a body that failed validation, when it is a safe name. Never raises."""
+    if body_size_problem(body):
+        return None  # not worth parsing megabytes for a hint
     try:
         raw = json.loads(body)
         job_id = raw.get("jobId") if isinstance(raw, dict) else None
@@ -274,6 +306,8 @@ def job_id_hint(body: str | bytes) -> str | None:
 
 
 def _load_json(body: str | bytes) -> Any:
+    if problem := body_size_problem(body):
+        raise InvalidMessage(problem)
     try:
         return json.loads(body, parse_constant=_reject_constant)
     except RecursionError:

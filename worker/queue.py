@@ -14,7 +14,8 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.errors import LeaseLost, QueueError, WorkerError
+from worker.errors import ConfigError, LeaseLost, QueueError, WorkerError
+from worker.redact import redact_text
 
 # Error codes that mean "this receipt handle no longer holds the message": renewing, releasing or
 # deleting with it cannot work, and another consumer may already have the message.
@@ -29,6 +30,8 @@ _LOST_CODES = frozenset(
 # InvalidParameterValue is also used for bad input in general; only these texts mean the lease is gone.
 _LOST_PARAMETER_HINTS = ("receipt handle", "receipthandle", "12 hours", "43200", "beyond the limit",
                          "maximum visibility timeout")
+# The JSON protocol says QueueDoesNotExist, the query protocol the long form.
+_MISSING_QUEUE_CODES = frozenset({"QueueDoesNotExist", "AWS.SimpleQueueService.NonExistentQueue"})
 MAX_ATTRIBUTE_TEXT = 1024  # SQS allows 256 KiB, but an error attribute is for humans and alarms.
 
 
@@ -131,6 +134,17 @@ class Queue:
         except (ClientError, BotoCoreError) as exc:
             raise _translate(exc, "DeleteMessage") from exc
 
+    def check_exists(self) -> None:
+        """ConfigError when the queue does not exist; any other failure (after botocore's retries) is a QueueError."""
+        try:
+            self._sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=["QueueArn"])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in _MISSING_QUEUE_CODES:
+                raise ConfigError(f"SQS_QUEUE_URL names a queue that does not exist: {self.url}") from None
+            raise _translate(exc, "GetQueueAttributes") from exc
+        except BotoCoreError as exc:
+            raise _translate(exc, "GetQueueAttributes") from exc
+
     def dead_letter_url(self) -> str | None:
         """The DLQ named by this queue's RedrivePolicy, or None when the queue has none."""
         try:
@@ -175,7 +189,8 @@ def dead_letter_attributes(message: Message, error: WorkerError, source_queue_ur
     """The original message attributes (as many as fit in SQS's ten) plus why it was dead-lettered."""
     ours = {
         "ErrorType": {"DataType": "String", "StringValue": error.error_type},
-        "ErrorMessage": {"DataType": "String", "StringValue": (str(error) or "-")[:MAX_ATTRIBUTE_TEXT]},
+        # Redacted again here: an error built from a library's text may quote a URL or a credential.
+        "ErrorMessage": {"DataType": "String", "StringValue": (redact_text(str(error)) or "-")[:MAX_ATTRIBUTE_TEXT]},
         "ReceiveCount": {"DataType": "Number", "StringValue": str(message.receive_count)},
         "SourceQueue": {"DataType": "String", "StringValue": source_queue_url},
     }

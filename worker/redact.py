@@ -7,6 +7,15 @@ Two readings exist on purpose. ``redact_url`` reads any text that looks like a U
 because it echoes what a client sent. ``redact_parsed_url`` shows a URL the downloader is about to
 fetch the way ``urllib.parse`` reads it (the host it will connect to), and refuses to guess about
 one it cannot parse.
+
+Free text that did not come from us (a stage's log tail, a library's error) may hold credentials in
+other shapes too; ``redact_secrets`` masks the well-known ones: userinfo in a URL of any scheme
+(``mongodb+srv://user:pass@`` becomes ``mongodb+srv://***@``), AWS access key ids, bearer tokens,
+and the value of any ``name=value`` / ``name: value`` whose name says secret, password, credential,
+token, signature or api/access/private key. ``redact_text`` does both, for text that leaves the
+worker (a failed stage's message). It masks shapes, not the worker's own secret values: stages never
+receive those (``pipeline.stage_env``), so a stage cannot print them, and a list of them here would
+be one more place that holds them.
 """
 
 from __future__ import annotations
@@ -17,6 +26,18 @@ from urllib.parse import urlsplit
 UNPARSABLE = "<unparsable url>"
 _QUERY_START = re.compile(r"[?#]")
 _URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s\"'<>]*")
+MASK = "***"
+# Greedy up to the last '@' before the host, so a password holding an unescaped '@' is covered too.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#\"'<>]*@")
+_AWS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}\b")
+_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}")
+# A name containing secret/password/credential, or ending in token, signature or an api/access/...
+# key ("max_tokens=512" and "speaker_key: 3" are left alone).
+_ASSIGNMENT = re.compile(
+    r"(?i)\b([\w.-]*(?:secret|passw(?:or)?d|credential)[\w.-]*"
+    r"|[\w.-]*(?:token|signature|(?:api|access|private|session|auth|signing)[_-]?key))"
+    r"(?![\w.-])([\"']?\s*[:=]\s*[\"']?)([^\s\"'&,;]+)"
+)
 
 
 def redact_url(url: str) -> str:
@@ -76,3 +97,19 @@ def scrub_url_secrets(text: str, url: str) -> str:
     for secret in sorted({parts.query, userinfo, parts.fragment} - {""}, key=len, reverse=True):
         text = text.replace(secret, "<redacted>")
     return text
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with credential-shaped parts masked (see the module docstring). Never raises."""
+    try:
+        text = _USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
+        text = _AWS_KEY_ID.sub(MASK, text)
+        text = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", text)
+        return _ASSIGNMENT.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
+    except Exception:  # noqa: BLE001 - redaction must never be the thing that fails
+        return "<text withheld: redaction failed>"
+
+
+def redact_text(text: str) -> str:
+    """Free text made safe to store and report: URLs cut to scheme://host/path, secrets masked."""
+    return redact_secrets(redact_urls_in_text(text))

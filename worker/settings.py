@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     s3_prefix: str = Field("", alias="S3_PREFIX")
     work_root: str = Field("var/work", alias="WORK_ROOT")
     pipeline_config: str = Field("config/pipeline.toml", alias="PIPELINE_CONFIG")
-    # Stages get a secret-free environment: a built-in allow-list (pipeline/stages.py) plus these names.
+    # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
     stage_env_passthrough: str = Field("", alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
     keep_work_files: bool = Field(False, alias="KEEP_WORK_FILES")
@@ -206,10 +206,13 @@ def consistency_problems(s: Settings) -> list[str]:
             problems.append(f"METRICS_DIMENSIONS: {exc}")
     prefix = s.recordings_s3_key_prefix
     rest = prefix.replace("{profileId}/", "")
-    if "{profileId}/" not in prefix or "{" in rest or "}" in rest or prefix.startswith("/"):
+    segments = prefix.split("/")[:-1]  # what follows the last "/" is a key's name prefix: may be empty
+    if ("{profileId}/" not in prefix or "{" in rest or "}" in rest
+            or any(seg in ("", ".", "..") for seg in segments)):
         # The "/" after it matters: without it profile "ab" could read the keys of profile "abc".
         problems.append(f"RECORDINGS_S3_KEY_PREFIX={prefix!r} must contain \"{{profileId}}/\" and no "
-                        "other placeholder, so a job can only read its own profile's recordings")
+                        "other placeholder and no empty, \".\" or \"..\" segment, so a job can only read "
+                        "its own profile's recordings")
     for name in s.stage_env_names:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             problems.append(f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name")

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from worker.errors import ConfigError, InvalidMessage
+from worker.redact import redact_text
 
 if TYPE_CHECKING:
     from worker.settings import Settings
@@ -151,8 +152,12 @@ def errored(job: dict, *, token: str | None, error_type: str, message: str, retr
         history = close_attempt(job.get("history"), "retry" if retryable else "error", now, token)
     else:
         history = close_attempt(job.get("history"), "abandoned", now)
-    error = {"type": error_type, "message": str(message)[:ERROR_MESSAGE_MAX_CHARS],
+    # Every recorded message is redacted here, whatever built it: a library's text may quote a secret.
+    error = {"type": error_type, "message": redact_text(str(message))[:ERROR_MESSAGE_MAX_CHARS],
              "retryable": bool(retryable), "at": now}
+    if token is not None and (job.get("lease") or {}).get("messageId"):
+        # Which SQS message met this error: its own redelivery is told from a new message for the job.
+        error["messageId"] = job["lease"]["messageId"]
     return {**job, "status": ERROR, "error": error, "lease": None, "history": history}
 
 
@@ -358,16 +363,21 @@ def sqlite_path_from_url(url: str) -> str:
 
 
 def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] | None = None,
-               sleep: Callable[[float], None] | None = None) -> Store:
-    """The store the settings select: STORE_URL (SQLite) or MONGO_URI (MongoDB, connect-checked)."""
-    if settings.store_url:
-        from worker.store_sqlite import SqliteStore
+               sleep: Callable[[float], None] | None = None, access: str = "create") -> Store:
+    """The store the settings select: STORE_URL (SQLite) or MONGO_URI (MongoDB, connect-checked).
 
+    ``access`` "existing" or "read" (read-only) never creates a SQLite file: a missing one is a
+    ConfigError. MongoDB creates nothing on reads, so it ignores ``access``.
+    """
+    if settings.store_url:
+        from worker.store_sqlite import CREATE, EXISTING, READ_ONLY, SqliteStore
+
+        modes = {"create": CREATE, "existing": EXISTING, "read": READ_ONLY}
         path = sqlite_path_from_url(settings.store_url)
         parent = os.path.dirname(path)
-        if parent:
+        if parent and access == "create":
             os.makedirs(parent, exist_ok=True)
-        return SqliteStore(path)
+        return SqliteStore(path, mode=modes[access])
     if settings.mongo_uri:
         from worker.mongo_connect import open_mongo_store
 

@@ -10,8 +10,10 @@ whole as a JSON document; the columns beside it exist only for those conditions.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -20,7 +22,7 @@ import structlog
 
 from worker import store as rules
 from worker import store_recovery as recovery
-from worker.errors import StaleWrite, StoreError
+from worker.errors import ConfigError, StaleWrite, StoreError
 from worker.store import Claim, Clock, Store
 
 log = structlog.get_logger(__name__)
@@ -79,24 +81,38 @@ def _decode(text: str) -> dict:
     return json.loads(text, object_hook=_decode_hook)
 
 
+# SQLite URI modes: create a missing file, write to an existing one, or only read. Only CREATE makes files.
+CREATE, EXISTING, READ_ONLY = "rwc", "rw", "ro"
+
+
 class SqliteStore(Store):
-    def __init__(self, path: str, *, clock: Clock = rules.utc_now, busy_timeout_s: float = 10.0):
+    def __init__(self, path: str, *, clock: Clock = rules.utc_now, busy_timeout_s: float = 10.0,
+                 mode: str = CREATE):
+        if mode not in (CREATE, EXISTING, READ_ONLY):
+            raise ValueError(f"unknown sqlite open mode {mode!r}")
         self._clock = clock
         # The heartbeat thread renews while the main thread works: one connection, one lock.
         self._lock = threading.RLock()
         self._closed = False
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode={mode}"
         try:
-            self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None,
+            self._conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout_s, isolation_level=None,
                                          check_same_thread=False)
         except sqlite3.Error as exc:
+            # The URI mode is the guard (no check-then-create race); the check only picks the words.
+            if mode != CREATE and not os.path.exists(path):
+                shown = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
+                raise ConfigError(f"STORE_URL names {shown}, which does not exist") from None
             raise StoreError(f"sqlite open failed: {type(exc).__name__}: {exc}") from exc
         try:
             with self._guarded("open") as conn:
                 conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-                conn.execute("PRAGMA journal_mode = WAL")
-            with self._transaction("init") as conn:
-                for statement in _SCHEMA:
-                    conn.execute(statement)
+                if mode != READ_ONLY:
+                    conn.execute("PRAGMA journal_mode = WAL")
+            if mode != READ_ONLY:
+                with self._transaction("init") as conn:
+                    for statement in _SCHEMA:
+                        conn.execute(statement)
         except BaseException:
             self._conn.close()
             raise

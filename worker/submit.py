@@ -15,6 +15,7 @@ import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
 from worker.errors import InvalidMessage, QueueError, WorkerError
+from worker.input_policy import SHAPE_ONLY, InputPolicy
 from worker.message import Job, parse_job
 from worker.store import Store
 
@@ -25,7 +26,7 @@ def new_object_id() -> str:
     return secrets.token_hex(12)
 
 
-def prepare(payload: Any) -> tuple[dict, Job, str | None]:
+def prepare(payload: Any, policy: InputPolicy = SHAPE_ONLY) -> tuple[dict, Job, str | None]:
     """The message body to send, its validated Job, and the idempotency key; InvalidMessage if bad."""
     if not isinstance(payload, dict):
         raise InvalidMessage("submission must be a JSON object with the message's fields")
@@ -35,13 +36,19 @@ def prepare(payload: Any) -> tuple[dict, Job, str | None]:
         raise InvalidMessage("idempotencyKey: must be a non-empty string of at most 256 characters")
     body.setdefault("jobId", new_object_id())
     body.setdefault("_doc", {"_id": body["jobId"]})
-    job = parse_job(json.dumps(body))
+    job = parse_job(json.dumps(body), policy)
     return body, job, key
 
 
-def submit(store: Store, sqs, queue_url: str, payload: Any) -> tuple[str, bool]:
-    """Create the records when absent, then enqueue; a repeated idempotency key enqueues nothing."""
-    body, job, key = prepare(payload)
+def submit(store: Store, sqs, queue_url: str, payload: Any, *,
+           policy: InputPolicy = SHAPE_ONLY) -> tuple[str, bool]:
+    """Create the records when absent, then enqueue; a repeated idempotency key enqueues nothing.
+
+    With the worker's ``policy`` (``InputPolicy.from_settings``) a job the worker would refuse is
+    refused here, before any record exists; the default checks the shape only and leaves the rest
+    to the worker, which dead-letters what its policy refuses.
+    """
+    body, job, key = prepare(payload, policy)
     record = {
         "_id": job.job_id,
         "profileId": job.profile_id,

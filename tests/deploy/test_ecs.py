@@ -88,6 +88,16 @@ def test_settings_come_from_env_and_secrets_without_inline_secrets(container):
     load_settings(env)
 
 
+def test_recordings_bucket_is_set_so_s3_recordings_can_be_read(container):
+    """RECORDINGS_S3_BUCKET is set (from the placeholder the IAM policy's Recordings statement uses):
+    without it the worker refuses every s3:// recording."""
+    raw = json.loads(TASK_DEFINITION.read_text())
+    env = {pair["name"]: pair["value"] for pair in raw["containerDefinitions"][0]["environment"]}
+    assert env["RECORDINGS_S3_BUCKET"] == "${RECORDINGS_BUCKET}"
+    assert "${RECORDINGS_BUCKET}" in (REPO / "config" / "iam-policy.json").read_text()
+    assert load_settings(_environment(container)).recordings_s3_bucket == "recordings-bucket"
+
+
 def test_logs_go_to_cloudwatch(container):
     """The awslogs driver with a group, region and stream prefix."""
     logs = container["logConfiguration"]

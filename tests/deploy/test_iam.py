@@ -17,8 +17,8 @@ from worker.queue import Queue
 
 POLICY_JSON = REPO / "config" / "iam-policy.json"
 OPERATOR_POLICY_JSON = REPO / "config" / "iam-operator-policy.json"
-PARAMS = {"ModelPrefix": "models/v1", "RecordingsBucketName": "voice-recordings",
-          "RecordingsPrefix": "rec/"}
+# RecordingsPrefix is left at its default: the prefix the worker's default RECORDINGS_S3_KEY_PREFIX uses.
+PARAMS = {"ModelPrefix": "models/v1", "RecordingsBucketName": "voice-recordings"}
 ALLOWED = {
     "JobQueue": {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility",
                  "sqs:GetQueueAttributes", "sqs:GetQueueUrl"},
@@ -36,7 +36,7 @@ RESOURCES = {
     "ModelObjects": f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/*",
     "DoctorProbe": f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/.doctor/*",
     "ModelListing": f"arn:aws:s3:::{MODEL_BUCKET}",
-    "Recordings": "arn:aws:s3:::voice-recordings/rec/*",
+    "Recordings": "arn:aws:s3:::voice-recordings/recordings/*",
 }
 
 
@@ -48,8 +48,7 @@ def _cfn_statements(logical_id="WorkerPolicy", **params):
 def _json_statements(path=POLICY_JSON):
     values = {"AWS_REGION": REGION, "ACCOUNT_ID": ACCOUNT, "QUEUE_NAME": "voice-worker-jobs",
               "DLQ_NAME": "voice-worker-jobs-dlq", "MODEL_BUCKET": MODEL_BUCKET,
-              "MODEL_PREFIX": "models/v1", "RECORDINGS_BUCKET": "voice-recordings",
-              "RECORDINGS_PREFIX": "rec/"}
+              "MODEL_PREFIX": "models/v1", "RECORDINGS_BUCKET": "voice-recordings"}
     text = re.sub(r"\$\{([A-Z_]+)\}", lambda m: values[m.group(1)], path.read_text())
     return json.loads(text)["Statement"]
 
@@ -103,6 +102,40 @@ def test_cloudformation_and_json_policies_are_the_same():
     """The standalone JSON document grants what the template's managed policy grants, statement by
     statement."""
     assert _canonical(_cfn_statements(**PARAMS)) == _canonical(_json_statements())
+
+
+def test_recordings_read_is_only_the_recordings_prefix_not_the_bucket(statements):
+    """s3:GetObject on the recordings bucket covers recordings/* only: not its other keys, not the models."""
+    assert _grants(statements, "s3:GetObject", "arn:aws:s3:::voice-recordings/recordings/p1/take.wav")
+    for outside in ("arn:aws:s3:::voice-recordings/private/p1/take.wav", "arn:aws:s3:::voice-recordings/x.wav",
+                    "arn:aws:s3:::other-bucket/recordings/p1/take.wav"):
+        assert not _grants(statements, "s3:GetObject", outside), outside
+
+
+def test_recordings_prefix_parameter_never_grants_the_whole_bucket():
+    """RecordingsPrefix must be one or more plain segments ending with "/": never empty, "/", "." or ".."."""
+    spec = load_template()["Parameters"]["RecordingsPrefix"]
+    pattern = re.compile(spec["AllowedPattern"])
+    for good in ("recordings/", "tenants/acme/", spec["Default"]):
+        assert pattern.fullmatch(good), good
+    for bad in ("", "/", "recordings", "/recordings/", "recordings//", "../", "./", "a/../", "*/", "a b/"):
+        assert not pattern.fullmatch(bad), bad
+
+
+def test_recordings_prefix_matches_the_workers_default_key_prefix():
+    """The JSON policy, the template's default and its RecordingsKeyPrefix output agree with the worker's
+    default RECORDINGS_S3_KEY_PREFIX, so the keys the worker accepts are the keys it may read."""
+    from worker.settings import load_settings
+
+    key_prefix = load_settings({}).recordings_s3_key_prefix
+    static_part = key_prefix.split("{profileId}")[0]
+    assert static_part == "recordings/"
+    assert load_template()["Parameters"]["RecordingsPrefix"]["Default"] == static_part
+    (recordings,) = [s for s in _json_statements() if s["Sid"] == "Recordings"]
+    assert recordings["Resource"] == f"arn:aws:s3:::voice-recordings/{static_part}*"
+    stack = Resolver(load_template(), **PARAMS)
+    assert stack.resolve(load_template()["Outputs"]["RecordingsKeyPrefix"]["Value"]) == key_prefix
+    assert stack.resolve(load_template()["Outputs"]["RecordingsBucket"]["Value"]) == "voice-recordings"
 
 
 def test_recordings_statement_is_dropped_without_a_recordings_bucket():

@@ -102,6 +102,13 @@ def test_hardening_leaves_only_the_work_root_and_runtime_dir_writable(unit):
     assert PurePosixPath(env["LIVENESS_FILE"]).parent == runtime
 
 
+@pytest.mark.parametrize("name", ["voice-worker.service", "voice-worker@.service",
+                                  "voice-worker-reconcile.service"])
+def test_files_are_created_without_world_access(name):
+    """Every unit runs with UMask=0027: artifacts, logs and the SQLite file are not world-readable."""
+    assert read_unit(REPO / "config" / name).value("Service", "UMask") == "0027"
+
+
 def test_gpu_devices_stay_reachable(unit):
     """No setting that hides or filters devices: PrivateDevices, ProtectClock, DeviceAllow, DevicePolicy."""
     assert not unit.keys("Service") & {"PrivateDevices", "ProtectClock", "DeviceAllow", "DevicePolicy"}

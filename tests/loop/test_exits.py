@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import structlog
 
 from worker.aws import client_config, make_client
@@ -61,10 +62,18 @@ def _run(env_extra: dict) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def test_unreachable_store_at_start_exits_one_with_the_reason():
+@pytest.mark.server
+def test_unreachable_store_at_start_exits_one_with_the_reason(moto_server):
     """A store that cannot be reached within the connect budget stops the start-up with exit 1 and a logged reason."""
-    proc = _run({"MONGO_URI": "mongodb://127.0.0.1:9/voice",
-                 "MONGO_CONNECT_MAX_ATTEMPTS": "1"})
+    import boto3
+
+    # The queue is checked first: it has to exist for the start-up to reach the store.
+    sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=moto_server,
+                       aws_access_key_id="test", aws_secret_access_key="test")
+    queue_url = sqs.create_queue(QueueName=f"exits-{os.getpid()}")["QueueUrl"]
+    proc = _run({"MONGO_URI": "mongodb://127.0.0.1:9/voice", "MONGO_CONNECT_MAX_ATTEMPTS": "1",
+                 "SQS_QUEUE_URL": queue_url, "AWS_ENDPOINT_URL": moto_server, "AWS_REGION": "us-east-1",
+                 "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"})
     assert proc.returncode == 1
     lines = [json.loads(l) for l in proc.stderr.splitlines() if l.startswith("{")]
     failed = [l for l in lines if l["event"] == "worker.startup_failed"]

@@ -1,4 +1,5 @@
-"""The heartbeat fails safe: a blocked renewal past the deadline or a crashed heartbeat loses the lease."""
+"""The heartbeat fails safe: a blocked renewal past the deadline, a crashed heartbeat or a handler that
+outlives the hard cap loses the lease; after the time limit it keeps a steady pace."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ class BlockingQueue:
     def __init__(self, block_s: float):
         self.block_s = block_s
         self.renewals = 0
+        self.sent_at: list[float] = []
 
     def extend(self, message, timeout_s):
+        self.sent_at.append(time.monotonic())
         time.sleep(self.block_s)
         self.renewals += 1
 
@@ -64,3 +67,58 @@ def test_a_lease_that_holds_is_not_lost_on_close():
     lease.close()
     assert not lease.lost and lease.renewals >= 2
     assert not [t for t in threading.enumerate() if t.name == "heartbeat-m-1"]
+
+
+def heartbeat_alive() -> bool:
+    return any(t.name == "heartbeat-m-1" and t.is_alive() for t in threading.enumerate())
+
+
+def test_heartbeat_keeps_a_steady_pace_after_the_time_limit():
+    """Past the time limit the heartbeat wakes once per interval, not in a busy loop, while it keeps renewing."""
+    reads: list[float] = []
+
+    def clock() -> float:
+        reads.append(time.monotonic())
+        return reads[-1]
+
+    lease = lease_on(BlockingQueue(block_s=0), visibility_timeout_s=30, interval_s=0.05, time_limit_s=0.1,
+                     clock=clock)
+    limit_at = lease.message.received_at_s + 0.1
+    lease.start()
+    assert lease.stop.wait(2) and lease.stop.reason == Stopped.TIME_LIMIT
+    time.sleep(0.5)  # the handler takes its time to stop: ten intervals
+    lease.close()
+    intervals = (time.monotonic() - limit_at) / 0.05
+    # A tick reads the clock about three times; a busy loop reads it hundreds of thousands of times.
+    assert len([t for t in reads if t >= limit_at]) <= 6 * intervals
+    assert not lease.lost and lease.renewals >= 5
+
+
+def test_no_renewal_after_the_hard_cap_while_the_handler_keeps_blocking():
+    """A handler that ignores the time limit gets renewals until the limit plus the wind-down, then none, and the lease is lost."""
+    queue, stored = BlockingQueue(block_s=0), []
+    lease = lease_on(queue, visibility_timeout_s=30, interval_s=0.05, time_limit_s=0.2, wind_down_s=0.3)
+    lease.on_renew(lambda: stored.append(time.monotonic()))
+    limit_at, cap_at = lease.message.received_at_s + 0.2, lease.message.received_at_s + 0.5
+    lease.start()
+    time.sleep(0.8)  # the handler blocks on, well past the cap
+    assert not heartbeat_alive()
+    lease.close()
+    assert lease.lost and lease.lost_reason == "hard cap: the time limit plus the stop grace passed"
+    assert lease.stop.reason == Stopped.TIME_LIMIT  # the first reason stays the one reported
+    assert max(queue.sent_at) > limit_at  # the wind-down was renewed
+    assert max(queue.sent_at) < cap_at and max(stored) < cap_at
+
+
+def test_a_renewal_blocked_past_the_hard_cap_runs_no_store_callback():
+    """A queue renewal that returns only after the hard cap does not renew the store as well."""
+    stored = []
+    lease = lease_on(BlockingQueue(block_s=0.4), visibility_timeout_s=30, interval_s=0.05, time_limit_s=0.1,
+                     wind_down_s=0.2)
+    lease.on_renew(lambda: stored.append(time.monotonic()))
+    lease.start()
+    # The first renewal, sent at 0.05 s, comes back at 0.45 s: past the cap at 0.3 s.
+    assert lease.stop.wait(2)
+    lease.close()
+    assert lease.lost and "hard cap" in lease.lost_reason
+    assert stored == []

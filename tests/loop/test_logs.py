@@ -84,7 +84,8 @@ def test_reporting_failure_is_contained_and_outcome_unchanged(queues, make_worke
     worker, client = make_worker(handler, reporter=reporter)
     queues.send()
     assert worker.run_once() == "retry"
-    assert client.calls[-1][1]["VisibilityTimeout"] == 30
+    assert client.calls[-1][0] == "change_message_visibility"
+    assert 1 <= client.calls[-1][1]["VisibilityTimeout"] <= 30  # the jittered first backoff
     assert "reporting.capture_failed" in json_logs.getvalue()
 
 
@@ -122,3 +123,11 @@ def test_sentry_gets_no_locals_and_scrubbed_events():
              "extra": {"urls": ["s3://b/k?versionId=SECRET2"]}}
     text = str(kw["before_send"](event, {}))
     assert "SECRET1" not in text and "SECRET2" not in text and "https://h.example/a.wav" in text
+
+
+def test_urls_nested_in_lists_and_dicts_are_scrubbed_too(json_logs):
+    """A list or dict logged as one field loses its signed queries and userinfo like a plain string does."""
+    structlog.get_logger("t").warning("job.work_files_not_removed", failures=[
+        "a.wav: https://h.example/a.wav?X-Amz-Signature=SECRET123"], paths={"m": "mongodb://u:SECRET456@db/x"})
+    text = json_logs.getvalue()
+    assert "SECRET123" not in text and "SECRET456" not in text and "h.example/a.wav" in text

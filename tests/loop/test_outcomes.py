@@ -2,31 +2,81 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
 import pytest
 
-from tests.support import create_queues
-from tests.support import client_error
-from worker.errors import BadRecording, DownloadError, InvalidMessage, Stopped, StoreError
-from worker.loop import retry_delay_s
+from tests.support import FAST, FaultyClient, client_error, create_queues
+from worker.errors import BadRecording, DownloadError, InvalidMessage, JobBusy, Stopped, StoreError
+from worker.loop import Worker, retry_ceiling_s, retry_delay_for, retry_delay_s
+from worker.queue import Queue
+from worker.settings import load_settings
 
 
 def heartbeat_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("heartbeat-") and t.is_alive()]
 
 
+class TopOfRange:
+    """A jitter source that records the range it was asked for and draws its top."""
+
+    def __init__(self):
+        self.ranges = []
+
+    def randint(self, low, high):
+        self.ranges.append((low, high))
+        return high
+
+
+def worker_with_jitter(queues, handler, rng, **env):
+    """A worker on the moto queue whose backoff draws from ``rng``; returns (worker, recording client)."""
+    client = FaultyClient(queues.sqs)
+    settings = load_settings({**FAST, "SQS_QUEUE_URL": queues.url, **{k: str(v) for k, v in env.items()}})
+    return Worker(settings, Queue(client, queues.url), handler, rng=rng), client
+
+
 def test_backoff_for_receive_counts_one_to_seven():
-    """Receive counts 1..7 back off 30, 60, 120, 240, 480, 900, 900 seconds."""
-    assert [retry_delay_s(n) for n in range(1, 8)] == [30, 60, 120, 240, 480, 900, 900]
+    """Receive counts 1..7 back off at most 30, 60, 120, 240, 480, 900, 900 seconds."""
+    assert [retry_ceiling_s(n) for n in range(1, 8)] == [30, 60, 120, 240, 480, 900, 900]
 
 
 def test_backoff_base_and_cap_are_configurable_and_bounded():
     """Base and cap come from settings, and a huge receive count stays at the cap."""
-    assert [retry_delay_s(n, 5, 40) for n in range(1, 6)] == [5, 10, 20, 40, 40]
-    assert retry_delay_s(10_000, 30, 900) == 900
-    assert retry_delay_s(0, 30, 900) == 30
+    assert [retry_ceiling_s(n, 5, 40) for n in range(1, 6)] == [5, 10, 20, 40, 40]
+    assert retry_ceiling_s(10_000, 30, 900) == 900
+    assert retry_ceiling_s(0, 30, 900) == 30
+    assert retry_ceiling_s(3, 0, 900) == retry_delay_s(3, 0, 900) == 0
+
+
+def test_jittered_backoff_stays_between_one_second_and_the_ceiling():
+    """Every jittered delay is a whole number of seconds from 1 up to the ceiling for its receive count."""
+    rng = random.Random(1)
+    for n in range(1, 9):
+        ceiling = retry_ceiling_s(n)
+        delays = [retry_delay_s(n, rng=rng) for _ in range(500)]
+        assert all(isinstance(d, int) and 1 <= d <= ceiling for d in delays), (n, min(delays), max(delays))
+    assert {retry_delay_s(5, 1, 1, rng=rng) for _ in range(50)} == {1}
+
+
+def test_jittered_backoff_spreads_over_its_whole_range():
+    """Messages failing together come back spread out: many draws give many distinct delays across the range."""
+    rng = random.Random(2)
+    delays = [retry_delay_s(6, rng=rng) for _ in range(2000)]  # ceiling 900
+    assert len(set(delays)) > 700
+    assert min(delays) < 50 and max(delays) > 850
+    assert 350 < sum(delays) / len(delays) < 550  # about half the ceiling on average
+
+
+def test_retry_hint_is_not_jittered():
+    """A busy job's retry hint (when the holder's lease ends) is used as is, capped, without drawing any jitter."""
+    settings, rng = load_settings({}), TopOfRange()
+    assert retry_delay_for(JobBusy("held", retry_after_s=200.4), 1, settings, rng) == 200
+    assert retry_delay_for(JobBusy("held", retry_after_s=5000), 1, settings, rng) == 900
+    assert retry_delay_for(JobBusy("held", retry_after_s=0.2), 1, settings, rng) == 1
+    assert rng.ranges == []
+    assert retry_delay_for(StoreError("down"), 3, settings, rng) == 120 and rng.ranges == [(1, 120)]
 
 
 def test_ack_only_after_the_handler_returned(queues, make_worker):
@@ -69,12 +119,13 @@ def test_heartbeat_is_joined_before_the_delete(queues, make_worker):
     assert client.ops()[-1] == "delete_message"
 
 
-def test_retryable_error_sets_backoff_and_does_not_delete(queues, make_worker):
-    """A retryable failure leaves the message and sets its visibility to the backoff for its receive count."""
+def test_retryable_error_sets_backoff_and_does_not_delete(queues):
+    """A retryable failure leaves the message and sets its visibility to a jittered backoff for its receive count."""
     def handler(message, lease):
         raise StoreError("store down")
 
-    worker, client = make_worker(handler)
+    rng = TopOfRange()
+    worker, client = worker_with_jitter(queues, handler, rng)
     queues.send()
     # Two earlier deliveries that came back: this is the third receive.
     for _ in range(2):
@@ -83,16 +134,16 @@ def test_retryable_error_sets_backoff_and_does_not_delete(queues, make_worker):
     assert worker.run_once() == "retry"
     assert "delete_message" not in client.ops()
     last = [c for c in client.calls if c[0] == "change_message_visibility"][-1]
-    assert last[1]["VisibilityTimeout"] == 120
+    assert rng.ranges == [(1, 120)] and last[1]["VisibilityTimeout"] == 120
     assert queues.counts() == (0, 1)
 
 
-def test_failed_backoff_change_still_deletes_nothing(queues, make_worker):
+def test_failed_backoff_change_still_deletes_nothing(queues):
     """If setting the backoff fails too, the message is left alone: no delete."""
     def handler(message, lease):
         raise DownloadError("503 from media host")
 
-    worker, client = make_worker(handler)
+    worker, client = worker_with_jitter(queues, handler, TopOfRange())  # the backoff is 30 s
     client.faults["change_message_visibility"] = (
         lambda kw: client_error("ServiceUnavailable") if kw["VisibilityTimeout"] == 30 else None
     )
@@ -145,12 +196,6 @@ def test_no_dlq_means_no_delete_and_the_longest_backoff(sqs, make_worker):
     def handler(message, lease):
         raise BadRecording("gone")
 
-    from tests.support import FaultyClient
-    from worker.loop import Worker
-    from worker.queue import Queue
-    from worker.settings import load_settings
-    from tests.support import FAST
-
     client = FaultyClient(sqs)
     worker = Worker(load_settings({**FAST, "SQS_QUEUE_URL": bare.url}), Queue(client, bare.url), handler)
     bare.send()
@@ -172,6 +217,23 @@ def test_time_limit_stops_the_handler_and_dead_letters(queues, make_worker):
     assert worker.run_once() == "dead_letter"
     [dead] = queues.receive_now(queues.dlq_url)
     assert dead["MessageAttributes"]["ErrorType"]["StringValue"] == "TimeLimitExceeded"
+
+
+def test_handler_ignoring_the_time_limit_is_abandoned_after_the_hard_cap(queues, make_worker):
+    """A handler still busy past the time limit plus the stop grace gets no more renewals and its message is left to SQS."""
+    seen = {}
+
+    def handler(message, lease):
+        seen["received_at"] = message.received_at_s
+        assert lease.stop.wait(5) and lease.stop.reason == Stopped.TIME_LIMIT
+        time.sleep(1.0)  # hung in the stop: the cap is at 1 + 0.5 + 0.2 s
+
+    worker, client = make_worker(handler, JOB_TIME_LIMIT_SECONDS=1, SHUTDOWN_GRACE_SECONDS=0.5)
+    queues.send()
+    assert worker.run_once() == "abandon"
+    renewals = [c[3] for c in client.calls if c[0] == "change_message_visibility"]
+    assert renewals and max(renewals) < seen["received_at"] + 1.7
+    assert "delete_message" not in client.ops() and "send_message" not in client.ops()
 
 
 def test_unexpected_exception_propagates_without_delete(queues, make_worker):

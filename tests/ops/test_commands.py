@@ -118,12 +118,12 @@ def test_cancel_marks_the_request_and_refuses_finished_jobs(store, queues):
     """cancel sets cancelRequested; a cancelled or completed job cannot be cancelled again."""
     _, out, _ = submit(store, queues, PAYLOAD)
     job_id = json.loads(out)["jobId"]
-    assert cmd_cancel(store, job_id, out=io.StringIO()) == 0
+    assert cmd_cancel(store, job_id, heartbeat_s=60, out=io.StringIO()) == 0
     assert store.get_job(job_id)["cancelRequested"] is True
     store.claim(job_id, owner="w", token="t", lease_s=60)
     store.mark_cancelled(job_id, "t")
-    assert cmd_cancel(store, job_id, out=io.StringIO(), err=io.StringIO()) == 1
-    assert cmd_cancel(store, "0" * 24, out=io.StringIO(), err=io.StringIO()) == 3
+    assert cmd_cancel(store, job_id, heartbeat_s=60, out=io.StringIO(), err=io.StringIO()) == 4
+    assert cmd_cancel(store, "0" * 24, heartbeat_s=60, out=io.StringIO(), err=io.StringIO()) == 3
 
 
 def doctor(tmp_path, queue_url, bucket="voice-models"):
@@ -208,3 +208,95 @@ def test_operator_command_failures_are_one_line_not_a_traceback(tmp_path):
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("submit failed:")
+
+
+def cancel(store, job_id, heartbeat_s=60.0):
+    out, err = io.StringIO(), io.StringIO()
+    code = cmd_cancel(store, job_id, heartbeat_s=heartbeat_s, out=out, err=err)
+    return code, out.getvalue().strip(), err.getvalue().strip()
+
+
+@pytest.fixture
+def job_id(store, queues):
+    _, out, _ = submit(store, queues, PAYLOAD)
+    return json.loads(out)["jobId"]
+
+
+def test_cancel_of_a_running_job_says_who_stops_and_when(store, job_id):
+    """A job with a live lease: the answer names the worker and the heartbeat interval it stops within."""
+    store.claim(job_id, owner="gpu-3:412", token="t", lease_s=60)
+    code, out, _ = cancel(store, job_id, heartbeat_s=15.0)
+    assert code == 0
+    assert out == (f"cancel requested for job {job_id}: the running attempt on gpu-3:412 stops at its next "
+                   "heartbeat, within ~15 s (SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS), and the job ends cancelled")
+
+
+def test_cancel_of_a_pending_job_says_no_training_starts(store, job_id):
+    """A pending job: cancelled when a worker picks it up, before any training."""
+    code, out, _ = cancel(store, job_id)
+    assert code == 0 and store.get_job(job_id)["cancelRequested"] is True
+    assert out == (f"job {job_id} is pending: it will be cancelled when a worker picks it up "
+                   "(no training will start)")
+
+
+def test_cancel_of_a_job_waiting_for_a_retry_stops_the_retry(store, job_id):
+    """A job whose last attempt failed retryably is cancelled at its next delivery."""
+    store.claim(job_id, owner="w1", token="t", lease_s=60)
+    store.record_error(job_id, token="t", error_type="StoreError", message="down", retryable=True)
+    code, out, _ = cancel(store, job_id)
+    assert code == 0 and "has no running attempt (error, waiting to be retried)" in out
+    assert store.get_job(job_id)["cancelRequested"] is True
+
+
+@pytest.mark.parametrize("end", ["completed", "cancelled", "failed"])
+def test_cancel_of_a_finished_job_has_nothing_to_do_and_exits_4(store, job_id, end):
+    """Completed, cancelled and permanently failed jobs: "nothing to cancel", exit 4, the record untouched."""
+    store.claim(job_id, owner="w1", token="t", lease_s=60)
+    if end == "completed":
+        store.mark_job_completed(job_id, "t")
+    elif end == "cancelled":
+        store.mark_cancelled(job_id, "t")
+    else:
+        store.record_error(job_id, token="t", error_type="BadRecording", message="not audio", retryable=False)
+    code, out, err = cancel(store, job_id)
+    assert (code, out) == (4, "") and "nothing to cancel" in err
+    assert store.get_job(job_id)["cancelRequested"] is False
+
+
+def test_cli_cancel_uses_the_configured_heartbeat_interval(tmp_path, monkeypatch, capsys):
+    """`python -m worker cancel` reads SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS for its "within ~N s"."""
+    from worker import cli
+
+    db = tmp_path / "records.db"
+    with SqliteStore(str(db)) as s:
+        s.submit({"_id": "a" * 24}, {"_id": "b" * 24})
+        s.claim("a" * 24, owner="w1", token="t", lease_s=600)
+    monkeypatch.setenv("STORE_URL", f"sqlite:///{db}")
+    monkeypatch.setenv("SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS", "12500")
+    monkeypatch.setattr(cli, "configure_logging", lambda *a, **k: None)
+    assert cli.main(["cancel", "a" * 24]) == 0
+    assert "within ~13 s" in capsys.readouterr().out
+
+
+def test_the_submit_command_refuses_what_the_worker_would_refuse(queues, tmp_path, monkeypatch, capsys):
+    """`python -m worker submit` applies the worker's input policy from the settings before any record exists."""
+    from worker import cli
+
+    monkeypatch.setattr(cli, "configure_logging", lambda *a, **k: None)
+    db = tmp_path / "records.db"
+    for name, value in {"SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{db}",
+                        "RECORDINGS_S3_BUCKET": "voice-recordings", "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    job = tmp_path / "job.json"
+    own = "s3://voice-recordings/recordings/665f1c2e9b1e8a0012ab34ce/a.wav"
+    for url, expected in (("s3://recordings/a.wav", 2),
+                          ("s3://voice-recordings/recordings/665f1c2e9b1e8a0012ab34cf/a.wav", 2),
+                          (own, 0)):
+        job.write_text(json.dumps({**PAYLOAD, "input": [{"recordingUrl": url, "originalText": "Hello."}]}))
+        assert cli.main(["submit", str(job), "--json"]) == expected, url
+    out, err = capsys.readouterr()
+    assert "RECORDINGS_S3_BUCKET" in err and "RECORDINGS_S3_KEY_PREFIX" in err
+    [message] = queues.receive_now()
+    assert own in message["Body"]
+    with SqliteStore(str(db)) as store:
+        assert store.get_job(json.loads(out)["jobId"])["status"] == "pending"

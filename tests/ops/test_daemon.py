@@ -33,15 +33,16 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
     bucket, recordings = f"models-{suffix}", f"recordings-{suffix}"
     for b in (bucket, recordings):
         s3.create_bucket(Bucket=b)
-    s3.upload_file(str(REPO / "samples" / "clip-1.wav"), recordings, "clip-1.wav")
-    s3.upload_file(str(REPO / "samples" / "clip-3.flac"), recordings, "clip-3.flac")
+    prefix = "recordings/665f1c2e9b1e8a0012ab34ce"  # the default RECORDINGS_S3_KEY_PREFIX for this profile
+    s3.upload_file(str(REPO / "samples" / "clip-1.wav"), recordings, f"{prefix}/clip-1.wav")
+    s3.upload_file(str(REPO / "samples" / "clip-3.flac"), recordings, f"{prefix}/clip-3.flac")
     db = tmp_path / "records.db"
     store = SqliteStore(str(db))
     job_id, _ = submit(store, sqs, q.url, {
         "profileId": "665f1c2e9b1e8a0012ab34ce",
         "metadata": {"directoryName": "voice-1"},
-        "input": [{"recordingUrl": f"s3://{recordings}/clip-1.wav", "originalText": "Hello there."},
-                  {"recordingUrl": f"s3://{recordings}/clip-3.flac", "originalText": "Train me."}],
+        "input": [{"recordingUrl": f"s3://{recordings}/{prefix}/clip-1.wav", "originalText": "Hello there."},
+                  {"recordingUrl": f"s3://{recordings}/{prefix}/clip-3.flac", "originalText": "Train me."}],
     })
 
     notify_path = str(tmp_path / "notify.sock")
@@ -50,7 +51,7 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
     listener.settimeout(0.2)
     liveness = tmp_path / "alive"
     env = {**os.environ, "SQS_QUEUE_URL": q.url, "AWS_ENDPOINT_URL": moto_server, "AWS_REGION": "us-east-1",
-           "STORE_URL": f"sqlite:///{db}", "S3_BUCKET": bucket, "WORK_ROOT": str(tmp_path / "work"),
+           "STORE_URL": f"sqlite:///{db}", "S3_BUCKET": bucket, "RECORDINGS_S3_BUCKET": recordings, "WORK_ROOT": str(tmp_path / "work"),
            "SQS_VISIBILITY_TIMEOUT_SECONDS": "30", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
            "SQS_WAIT_TIME_SECONDS": "1", "NOTIFY_SOCKET": notify_path, "LIVENESS_FILE": str(liveness),
            "SHUTDOWN_GRACE_SECONDS": "5"}
@@ -89,6 +90,11 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
     for uri in profile["s3Paths"].values():
         key = uri.removeprefix(f"s3://{bucket}/")
         assert s3.head_object(Bucket=bucket, Key=key)["ContentLength"] > 0
+    # After the commit only the logs stay, and nothing the worker wrote is readable by other users.
+    left = [p for p in (tmp_path / "work").rglob("*")]
+    assert any(p.is_file() and p.parent.name == "logs" for p in left)
+    assert not [p for p in left if p.is_file() and p.parent.name != "logs"]
+    assert not [p for p in left if p.stat().st_mode & 0o007], "world-accessible work files"
 
 
 def test_no_notify_socket_means_no_datagrams(tmp_path):

@@ -10,9 +10,9 @@ import pytest
 
 from tests.job.conftest import message_body
 from tests.support import FaultyClient, client_error, create_queues
+from worker.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
 from worker.dlq import (
-    MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue, cmd_dlq_list, cmd_dlq_redrive, dead_letter_receives,
-    format_age, move_task_unsupported,
+    MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue, dead_letter_receives, move_task_unsupported,
 )
 from worker.errors import BadRecording, QueueError
 from worker.queue import Message, Queue

@@ -15,10 +15,10 @@ from pipeline.dataset import (
     build_dataset,
     escape_text,
     metadata_bytes,
-    resample,
     split_metadata_line,
     unescape_text,
 )
+from pipeline.resample import Resampler, resample
 from worker.errors import BadRecording, Stopped
 from worker.stop import StopSignal
 
@@ -98,6 +98,21 @@ def test_upsampling_reproduces_the_continuous_tone():
     t_out = np.arange(len(out)) / TARGET_RATE_HZ
     assert len(out) == TARGET_RATE_HZ
     assert np.max(np.abs(out[500:-500] - np.sin(2 * np.pi * 440 * t_out[500:-500]))) < 1e-3
+
+
+@pytest.mark.parametrize("from_hz", [8_000, 16_000, 22_050, 44_101, 48_000, 192_000])
+def test_streamed_resampling_equals_one_shot(from_hz):
+    """Fed in blocks of any size, the streaming resampler gives exactly the one-shot output."""
+    rng = np.random.default_rng(from_hz)
+    x = rng.standard_normal(int(from_hz * 0.3) + 7)
+    stream, parts, start = Resampler(from_hz, TARGET_RATE_HZ), [], 0
+    while start < len(x):
+        size = int(rng.integers(1, 3000))
+        parts.append(stream.feed(x[start : start + size]))
+        start += size
+    parts.append(stream.finish())
+    assert np.array_equal(np.concatenate(parts), resample(x, from_hz, TARGET_RATE_HZ))
+    assert len(parts[-1]) + sum(map(len, parts[:-1])) == -(-len(x) * TARGET_RATE_HZ // from_hz)
 
 
 def test_metadata_rows_are_ljspeech_with_escaped_text(tmp_path):

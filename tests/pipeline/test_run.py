@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import boto3
 import pytest
 
 from pipeline.config import load_pipeline_config, parse_pipeline_config
+from pipeline.downloads import DownloadSettings
+from pipeline.downloads import fetch as real_fetch
+from pipeline.limits import JobLimits
 from pipeline.run import run_pipeline
 from tests.pipeline.test_dataset import write_inputs
 from worker.errors import BadRecording, DownloadError, StageFailed, Stopped
@@ -186,3 +191,78 @@ def test_file_system_failure_is_a_retryable_stage_failure(tmp_path, job_and_fetc
     with pytest.raises(StageFailed, match="file system error"):
         run_pipeline(job, blocked, StopSignal(), config=default_config, fetch=fetch,
                      progress=lambda s, p: None)
+
+
+# --- the job's download budget (MAX_JOB_DOWNLOAD_BYTES)
+
+
+@dataclass
+class BudgetFetch(FakeFetch):
+    """A FakeFetch that records the budget each call was given (and, like a careless fetch, ignores it)."""
+
+    budgets: list[int | None] = field(default_factory=list)
+
+    def __call__(self, url: str, destination: Path, remaining_job_bytes: int | None = None) -> None:
+        self.budgets.append(remaining_job_bytes)
+        super().__call__(url, destination)
+
+
+def _sizes(job, fetch) -> list[int]:
+    return [fetch.sources[rec.url].stat().st_size for rec in job.recordings]
+
+
+def test_kept_files_count_toward_the_job_download_budget(tmp_path, job_and_fetch, default_config):
+    """A fetch is given the budget less every file already on disk, kept ones included."""
+    job, plain = job_and_fetch
+    fetch = BudgetFetch(plain.sources)
+    sizes = _sizes(job, fetch)
+    downloads = tmp_path / "work/downloads"
+    downloads.mkdir(parents=True)
+    shutil.copyfile(fetch.sources[job.recordings[0].url], downloads / "00000.audio")
+    shutil.copyfile(fetch.sources[job.recordings[2].url], downloads / "00002.audio")
+    budget = sum(sizes) + 100
+    run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                 progress=lambda s, p: None, limits=JobLimits(max_job_download_bytes=budget))
+    assert fetch.budgets == [budget - sizes[0] - sizes[2]]
+
+
+def test_kept_files_alone_over_the_budget_fail_before_any_fetch(tmp_path, job_and_fetch, default_config):
+    """When an earlier attempt's files already exceed the budget, the job fails permanently at once."""
+    job, plain = job_and_fetch
+    fetch = BudgetFetch(plain.sources)
+    downloads = tmp_path / "work/downloads"
+    downloads.mkdir(parents=True)
+    shutil.copyfile(fetch.sources[job.recordings[0].url], downloads / "00000.audio")
+    with pytest.raises(BadRecording, match="kept from an earlier attempt: the job's total download limit of 10 bytes"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                     progress=lambda s, p: None, limits=JobLimits(max_job_download_bytes=10))
+    assert fetch.calls == []
+
+
+def test_a_fetch_that_ignores_its_budget_is_caught(tmp_path, job_and_fetch, default_config):
+    """A fetch writing more than the budget it was given still fails the job, naming the recording."""
+    job, plain = job_and_fetch
+    fetch = BudgetFetch(plain.sources)
+    sizes = _sizes(job, fetch)
+    with pytest.raises(BadRecording, match="recording 1: the job's total download limit"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                     progress=lambda s, p: None, limits=JobLimits(max_job_download_bytes=sizes[0] + 1))
+
+
+def test_real_downloads_stop_at_the_job_download_budget(tmp_path, job_and_fetch, default_config, aws):
+    """With the real fetch (moto S3), the recording that would pass the job's total is refused permanently."""
+    job, plain = job_and_fetch
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket="recordings")
+    recordings = []
+    for index, rec in enumerate(job.recordings):
+        s3.upload_file(str(plain.sources[rec.url]), "recordings", f"r/{index}.audio")
+        recordings.append(Rec(f"s3://recordings/r/{index}.audio", rec.text))
+    job = FakeJob(job.job_id, job.language, tuple(recordings))
+    sizes = _sizes(*job_and_fetch)
+    fetch = functools.partial(real_fetch, settings=DownloadSettings(timeout_s=10, max_bytes=10**7), s3_client=s3)
+    with pytest.raises(BadRecording, match=r"s3://recordings/r/2.audio: the job's total download limit "
+                                           r"\(MAX_JOB_DOWNLOAD_BYTES\) was hit, 1 bytes were left"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                     progress=lambda s, p: None, limits=JobLimits(max_job_download_bytes=sum(sizes[:2]) + 1))
+    assert sorted(p.name for p in (tmp_path / "work/downloads").iterdir()) == ["00000.audio", "00001.audio"]

@@ -151,6 +151,21 @@ def test_nonzero_exit_keeps_the_log_and_raises_with_its_tail(tmp_path, ctx):
     assert not manifest_path(ctx.output_dir, "fails").exists()
 
 
+def test_failed_stage_message_is_redacted_before_it_leaves_the_runner(tmp_path, ctx):
+    """Credentials a failing stage prints (URI userinfo, key ids, secret assignments, signed queries) stay out of its error."""
+    body = ("import sys\n"
+            "print('connect mongodb+srv://voice:hunter2@cluster0.example.net/voice failed')\n"
+            "print('using AKIAIOSFODNN7EXAMPLE aws_secret_access_key=wJalrXUtnFEMIK7MDENG')\n"
+            "print('GET https://b.example/a.wav?X-Amz-Signature=sig123 503')\n"
+            "sys.exit(1)\n")
+    stage = StageSpec(name="leaky", argv=("{python}", script(tmp_path, "leaky", body)), outputs=("x",))
+    with pytest.raises(StageFailed) as caught:
+        run_stage(stage, ctx, StopSignal(), no_progress)
+    message = str(caught.value)
+    assert not any(s in message for s in ("hunter2", "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMIK7MDENG", "sig123"))
+    assert "cluster0.example.net/voice" in message and "https://b.example/a.wav 503" in message
+
+
 def test_declared_permanent_exit_code_is_permanent(tmp_path, ctx):
     """An exit code listed in permanent_exit_codes raises StageFailedPermanently."""
     stage = StageSpec(name="bad_data", argv=("{python}", "-c", "import sys; sys.exit(65)"), outputs=("x",),

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 JOB_ID = "665f1c2e9b1e8a0012ab34cd"
 PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"
 RECORDINGS_BUCKET = "prop-recordings"
-RECORDING = f"s3://{RECORDINGS_BUCKET}/clip.wav"
+# Under RECORDINGS_S3_KEY_PREFIX's default for PROFILE_ID; the probe copies the clip there per profile.
+RECORDINGS_PREFIX = f"recordings/{PROFILE_ID}/"
+RECORDING = f"s3://{RECORDINGS_BUCKET}/{RECORDINGS_PREFIX}clip.wav"
 
 # The characters SQS accepts in a body (others are refused at send time and never reach a worker).
 SQS_TEXT = st.characters(codec="utf-8", exclude_categories=("Cs",)).filter(
@@ -41,8 +43,14 @@ URLS = [
     "s3://127.0.0.1/key", "https://exämple.com/x", "https://media.example.com/%2e%2e/%2e%2e/etc/passwd",
     "https://media.example.com/rec.wav?X-Amz-Signature=secret", "https://media.example.com\\@evil.com/x",
     "https://evil.com#@media.example.com/x", "https:///rec.wav", "https://", "", " https://a.com/x",
-    "https://a.com/x\n", "https://" + "a" * 300 + ".com/x", f"s3://{RECORDINGS_BUCKET}/missing.wav",
-    f"s3://{RECORDINGS_BUCKET}/not-audio.txt", "s3://no-such-bucket-here/clip.wav",
+    "https://a.com/x\n", "https://" + "a" * 300 + ".com/x",
+    f"s3://{RECORDINGS_BUCKET}/{RECORDINGS_PREFIX}missing.wav",
+    f"s3://{RECORDINGS_BUCKET}/{RECORDINGS_PREFIX}not-audio.txt", "s3://no-such-bucket-here/clip.wav",
+    # Out of the job's scope: the bucket root, another profile's prefix, a climb out of its own.
+    f"s3://{RECORDINGS_BUCKET}/clip.wav",
+    f"s3://{RECORDINGS_BUCKET}/recordings/665f1c2e9b1e8a0012ab9999/clip.wav",
+    f"s3://{RECORDINGS_BUCKET}/{RECORDINGS_PREFIX}../665f1c2e9b1e8a0012ab9999/clip.wav",
+    f"S3://{RECORDINGS_BUCKET}/{RECORDINGS_PREFIX}/clip.wav",
 ]
 
 

@@ -28,6 +28,7 @@ from tests.support import Queues, create_queues
 from worker.artifacts import ArtifactUploader
 from worker.aws import client_config, make_client
 from worker.errors import StoreError
+from worker.input_policy import InputPolicy
 from worker.job import VoiceJobHandler
 from worker.loop import Worker
 from worker.queue import Queue
@@ -43,6 +44,7 @@ RIG_ENV = {
     "SQS_RETRY_VISIBILITY_MAX_SECONDS": "2",
     "SHUTDOWN_GRACE_SECONDS": "5",
     "AWS_REGION": "us-east-1",
+    "RECORDINGS_S3_BUCKET": "recordings-bucket",
 }
 # botocore's "max_attempts" counts retries: one call is the first attempt plus that many more.
 ATTEMPTS_PER_CALL = client_config(load_settings({})).retries["max_attempts"] + 1
@@ -221,7 +223,8 @@ class Rig:
     def handler(self, store=None, worker_id: str = "rig-worker") -> VoiceJobHandler:
         return VoiceJobHandler(store=store or self.store, uploader=ArtifactUploader(self.s3, self.bucket),
                                train=self.train, work_root=self.root / "work", s3_prefix="models",
-                               worker_id=worker_id, lease_s=self.settings.sqs_visibility_timeout_s)
+                               worker_id=worker_id, lease_s=self.settings.sqs_visibility_timeout_s,
+                               policy=InputPolicy.from_settings(self.settings))
 
     def worker(self, handler=None, store=None, worker_id: str = "rig-worker") -> Worker:
         return Worker(self.settings, Queue(self.sqs, self.queues.url),
@@ -234,7 +237,8 @@ class Rig:
         body = json.dumps({
             "_doc": {"_id": job_id}, "jobId": job_id, "profileId": profile_id, "environment": ENVIRONMENT,
             "metadata": {"directoryName": directory},
-            "input": [{"recordingUrl": "s3://recordings-bucket/clip.wav", "originalText": "Hello."}],
+            "input": [{"recordingUrl": f"s3://recordings-bucket/recordings/{profile_id}/clip.wav",
+                       "originalText": "Hello."}],
         })
         self.queues.send(body)
         return job_id, profile_id, body

@@ -88,6 +88,11 @@ def write_tiny_wav(path: Path, seconds: float = 0.4, rate_hz: int = 22_050) -> P
     return path
 
 
+def recording_key_for(profile_id: str, name: str) -> str:
+    """Where the worker's default RECORDINGS_S3_KEY_PREFIX lets ``profile_id``'s jobs read ``name``."""
+    return f"recordings/{profile_id}/{name}"
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -124,7 +129,9 @@ class Stack:
             "SQS_VISIBILITY_TIMEOUT_SECONDS": "3", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
             "SQS_WAIT_TIME_SECONDS": "1", "SQS_RETRY_VISIBILITY_BASE_SECONDS": "1",
             "SQS_RETRY_VISIBILITY_MAX_SECONDS": "4", "SHUTDOWN_GRACE_SECONDS": "5",
-            "LOG_LEVEL": "INFO", "LOG_FORMAT": "json",
+            "LOG_LEVEL": "INFO", "LOG_FORMAT": "json", "RECORDINGS_S3_BUCKET": self.recordings,
+            # completion_problems compares each S3 object with the local file it was uploaded from.
+            "KEEP_WORK_FILES": "true",
         })
         env.update(extra)
         return env
@@ -137,13 +144,17 @@ class Stack:
         return {
             "_doc": {"_id": job_id}, "jobId": job_id, "profileId": profile_id, "environment": ENVIRONMENT,
             "metadata": {"directoryName": directory, "language": "en"},
-            "input": [{"recordingUrl": f"s3://{self.recordings}/{recording_key}",
+            "input": [{"recordingUrl": f"s3://{self.recordings}/"
+                                       f"{recording_key_for(profile_id, recording_key)}",
                        "originalText": "Hello there, this is my voice."}],
         }
 
     def submit(self, directory: str = "voice-1", *, send: bool = True) -> tuple[str, str, str]:
         """Create the records and (unless ``send`` is False) enqueue the job; (job id, profile id, body)."""
         job_id, profile_id = new_object_id(), new_object_id()
+        # The worker reads only recordings under the job's own profile's prefix.
+        self.s3.copy_object(Bucket=self.recordings, Key=recording_key_for(profile_id, "clip.wav"),
+                            CopySource={"Bucket": self.recordings, "Key": "clip.wav"})
         body = json.dumps(self.body(job_id, profile_id, directory))
         with self.store() as store:
             store.submit({"_id": job_id, "profileId": profile_id, "environment": ENVIRONMENT,

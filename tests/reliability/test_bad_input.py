@@ -24,9 +24,11 @@ from pipeline.config import load_pipeline_config
 from pipeline.downloads import DownloadSettings, fetch
 from pipeline.run import run_pipeline
 from tests.reliability.bodies import CORPUS, JOB_ID, PROFILE_ID, RECORDINGS_BUCKET, message_bodies
+from tests.reliability.stack import recording_key_for
 from tests.reliability.stack import new_object_id, quick_pipeline, write_tiny_wav
 from tests.support import FaultyClient, create_queues
 from worker.artifacts import ArtifactUploader
+from worker.input_policy import InputPolicy
 from worker.job import VoiceJobHandler
 from worker.loop import Worker
 from worker.message import is_safe_name
@@ -50,9 +52,10 @@ class Probe:
         self.settings = load_settings({
             "SQS_VISIBILITY_TIMEOUT_SECONDS": "30", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "10000",
             "SQS_WAIT_TIME_SECONDS": "0", "SQS_RETRY_VISIBILITY_BASE_SECONDS": "1",
-            "SHUTDOWN_GRACE_SECONDS": "5", "AWS_REGION": "us-east-1"})
+            "SHUTDOWN_GRACE_SECONDS": "5", "AWS_REGION": "us-east-1",
+            "RECORDINGS_S3_BUCKET": RECORDINGS_BUCKET})
         self.sqs = boto3.client("sqs", region_name="us-east-1")
-        s3 = boto3.client("s3", region_name="us-east-1")
+        self.s3 = s3 = boto3.client("s3", region_name="us-east-1")
         for bucket in ("prop-models", RECORDINGS_BUCKET):
             s3.create_bucket(Bucket=bucket)
         s3.upload_file(str(write_tiny_wav(root / "clip.wav")), RECORDINGS_BUCKET, "clip.wav")
@@ -72,7 +75,7 @@ class Probe:
         self.store = SqliteStore(str(root / "records.db"))
         self.handler = VoiceJobHandler(store=self.store, uploader=ArtifactUploader(s3, "prop-models"), train=train,
                                        work_root=self.work_root, s3_prefix="models", worker_id="prop",
-                                       lease_s=30)
+                                       lease_s=30, policy=InputPolicy.from_settings(self.settings))
         self.baseline = self._outside_files()
         # The test's own directory and pytest's session directory above it: an escape lands in one of them.
         self.neighbours = {d: set(os.listdir(d)) for d in (root.parent, root.parent.parent)}
@@ -84,7 +87,11 @@ class Probe:
 
     def try_body(self, body: str, create_records: bool) -> None:
         # A fresh job per body, so an earlier body's completed job does not answer for this one.
-        body = body.replace(JOB_ID, new_object_id()).replace(PROFILE_ID, new_object_id())
+        profile_id = new_object_id()
+        body = body.replace(JOB_ID, new_object_id()).replace(PROFILE_ID, profile_id)
+        for name in ("clip.wav", "not-audio.txt"):  # the recordings the policy lets this profile read
+            self.s3.copy_object(Bucket=RECORDINGS_BUCKET, Key=recording_key_for(profile_id, name),
+                                CopySource={"Bucket": RECORDINGS_BUCKET, "Key": name})
         queues = create_queues(self.sqs, name=f"bad-{new_object_id()[:10]}")
         client = FaultyClient(self.sqs)
         worker = Worker(self.settings, Queue(client, queues.url), self.handler)

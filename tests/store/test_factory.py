@@ -97,3 +97,30 @@ def test_reopened_sqlite_store_sees_earlier_records(tmp_path):
         submit(store)
     with SqliteStore(path) as store:
         assert store.get_job(JOB_ID)["status"] == "pending"
+
+
+@pytest.mark.parametrize("access", ["existing", "read"])
+def test_existing_and_read_access_never_create_a_missing_file(tmp_path, access):
+    """access "existing" or "read" on a missing STORE_URL file is a ConfigError naming it; no file or directory appears."""
+    path = tmp_path / "var" / "records.db"
+    with pytest.raises(ConfigError) as raised:
+        open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}), access=access)
+    assert raised.value.problems == [f"STORE_URL names {path}, which does not exist"]
+    assert not path.parent.exists()
+
+
+def test_a_relative_missing_file_is_named_with_its_absolute_path(tmp_path, monkeypatch):
+    """A relative STORE_URL path that does not exist is shown as written and as resolved."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        open_store(load_settings({"STORE_URL": "sqlite:///var/records.db"}), access="read")
+    assert raised.value.problems == [f"STORE_URL names var/records.db ({tmp_path}/var/records.db), which does not exist"]
+
+
+def test_read_access_reads_an_existing_store(tmp_path):
+    """access "read" opens an existing SQLite file and sees its records."""
+    path = tmp_path / "records.db"
+    with SqliteStore(str(path)) as store:
+        submit(store)
+    with open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}), access="read") as store:
+        assert store.get_job(JOB_ID)["status"] == "pending"

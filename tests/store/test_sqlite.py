@@ -218,3 +218,36 @@ def test_profile_update_restates_the_claim_fence(tmp_path, monkeypatch):
     assert store.get_profile(PROFILE_ID) == before
     store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     store.close()
+
+
+def test_read_only_store_reads_and_refuses_every_write(tmp_path):
+    """A store opened read-only reads the records and turns any write into StoreError, leaving them unchanged."""
+    path = str(tmp_path / "records.db")
+    with SqliteStore(path) as store:
+        submit(store)
+    with SqliteStore(path, mode="ro") as store:
+        assert store.get_job(JOB_ID)["status"] == "pending"
+        with pytest.raises(StoreError):
+            store.request_cancel(JOB_ID)
+    with SqliteStore(path) as store:
+        assert store.get_job(JOB_ID)["cancelRequested"] is False
+
+
+def test_read_only_store_is_not_created_where_there_is_no_file(tmp_path):
+    """Opening a missing file read-only or for existing-only writes fails and creates nothing."""
+    from worker.errors import ConfigError
+
+    for mode in ("ro", "rw"):
+        with pytest.raises(ConfigError):
+            SqliteStore(str(tmp_path / "missing.db"), mode=mode)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_with_uri_characters_opens_the_file_it_names(tmp_path):
+    """A file name with "?" and "#" is quoted into the URI, not read as its query or fragment."""
+    path = tmp_path / "odd?name#1.db"
+    with SqliteStore(str(path)) as store:
+        submit(store)
+    assert path.exists()
+    with SqliteStore(str(path), mode="ro") as store:
+        assert store.get_job(JOB_ID) is not None

