@@ -1,0 +1,103 @@
+"""The documented dev loop, end to end: dev-stack, run, submit samples/job.json, status --watch, cancel,
+dlq list — each a real `python -m worker` process, talking to each other only through var/dev/env.sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.procs import wait_until
+from worker.devstack import dev_environment, env_script
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sourced(env_file: Path) -> dict[str, str]:
+    """What `. env.sh` would export, read the way a shell reads it."""
+    out = subprocess.run(["sh", "-c", f". {shlex.quote(str(env_file))} && env -0"], check=True,
+                         capture_output=True, env={"PATH": os.environ["PATH"]}).stdout
+    env = dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+    env.pop("PWD", None)
+    return env
+
+
+def _worker(env: dict[str, str], *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout_s)
+
+
+def test_env_script_round_trips_through_a_shell(tmp_path):
+    """Every setting written to env.sh comes back unchanged when a shell sources it."""
+    env = dev_environment("http://127.0.0.1:1", "http://127.0.0.1:1/123/q", tmp_path / "dir with space")
+    path = tmp_path / "env.sh"
+    path.write_text(env_script(env))
+    sourced = _sourced(path)
+    assert {k: sourced[k] for k in env} == env
+
+
+def test_documented_dev_loop_completes_a_job_and_cancels_another(tmp_path):
+    """dev-stack, then run, submit, status --watch, cancel and dlq list work exactly as documented."""
+    state_dir, port = tmp_path / "dev", _free_port()
+    base_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "AWS_CONFIG_FILE": "/dev/null",
+                "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    stack = subprocess.Popen([sys.executable, "-m", "worker", "dev-stack", "--port", str(port),
+                              "--dir", str(state_dir)], cwd=REPO, env=base_env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    worker = None
+    try:
+        env_file = state_dir / "env.sh"
+        wait_until(env_file.exists, 60, "the dev stack's env.sh")
+        env = {**base_env, **_sourced(env_file)}
+        env["SQS_WAIT_TIME_SECONDS"] = "1"  # only to keep the test short; the loop is the same
+        worker = subprocess.Popen([sys.executable, "-m", "worker", "run"], cwd=REPO, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        submitted = _worker(env, "submit", "samples/job.json", "--json")
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = json.loads(submitted.stdout)["jobId"]
+        watched = _worker(env, "status", job_id, "--watch", "0.5", timeout_s=120)
+        assert watched.returncode == 0, watched.stderr
+        assert "completed" in watched.stdout
+        final = json.loads(_worker(env, "status", job_id, "--json").stdout)
+        assert final["job"]["status"] == "completed"
+        assert len(final["profile"]["s3Paths"]) == 5
+
+        # A second job, cancelled: it ends cancelled whether the worker had started it or not.
+        second = json.loads(_worker(env, "submit", "samples/job.json", "--json").stdout)["jobId"]
+        cancelled = _worker(env, "cancel", second)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert "cancel" in cancelled.stdout
+        wait_until(lambda: json.loads(_worker(env, "status", second, "--json").stdout)["job"]["status"]
+                   in ("cancelled", "completed"), 90, "the second job to end")
+
+        listed = _worker(env, "dlq", "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout) == []
+    finally:
+        for proc in (worker, stack):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (worker, stack):
+            if proc is not None:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    assert stack.returncode == 0, stack.stdout.read()

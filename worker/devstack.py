@@ -1,0 +1,95 @@
+"""`python -m worker dev-stack`: a persistent local stack for the everyday dev loop.
+
+It starts the same local SQS/S3 server (moto) the demo uses, on a fixed loopback port, creates the
+queue with its dead-letter queue and redrive policy, the model and recordings buckets, uploads the
+shipped clips under the recordings prefix of the profile in ``samples/job.json``, and writes every
+setting the other commands need to ``<dir>/env.sh``. Then it waits until Ctrl-C (or SIGTERM), so a
+worker in one terminal and ``submit``/``status``/``cancel``/``dlq list`` in another share one stack.
+
+The records live in ``<dir>/records.db`` and survive a restart of the stack; the queue and buckets
+live in the server's memory and do not (a restart provisions them afresh).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import threading
+from pathlib import Path
+
+from worker.daemon import SignalRelay
+from worker.demo import REPO, LocalAws, dev_session, provision
+
+DEFAULT_PORT = 4566
+DEFAULT_DIR = REPO / "var" / "dev"
+ENV_FILE = "env.sh"
+
+
+def dev_environment(endpoint: str, queue_url: str, state_dir: Path) -> dict[str, str]:
+    """Every setting a worker or an operator command needs to use the local stack, by name."""
+    state_dir = state_dir.resolve()
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_REGION": "us-east-1",
+        # moto takes any credentials; fixed ones keep the dev loop away from a real AWS profile.
+        "AWS_ACCESS_KEY_ID": "dev",
+        "AWS_SECRET_ACCESS_KEY": "dev",
+        "SQS_QUEUE_URL": queue_url,
+        "SQS_VISIBILITY_TIMEOUT_SECONDS": "60",
+        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "5000",
+        "SQS_WAIT_TIME_SECONDS": "5",
+        "STORE_URL": f"sqlite:///{state_dir / 'records.db'}",
+        "S3_BUCKET": "voice-models",
+        "S3_PREFIX": "models",
+        "RECORDINGS_S3_BUCKET": "voice-recordings",
+        "WORK_ROOT": str(state_dir / "work"),
+        "PIPELINE_CONFIG": str(REPO / "config" / "pipeline.toml"),
+        "KEEP_WORK_FILES": "true",
+        "LOG_FORMAT": "console",
+        "METRICS_ENABLED": "false",
+        "WORKER_ID": "dev-worker",
+    }
+
+
+def env_script(env: dict[str, str]) -> str:
+    """The environment as a POSIX shell file to source: one quoted ``export`` per setting."""
+    lines = ["# written by `python -m worker dev-stack`; source it: . var/dev/env.sh"]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_dev_stack(port: int = DEFAULT_PORT, state_dir: Path = DEFAULT_DIR, out=None,
+                  until: threading.Event | None = None) -> int:
+    """Start and provision the stack, write env.sh, then wait for Ctrl-C/SIGTERM (or ``until``)."""
+    out = out or sys.stdout
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    stop = until or _signal_event()
+    with LocalAws(port=port) as aws:
+        queue_url = provision(dev_session(), aws.url)
+        env = dev_environment(aws.url, queue_url, state_dir)
+        env_path = state_dir / ENV_FILE
+        env_path.write_text(env_script(env))
+        print(f"local SQS/S3 (moto) on {aws.url}; records in {state_dir / 'records.db'}", file=out)
+        print(f"the environment is in {env_path}; in each other terminal:\n", file=out)
+        print(f"  . {_shown(env_path)}", file=out)
+        print("  .venv/bin/python -m worker run                # terminal 2: the worker", file=out)
+        print("  .venv/bin/python -m worker submit samples/job.json   # terminal 3", file=out)
+        print("\nCtrl-C stops the stack.", file=out, flush=True)
+        stop.wait()
+        print("stopping the local stack", file=out, flush=True)
+    return 0
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _signal_event() -> threading.Event:
+    """An event set by SIGINT/SIGTERM, through the daemon's lock-free signal relay."""
+    stop = threading.Event()
+    SignalRelay(stop.set).install()
+    return stop
