@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/python -m worker demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 run: $(STAMP)
 	$(BIN)/python -m worker run

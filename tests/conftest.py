@@ -19,6 +19,23 @@ for _name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CONFIG_FILE", "AWS_SHARED_
     os.environ.pop(_name, None)
 
 
+@pytest.fixture(autouse=True)
+def _logging_left_as_found():
+    """A test that points the logs at a stream of its own (a captured stderr, say) does not leave later
+    tests in the same process writing to it once it is closed: the order differs under pytest-xdist."""
+    import logging
+
+    import structlog
+
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    yield
+    structlog.reset_defaults()
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+
+
 @pytest.fixture
 def aws():
     from moto import mock_aws
