@@ -101,12 +101,21 @@ def test_four_workers_two_hundred_messages_each_job_completed_once(moto_server, 
         for worker in workers:
             worker.ensure_dead()
 
-    events = Counter(name for worker in workers for name in worker.event_names())
-    assert events["job.completed"] == JOBS and events["message.deleted"] == MESSAGES
+    logged = [event for worker in workers for event in worker.events()]
+    events = Counter(event.get("event", "") for event in logged)
+    assert events["job.completed"] == JOBS
     assert events["worker.crashed"] == 0 and events["message.settle_failed"] == 0
-    # Each surplus copy was acknowledged without work: held by another worker, or already complete.
+    # Every message deleted; one deleted twice only when SQS delivered it twice (a starved machine can
+    # let a visibility lapse while the holder's renewal still succeeds on the old receipt handle).
+    deletes = Counter(e["message_id"] for e in logged if e.get("event") == "message.deleted")
+    received_again = {e["message_id"] for e in logged
+                      if e.get("event") == "message.received" and e.get("receive_count", 1) > 1}
+    assert len(deletes) == MESSAGES
+    assert [m for m, n in deletes.items() if n > 1 and m not in received_again] == []
+    # Each delete that is not a completion acknowledged a copy without work: held by another worker,
+    # or already complete.
     without_work = events["job.duplicate_delivery"] + events["job.already_complete"]
-    assert without_work == MESSAGES - JOBS
+    assert without_work == sum(deletes.values()) - JOBS
 
     for job_id, attempts in attempts_from_logs(workers).items():
         assert overlapping_attempts(attempts) == [], f"two workers worked on {job_id} at once: {attempts}"
