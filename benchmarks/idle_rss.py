@@ -3,7 +3,9 @@
     python benchmarks/idle_rss.py [--seconds 15] [--wait-s 1]
 
 Reads VmHWM (peak resident set) and VmRSS from /proc after ``--seconds`` of idling, so the figure
-covers start-up (imports, settings, store, clients) and the steady polling loop.
+covers start-up (imports, settings, store, clients) and the steady polling loop. The baseline, run
+side by side, is the least an SQS consumer can be: boto3, one SQS client, a receive loop on the same
+queue. The ratio says what the worker's loop, heartbeat, settings, logging and store add to that.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ def status_kib(pid: int, field: str) -> int:
     raise SystemExit(f"/proc/{pid}/status has no {field}")
 
 
+BASELINE = """
+import os, boto3
+sqs = boto3.session.Session().client("sqs", endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                                      region_name=os.environ["AWS_REGION"])
+while True:
+    sqs.receive_message(QueueUrl=os.environ["SQS_QUEUE_URL"],
+                        WaitTimeSeconds=int(os.environ["SQS_WAIT_TIME_SECONDS"]))
+"""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=15.0)
@@ -40,18 +52,27 @@ def main() -> int:
                "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                "STORE_URL": f"sqlite:///{tmp}/records.db", "S3_BUCKET": "idle-models", "WORK_ROOT": f"{tmp}/work",
                "PIPELINE_CONFIG": str(ROOT / "config" / "pipeline.toml"), "SQS_WAIT_TIME_SECONDS": str(args.wait_s)}
-        proc = subprocess.Popen([sys.executable, "-m", "worker", "run"], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs = {
+            "worker": subprocess.Popen([sys.executable, "-m", "worker", "run"], cwd=ROOT, env=env,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            "baseline": subprocess.Popen([sys.executable, "-c", BASELINE], cwd=ROOT, env=env,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        }
+        figures = {}
         try:
             time.sleep(args.seconds)
-            if proc.poll() is not None:
-                raise SystemExit(f"the worker exited with {proc.returncode}")
-            peak_kib, now_kib = status_kib(proc.pid, "VmHWM"), status_kib(proc.pid, "VmRSS")
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    raise SystemExit(f"the {name} exited with {proc.returncode}")
+                figures[name] = status_kib(proc.pid, "VmHWM"), status_kib(proc.pid, "VmRSS")
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-    print(f"idle worker after {args.seconds:g} s (long polls of {args.wait_s} s): "
-          f"peak RSS {peak_kib / 1024:.1f} MiB, current RSS {now_kib / 1024:.1f} MiB")
+            for proc in procs.values():
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+    print(f"after {args.seconds:g} s idle (long polls of {args.wait_s} s):")
+    for name, (peak_kib, now_kib) in figures.items():
+        print(f"  {name:9} peak RSS {peak_kib / 1024:6.1f} MiB, current RSS {now_kib / 1024:6.1f} MiB")
+    print(f"  ratio worker/baseline (peak) {figures['worker'][0] / figures['baseline'][0]:.2f}")
     return 0
 
 

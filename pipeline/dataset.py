@@ -17,11 +17,10 @@ character -> ``\\uXXXX``. ``unescape_text`` and ``split_metadata_line`` undo it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.audio import TARGET_RATE_HZ, convert, read_header
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes, remove_stale_temps
 from worker.errors import BadRecording
@@ -132,8 +131,16 @@ def build_dataset(
     stop: StopSignal | None = None,
     *,
     limits: JobLimits | None = None,
+    on_converted: Callable[[int], None] | None = None,
 ) -> DatasetResult:
-    """Write the LJSpeech folder for ``(audio file, text)`` pairs; a no-op when already complete."""
+    """Write the LJSpeech folder for ``(audio file, text)`` pairs; a no-op when already complete.
+
+    ``on_converted(index)`` is called after each recording is written.
+    """
+    # Here, not at the top: numpy and libsndfile load only where a dataset is built (the dataset
+    # step's own process, ``pipeline.dataset_stage``), never into the worker that only checks one.
+    from pipeline.audio import TARGET_RATE_HZ, convert, read_header
+
     limits = limits or JobLimits()
     texts = [text for _, text in recordings]
     metadata = dataset_dir / METADATA_NAME
@@ -162,5 +169,7 @@ def build_dataset(
             f"{utterance_id(index)}: input {index}, {done.rate_hz} Hz, {done.channels} ch, "
             f"{done.seconds:.3f} s -> {done.frames_out} samples at {TARGET_RATE_HZ} Hz"
         )
+        if on_converted is not None:
+            on_converted(index)
     atomic_write_bytes(metadata, metadata_bytes(texts))
     return DatasetResult(metadata, rebuilt=True, notes=tuple(notes))

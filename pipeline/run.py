@@ -8,6 +8,7 @@ signal is checked between steps and watched during stages; the handler maps ``St
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,8 +17,9 @@ from typing import Protocol
 import structlog
 
 from pipeline.config import PipelineConfig
-from pipeline.dataset import build_dataset
+from pipeline.dataset_stage import run_dataset_stage
 from pipeline.limits import JobLimits
+from pipeline.stage_env import stage_environment
 from pipeline.stages import DEFAULT_GRACE_S, StageContext, open_step_log, run_stage
 from worker.errors import BadRecording, DownloadError, StageFailed
 from worker.stop import StopSignal
@@ -115,14 +117,11 @@ def _run(
 
     stop.raise_if_set()
     progress(DATASET_STEP, 0.0)
-    result = build_dataset(
+    env = stage_environment(os.environ) if stage_env is None else stage_env
+    run_dataset_stage(
         [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
-        dirs["dataset"],
-        stop,
-        limits=limits,
+        dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
     )
-    if result.rebuilt:
-        _write_step_log(dirs["logs"], DATASET_STEP, result.notes)
     progress(DATASET_STEP, 100.0)
 
     ctx = StageContext(
@@ -132,7 +131,7 @@ def _run(
         log_dir=dirs["logs"],
         job_id=job.job_id,
         language=job.language,
-        **({} if stage_env is None else {"env": stage_env}),
+        env=env,
     )
     for stage in config.stages:
         stop.raise_if_set()

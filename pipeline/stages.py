@@ -163,7 +163,7 @@ def run_stage(
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
     with log_file:
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
-        code = _run_supervised(
+        code = run_supervised(
             stage, argv, ctx.env, log_file, stop, progress, grace_s, poll_interval_s, clock
         )
         _log_line(log_file, f"stage {stage.name} exited with code {code}")
@@ -192,16 +192,16 @@ def prepare_rerun(stage: StageSpec, ctx: StageContext) -> None:
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _run_supervised(
+def run_supervised(
     stage: StageSpec,
     argv: list[str],
     env: Mapping[str, str],
     log_file: IO[bytes],
     stop: StopSignal,
     progress: Progress,
-    grace_s: float,
-    poll_interval_s: float,
-    clock: Callable[[], float],
+    grace_s: float = DEFAULT_GRACE_S,
+    poll_interval_s: float = 0.1,
+    clock: Callable[[], float] = time.monotonic,
 ) -> int:
     """Run to completion and return the exit code, or end the stage's processes and raise on stop/timeout."""
     updates: queue.SimpleQueue[float] = queue.SimpleQueue()

@@ -16,7 +16,7 @@ from pipeline.limits import JobLimits
 from pipeline.run import run_pipeline
 from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.artifacts import ArtifactUploader
-from worker.aws import lease_client_config, make_client
+from worker.aws import LazyClient, lease_client_config, make_client, new_session
 from worker.errors import ConfigError
 from worker.faults import CrashPoints
 from worker.health import Pulse
@@ -50,10 +50,13 @@ def build_app(settings: Settings, *, session=None) -> App:
         raise ConfigError(problems)
     # Read once, here: stages get this allow-listed copy, never the worker's own environment.
     stage_env = stage_environment(os.environ, settings.stage_env_names)
+    # One session for every client: each session loads and keeps its own copy of the service models.
+    session = session or new_session()
     sqs = make_client("sqs", settings, session)
     # Before the store: a mistyped queue URL must not create a SQLite file or wait on MongoDB.
     Queue(sqs, settings.sqs_queue_url).check_exists()
-    s3 = make_client("s3", settings, session)
+    # Made at the first download or upload: an idle worker never needs the S3 model in memory.
+    s3 = LazyClient(lambda: make_client("s3", settings, session))
     store = open_store(settings)
     downloads = DownloadSettings.from_settings(settings)
 

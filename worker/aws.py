@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Callable
 
 import boto3
 from botocore.config import Config
@@ -45,6 +47,28 @@ def lease_client_config(settings: Settings) -> Config:
 
 
 NO_REGION = "AWS_REGION is not set and cannot be derived from SQS_QUEUE_URL: set AWS_REGION"
+
+
+def new_session() -> boto3.session.Session:
+    return boto3.session.Session()
+
+
+class LazyClient:
+    """A client made on its first use, once, also when two threads use it first together."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make = make
+        self._client = None
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        client = self._client
+        if client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make()
+                client = self._client
+        return getattr(client, name)
 
 
 def make_client(service: str, settings: Settings, session: boto3.session.Session | None = None,

@@ -99,3 +99,55 @@ def test_aws_clients_retry_in_standard_mode_and_outlast_the_long_poll():
     client = make_client("sqs", settings)
     assert client.meta.endpoint_url == "http://127.0.0.1:4566"
     assert client.meta.region_name == "eu-west-2"
+
+
+def test_the_app_makes_every_client_from_one_session_and_s3_only_when_used(queues, tmp_path, monkeypatch):
+    """build_app creates one boto3 session for all its clients, and no S3 client until something uses S3."""
+    import boto3
+
+    from worker import app as app_module
+
+    sessions, made = [], []
+
+    def counting_session():
+        session = boto3.session.Session()
+        real_client = session.client
+        session.client = lambda service, **kw: (made.append(service), real_client(service, **kw))[1]
+        sessions.append(session)
+        return session
+
+    monkeypatch.setattr(app_module, "new_session", counting_session)
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1"})
+    app = app_module.build_app(settings)
+    try:
+        assert len(sessions) == 1 and made == ["sqs", "sqs"]
+        uploader = app.worker._handler._uploader
+        uploader._s3.meta  # the first use
+        assert made == ["sqs", "sqs", "s3"]
+    finally:
+        app.close()
+
+
+def test_a_lazy_client_is_made_once_when_threads_race_to_use_it():
+    """Many threads using a LazyClient first at the same moment make exactly one client."""
+    import threading
+    import time
+
+    from worker.aws import LazyClient
+
+    made = []
+
+    def make():
+        time.sleep(0.05)  # wide enough for every thread to arrive while the first one builds
+        made.append(object())
+        return type("Client", (), {"name": "c"})()
+
+    lazy = LazyClient(make)
+    threads = [threading.Thread(target=lambda: lazy.name) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and lazy.name == "c"

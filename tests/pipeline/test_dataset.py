@@ -10,8 +10,8 @@ import soundfile as sf
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.audio import TARGET_RATE_HZ
 from pipeline.dataset import (
-    TARGET_RATE_HZ,
     build_dataset,
     escape_text,
     metadata_bytes,

@@ -1,0 +1,112 @@
+"""The dataset step as a child process: ``python -m pipeline.dataset_stage REQUEST RESULT``.
+
+Decoding and resampling need numpy and libsndfile. Run in the worker they would stay in its memory
+for good (some 18 MiB an idle worker never uses again), and a decoder crash would take the worker
+with it. So the worker runs the step like a training stage: its own session, the stages' secret-free
+environment, the stage runner's stop, grace and log (``pipeline.stages.run_supervised``); the worker
+never imports ``pipeline.audio``.
+
+The two sides talk through two small JSON files in the job's work directory:
+
+    REQUEST  {"recordings": [[audio path, text], ...], "dataset_dir": ..., "limits": {...}}
+    RESULT   {"notes": [...]}                     the dataset is complete (exit 0)
+             {"bad_recording": "why"}             a recording is unusable: permanent (exit 3)
+
+Any other exit (a crash, a kill) is a retryable ``StageFailed`` with the log's tail, like a stage.
+A dataset that is already complete is recognised without starting the child.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.config import StageSpec
+from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
+from pipeline.limits import JobLimits
+from pipeline.manifest import atomic_write_bytes
+from pipeline.stages import open_step_log, run_supervised, tail_lines
+from worker.errors import BadRecording, StageFailed
+from worker.redact import redact_text
+from worker.stop import StopSignal
+
+STEP = "dataset"
+EXIT_BAD_RECORDING = 3
+REQUEST_NAME = "dataset-request.json"
+RESULT_NAME = "dataset-result.json"
+
+
+def run_dataset_stage(
+    recordings: Sequence[tuple[Path, str]],
+    dataset_dir: Path,
+    log_dir: Path,
+    stop: StopSignal,
+    progress: Callable[[str, float], None],
+    *,
+    limits: JobLimits,
+    env: Mapping[str, str],
+    grace_s: float,
+    python: str = sys.executable,
+) -> DatasetResult:
+    """Build the dataset in a child process, or recognise it as complete; typed errors as a stage's."""
+    metadata = dataset_dir / "metadata.csv"
+    if dataset_is_complete(dataset_dir, [text for _, text in recordings]):
+        return DatasetResult(metadata, rebuilt=False, notes=("dataset already complete",))
+    request, result = dataset_dir.parent / REQUEST_NAME, dataset_dir.parent / RESULT_NAME
+    result.unlink(missing_ok=True)
+    atomic_write_bytes(request, json.dumps({
+        "recordings": [[str(path), text] for path, text in recordings],
+        "dataset_dir": str(dataset_dir),
+        "limits": asdict(limits),
+    }).encode())
+    argv = [python, "-m", "pipeline.dataset_stage", str(request), str(result)]
+    spec = StageSpec(name=STEP, argv=tuple(argv), outputs=())
+    log_path, log_file = open_step_log(log_dir, STEP)
+    with log_file:
+        code = run_supervised(spec, argv, env, log_file, stop, progress, grace_s)
+    outcome = _read_result(result)
+    if code == EXIT_BAD_RECORDING and "bad_recording" in outcome:
+        raise BadRecording(str(outcome["bad_recording"]))
+    if code != 0 or "notes" not in outcome:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        raise StageFailed(f"the dataset step {how}; last lines of {log_path.name}:\n"
+                          f"{redact_text(tail_lines(log_path))}")
+    return DatasetResult(metadata, rebuilt=True, notes=tuple(outcome["notes"]))
+
+
+def _read_result(path: Path) -> dict:
+    try:
+        outcome = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return outcome if isinstance(outcome, dict) else {}
+
+
+def main(argv: list[str]) -> int:
+    """The child: build the dataset the request describes, write the result, exit 0 or 3."""
+    request_path, result_path = Path(argv[0]), Path(argv[1])
+    request = json.loads(request_path.read_text(encoding="utf-8"))
+    recordings = [(Path(path), text) for path, text in request["recordings"]]
+    total = max(len(recordings), 1)
+
+    def converted(index: int) -> None:
+        print(f"PROGRESS {100.0 * (index + 1) / total:.1f}", flush=True)
+
+    try:
+        built = build_dataset(recordings, Path(request["dataset_dir"]), limits=JobLimits(**request["limits"]),
+                              on_converted=converted)
+    except BadRecording as exc:
+        print(f"BadRecording: {exc}", flush=True)
+        atomic_write_bytes(result_path, json.dumps({"bad_recording": str(exc)}).encode())
+        return EXIT_BAD_RECORDING
+    for note in built.notes:
+        print(note, flush=True)
+    atomic_write_bytes(result_path, json.dumps({"notes": list(built.notes)}).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
