@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import structlog
 
@@ -46,7 +47,17 @@ log = structlog.get_logger(__name__)
 
 Handler = Callable[[Message, Lease], "str | None"]
 
-ACK, RETRY, DEAD_LETTER, RELEASE, ABANDON = "ack", "retry", "dead_letter", "release", "abandon"
+class Action(StrEnum):
+    """What the loop does with a message once its handler returned: ``decide`` picks one."""
+
+    ACK = "ack"  # delete it: the job is durably done (or there was nothing to do)
+    RETRY = "retry"  # leave it, visible again after the backoff
+    DEAD_LETTER = "dead_letter"  # copy it to the DLQ with why, then delete it
+    RELEASE = "release"  # make it visible again at once (shutdown)
+    ABANDON = "abandon"  # touch nothing: the lease is lost, the message is not ours
+
+
+ACK, RETRY, DEAD_LETTER, RELEASE, ABANDON = Action
 
 
 def retry_ceiling_s(receive_count: int, base_s: int = 30, max_s: int = 900) -> int:
@@ -86,7 +97,7 @@ def retry_delay_for(error: WorkerError | None, receive_count: int, s: Settings,
 
 @dataclass(frozen=True)
 class Decision:
-    action: str
+    action: Action
     error: WorkerError | None = None
 
 

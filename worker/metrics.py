@@ -19,6 +19,8 @@ ones config/cloudwatch-dashboard.json and config/cloudwatch-alarms.yaml refer to
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import json
 import math
 import re
@@ -45,14 +47,26 @@ HEARTBEAT_FAILURES = "HeartbeatFailures"                # a renewal (queue or st
 STAGE_DIMENSION = "Stage"
 
 # What the loop did with a message -> the count it adds 1 to.
+class Outcome(StrEnum):
+    """How one message ended, as counted: the loop's action, refined by the handler's label."""
+
+    COMPLETED = "completed"
+    RETRIED = "retried"
+    DEAD_LETTERED = "dead_lettered"
+    CANCELLED = "cancelled"
+    RELEASED = "released"
+    SKIPPED = "skipped"  # acknowledged without work: already complete, or a duplicate
+    LEASE_LOST = "lease_lost"
+
+
 OUTCOME_METRICS = {
-    "completed": "JobsCompleted",
-    "retried": "JobsRetried",
-    "dead_lettered": "JobsDeadLettered",
-    "cancelled": "JobsCancelled",
-    "released": "JobsReleased",
-    "skipped": "JobsSkipped",        # acknowledged without work: already complete, or a duplicate
-    "lease_lost": "JobsLeaseLost",
+    Outcome.COMPLETED: "JobsCompleted",
+    Outcome.RETRIED: "JobsRetried",
+    Outcome.DEAD_LETTERED: "JobsDeadLettered",
+    Outcome.CANCELLED: "JobsCancelled",
+    Outcome.RELEASED: "JobsReleased",
+    Outcome.SKIPPED: "JobsSkipped",
+    Outcome.LEASE_LOST: "JobsLeaseLost",
 }
 # What one reconcile pass changed -> its count (0 included, so alarms see a steady series).
 RECONCILE_METRICS = {
@@ -93,12 +107,14 @@ def parse_dimensions(text: str) -> dict[str, str]:
     return dims
 
 
-def outcome_of(action: str, label: str | None) -> str:
-    """The outcome counted for the loop's action (ack/retry/…) and the handler's label."""
+def outcome_of(action: str, label: str | None) -> Outcome | str:
+    """The outcome counted for the loop's action (ack/retry/…) and the handler's label.
+
+    ``action`` is a ``worker.loop.Action`` (a str enum: this module sits below the loop)."""
     if action == "ack":
-        return label if label in ("completed", "cancelled") else "skipped"
-    return {"retry": "retried", "dead_letter": "dead_lettered", "release": "released",
-            "abandon": "lease_lost"}.get(action, action)
+        return Outcome(label) if label in (Outcome.COMPLETED, Outcome.CANCELLED) else Outcome.SKIPPED
+    return {"retry": Outcome.RETRIED, "dead_letter": Outcome.DEAD_LETTERED, "release": Outcome.RELEASED,
+            "abandon": Outcome.LEASE_LOST}.get(action, action)
 
 
 def emf_document(namespace: str, dimensions: Mapping[str, str], values: Mapping[str, tuple[float, str]],
