@@ -55,7 +55,8 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
            "SQS_VISIBILITY_TIMEOUT_SECONDS": "30", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
            "SQS_WAIT_TIME_SECONDS": "1", "NOTIFY_SOCKET": notify_path, "LIVENESS_FILE": str(liveness),
            "SHUTDOWN_GRACE_SECONDS": "5"}
-    proc = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, cwd=REPO,
+    # umask 022 as most shells and runtimes hand it: the worker must tighten it itself.
+    proc = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, cwd=REPO, umask=0o022,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     states = []
     try:

@@ -47,6 +47,17 @@ def test_a_missing_region_is_one_settings_line_and_exit_2(env, tmp_path, capsys,
     assert not (tmp_path / "records.db").exists()
 
 
+@pytest.mark.parametrize("service", ["s3", "sts", "sqs"])
+def test_no_client_quietly_falls_back_to_a_default_region(env, service):
+    """S3 and STS would pick us-east-1 on their own: without a region every client is refused with the settings line."""
+    from worker.aws import make_client
+    from worker.settings import load_settings
+
+    with pytest.raises(ConfigError) as caught:
+        make_client(service, load_settings())
+    assert caught.value.problems == [NO_REGION]
+
+
 def test_a_missing_region_through_the_real_entry_point(tmp_path):
     """`python -m worker dlq list` in a process with no region anywhere prints the settings line, no traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "SQS_", "STORE_", "MONGO_"))}
