@@ -86,8 +86,8 @@ def cmd_submit(settings: Settings, args) -> int:
         return _fail(problems)
     sqs = _client("sqs", settings)  # first: a settings problem must not leave a new store file behind
     source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
-    with source, _store(settings) as store:
-        return submit(store, sqs, settings.sqs_queue_url, source, as_json=args.json,
+    with source:
+        return submit(lambda: _store(settings), sqs, settings.sqs_queue_url, source, as_json=args.json,
                       policy=InputPolicy.from_settings(settings))
 
 
@@ -200,7 +200,8 @@ COMMANDS = {
     "submit": (cmd_submit, True, "create a job's records and enqueue it",
                "FILE (or - for stdin) holds a JSON object with the message's fields. jobId and _doc are\n"
                "generated when absent; an optional idempotencyKey makes a repeated submit return the\n"
-               "same job id without enqueuing again. Prints the job id. Creates a missing STORE_URL file.\n\n"
+               "same job id without enqueuing again. Prints the job id. Creates a missing STORE_URL file\n"
+               "(never for a refused submission).\n\n"
                + _exits("0 submitted (or already submitted with this key); 1 store, queue or file failure",
                         usage=" or a submission that is not valid JSON or not a valid job"),
                "python -m worker submit job.json\n  echo '{...}' | python -m worker submit - --json"),

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, TextIO
+from typing import Any, ContextManager, TextIO
 
 from worker.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.errors import InvalidMessage, WorkerError
@@ -23,7 +23,7 @@ from worker.health import liveness_problem
 from worker.logs import scrub
 from worker.settings import Settings
 from worker.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live, utc_now
-from worker.submit import submit
+from worker.submit import prepare, submit
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
@@ -39,9 +39,11 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def cmd_submit(store: Store, sqs, queue_url: str, source: TextIO, *, as_json: bool,
-               policy: InputPolicy = SHAPE_ONLY, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Refuses (exit 2) what the worker's ``policy`` would refuse, before any record exists."""
+def cmd_submit(open_store: Callable[[], ContextManager[Store]], sqs, queue_url: str, source: TextIO, *,
+               as_json: bool, policy: InputPolicy = SHAPE_ONLY, out: TextIO | None = None,
+               err: TextIO | None = None) -> int:
+    """Refuses (exit 2) what the worker's ``policy`` would refuse before the store is even opened, so a
+    refused submission leaves no record and no new STORE_URL file behind."""
     out, err = out or sys.stdout, err or sys.stderr
     try:
         payload = json.loads(source.read())
@@ -49,7 +51,9 @@ def cmd_submit(store: Store, sqs, queue_url: str, source: TextIO, *, as_json: bo
         print(f"submission is not valid JSON: {exc}", file=err)
         return EXIT_USAGE
     try:
-        job_id, created = submit(store, sqs, queue_url, payload, policy=policy)
+        prepare(payload, policy)
+        with open_store() as store:
+            job_id, created = submit(store, sqs, queue_url, payload, policy=policy)
     except InvalidMessage as exc:
         for line in exc.problems:
             print(line, file=err)

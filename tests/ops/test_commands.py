@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -35,7 +36,8 @@ def store(tmp_path):
 
 def submit(store, queues, payload, as_json=True):
     out, err = io.StringIO(), io.StringIO()
-    code = cmd_submit(store, queues.sqs, queues.url, io.StringIO(json.dumps(payload)), as_json=as_json, out=out, err=err)
+    code = cmd_submit(lambda: contextlib.nullcontext(store), queues.sqs, queues.url,
+                      io.StringIO(json.dumps(payload)), as_json=as_json, out=out, err=err)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -294,6 +296,7 @@ def test_the_submit_command_refuses_what_the_worker_would_refuse(queues, tmp_pat
                           (own, 0)):
         job.write_text(json.dumps({**PAYLOAD, "input": [{"recordingUrl": url, "originalText": "Hello."}]}))
         assert cli.main(["submit", str(job), "--json"]) == expected, url
+        assert db.exists() == (expected == 0), "a refused submission created the store file"
     out, err = capsys.readouterr()
     assert "RECORDINGS_S3_BUCKET" in err and "RECORDINGS_S3_KEY_PREFIX" in err
     [message] = queues.receive_now()
