@@ -90,3 +90,14 @@ class FaultyClient:
 
     def ops(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+
+def attempt_through(proxy, result):
+    """A store proxy's claim result, its Attempt writing through the proxy (not the store behind it),
+    so the proxy sees and can fail the attempt's writes like any other call."""
+    import dataclasses
+
+    attempt = getattr(result, "attempt", None)
+    if attempt is None:
+        return result
+    return dataclasses.replace(result, attempt=dataclasses.replace(attempt, store=proxy))

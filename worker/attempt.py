@@ -1,20 +1,73 @@
-"""What one attempt keeps up in the store while it works: its record lease and its progress."""
+"""One claimed attempt at a job: its fenced writes (``Attempt``, what ``Store.claim`` hands back), and
+what it keeps up in the store while it works: its record lease and its progress."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
 from worker.errors import LeaseLost, StaleWrite, Stopped, StoreError
 from worker.metrics import NULL_METRICS, STAGE_DIMENSION, STAGE_DURATION, Metrics
 from worker.stop import StopSignal
-from worker.store import Store
+
+if TYPE_CHECKING:
+    from worker.store import Store
 
 log = structlog.get_logger(__name__)
 
 PROGRESS_MIN_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One claimed attempt at a job: every write it may make, each fenced on its claim's token.
+
+    Each raises ``StaleWrite`` once the token is no longer the job's (or the profile's) and
+    ``StoreError`` when the store cannot be reached; ``renew``, ``release`` and ``fail`` return
+    False or the cancel flag as the store methods they stand for.
+    """
+
+    store: Store
+    job_id: str
+    profile_id: str | None
+    token: str
+    lease_s: float
+
+    def renew(self) -> bool:
+        """Extend the record lease; returns the job's cancelRequested flag."""
+        return self.store.renew_lease(self.job_id, self.token, self.lease_s)
+
+    def progress(self, stage: str, percent: float) -> None:
+        self.store.set_progress(self.job_id, self.token, stage, percent)
+
+    def write_paths(self, model_paths: dict, s3_paths: dict) -> None:
+        self.store.write_paths(self._profile(), self.token, model_paths, s3_paths, job_id=self.job_id)
+
+    def complete_profile(self) -> None:
+        self.store.mark_profile_completed(self._profile(), self.token, job_id=self.job_id)
+
+    def complete(self) -> None:
+        """The commit marker: the job record says completed."""
+        self.store.mark_job_completed(self.job_id, self.token)
+
+    def cancel(self) -> None:
+        self.store.mark_cancelled(self.job_id, self.token)
+
+    def release(self) -> bool:
+        return self.store.release_lease(self.job_id, self.token)
+
+    def fail(self, error_type: str, message: str, *, retryable: bool) -> bool:
+        return self.store.record_error(self.job_id, token=self.token, error_type=error_type,
+                                       message=message, retryable=retryable)
+
+    def _profile(self) -> str:
+        if not self.profile_id:
+            raise StaleWrite(f"job {self.job_id} names no profile: there is no profile to write")
+        return self.profile_id
 
 
 class ProgressReporter:
@@ -23,10 +76,10 @@ class ProgressReporter:
     It also times each stage, from its first report to its first 100 %, as the StageDuration metric.
     """
 
-    def __init__(self, store: Store, job_id: str, token: str, stop: StopSignal,
+    def __init__(self, attempt: Attempt, stop: StopSignal,
                  min_interval_s: float = PROGRESS_MIN_INTERVAL_S, clock=time.monotonic,
                  metrics: Metrics = NULL_METRICS):
-        self._store, self._job_id, self._token, self._stop = store, job_id, token, stop
+        self._attempt, self._job_id, self._stop = attempt, attempt.job_id, stop
         self._min_interval_s, self._clock = min_interval_s, clock
         self._last: tuple[str, float] | None = None
         self._metrics = metrics
@@ -50,7 +103,7 @@ class ProgressReporter:
             if stage == last_stage and percent < 100 and now - last_at < self._min_interval_s:
                 return
         try:
-            self._store.set_progress(self._job_id, self._token, stage, percent)
+            self._attempt.progress(stage, percent)
         except StaleWrite as exc:
             self._stop.set(Stopped.LEASE_LOST, "claim token replaced")
             raise LeaseLost(f"progress write refused: {exc}") from exc
@@ -69,13 +122,12 @@ class StoreLease:
     land after the final write.
     """
 
-    def __init__(self, store: Store, job_id: str, token: str, lease_s: float, stop: StopSignal, *,
-                 margin_s: float = 0.0, clock=time.monotonic):
-        self._store, self._job_id, self._token, self._lease_s, self._stop = store, job_id, token, lease_s, stop
+    def __init__(self, attempt: Attempt, stop: StopSignal, *, margin_s: float = 0.0, clock=time.monotonic):
+        self._attempt, self._lease_s, self._stop = attempt, attempt.lease_s, stop
         self._margin_s, self._clock = margin_s, clock
         # Counted from just after the claim: a little later than the store's own expiry, never earlier
         # than the store could hand the job to someone else minus the margin.
-        self._expires_at_s = clock() + lease_s
+        self._expires_at_s = clock() + self._lease_s
         self._lock = threading.Lock()
         self._active = True
 
@@ -86,7 +138,7 @@ class StoreLease:
                 return
             sent_at_s = self._clock()
             try:
-                cancel_requested = self._store.renew_lease(self._job_id, self._token, self._lease_s)
+                cancel_requested = self._attempt.renew()
             except StaleWrite as exc:
                 raise LeaseLost(f"store lease renewal refused: {exc}") from exc
             except StoreError as exc:

@@ -59,7 +59,7 @@ from worker.message import Job, job_id_hint, parse_job
 from worker.metrics import NULL_METRICS, Metrics
 from worker.queue import Message
 from worker.stop import StopSignal
-from worker.attempt import ProgressReporter, StoreLease
+from worker.attempt import Attempt, ProgressReporter, StoreLease
 from worker.store import ASSET_KEYS, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
 
 log = structlog.get_logger(__name__)
@@ -215,20 +215,20 @@ class VoiceJobHandler:
         if claim.outcome == "held":
             return self._held(claim.job or {}, message)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
-        store_lease = StoreLease(store, job.job_id, token, self._lease_s, lease.stop,
-                                 margin_s=lease.interval_s)
+        attempt = claim.attempt
+        store_lease = StoreLease(attempt, lease.stop, margin_s=lease.interval_s)
         lease.on_renew(store_lease.renew)
         if claim.cancel_requested:
             store_lease.end()
-            store.mark_cancelled(job.job_id, token)
+            attempt.cancel()
             log.info("job.cancelled", when="at claim")
             return "cancelled"
         try:
-            paths = self._artifacts(job, profile, lease.stop, token)
-            self._persist(job, token, paths, lease, store_lease)
+            paths = self._artifacts(job, profile, lease.stop, attempt)
+            self._persist(job, attempt, paths, lease, store_lease)
         except Stopped as exc:
             store_lease.end()
-            return self._stopped(job, token, exc)
+            return self._stopped(attempt, exc)
         except (LeaseLost, StaleWrite):
             raise  # not ours any more: write nothing
         except WorkerError as exc:
@@ -261,16 +261,16 @@ class VoiceJobHandler:
                     note="another message for this job is being worked on; acknowledged without work")
         return "duplicate"
 
-    def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, token: str) -> dict[str, Path]:
+    def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, attempt: Attempt) -> dict[str, Path]:
         work_dir = work_dir_for(self._work_root, job)
         reused = reusable_paths(profile, work_dir / OUTPUT_DIR)
         if reused is not None:
             log.info("job.reusing_verified_artifacts")
             return reused
-        progress = ProgressReporter(self._store, job.job_id, token, stop, metrics=self._metrics)
+        progress = ProgressReporter(attempt, stop, metrics=self._metrics)
         return self._train(job, work_dir, stop, progress)
 
-    def _persist(self, job: Job, token: str, paths: dict[str, Path], lease: Lease,
+    def _persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
                  store_lease: StoreLease) -> None:
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         lease.stop.raise_if_set()
@@ -289,15 +289,14 @@ class VoiceJobHandler:
         self._crash("after_upload")
         self._check_lease(lease)
         model_paths = {name: str(path) for name, path in paths.items()}
-        self._store.write_paths(job.profile_id, token, model_paths, s3_paths,    # 3
-                                job_id=job.job_id)
+        attempt.write_paths(model_paths, s3_paths)                               # 3
         self._crash("after_paths")
         self._check_lease(lease)
-        self._store.mark_profile_completed(job.profile_id, token, job_id=job.job_id)  # 4
+        attempt.complete_profile()                                               # 4
         self._crash("after_profile_completed")
         self._check_lease(lease)
         store_lease.end()
-        self._store.mark_job_completed(job.job_id, token)                        # 5 commit marker
+        attempt.complete()                                                       # 5 commit marker
         self._crash("after_job_completed")
 
     def _remove_work_files(self, job: Job) -> None:
@@ -317,21 +316,21 @@ class VoiceJobHandler:
         if lease.lost:
             raise Stopped(Stopped.LEASE_LOST, lease.lost_reason or "")
 
-    def _stopped(self, job: Job, token: str, exc: Stopped) -> str:
+    def _stopped(self, attempt: Attempt, exc: Stopped) -> str:
         if exc.reason == Stopped.CANCELLED:
-            self._store.mark_cancelled(job.job_id, token)
+            attempt.cancel()
             log.info("job.cancelled", when="during work")
             return "cancelled"
         if exc.reason == Stopped.SHUTDOWN:
-            self._release(job.job_id, token)  # on failure the lease lapses; the message is released anyway
+            self._release(attempt.job_id, attempt.token)  # on failure the lease lapses; the message is released anyway
             raise exc
         if exc.reason == Stopped.TIME_LIMIT:
             limit = TimeLimitExceeded(f"job ran past its time limit ({exc})")
-            self._record_error(job.job_id, token, limit)
+            self._record_error(attempt.job_id, attempt.token, limit)
             raise limit from exc
         # Lease lost: no commit. Clearing our store lease (fenced: only if still ours) lets the next
         # delivery claim at once instead of waiting for it to expire.
-        self._release(job.job_id, token)
+        self._release(attempt.job_id, attempt.token)
         raise exc
 
     def _release(self, job_id: str, token: str) -> None:

@@ -206,8 +206,8 @@ class MongoStore(Store):
 
     # ------------------------------------------------------------ the attempt's life
 
-    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
-              message_id: str | None = None) -> Claim:
+    def _claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
+               message_id: str | None = None) -> Claim:
         job, changed = self._change_job(
             "claim", job_id,
             lambda j, now: rules.claim_refusal(j, now) is None,

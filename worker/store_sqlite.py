@@ -242,8 +242,8 @@ class SqliteStore(Store):
 
     # ------------------------------------------------------------ the attempt's life
 
-    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
-              message_id: str | None = None) -> Claim:
+    def _claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
+               message_id: str | None = None) -> Claim:
         def stamp_profile(conn: sqlite3.Connection, job: dict, now: datetime) -> None:
             if not job.get("profileId"):
                 return

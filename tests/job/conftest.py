@@ -11,7 +11,7 @@ import boto3
 import mongomock
 import pytest
 
-from tests.support import SHIPPED_ARTIFACTS
+from tests.support import SHIPPED_ARTIFACTS, attempt_through
 from worker.artifacts import ArtifactUploader
 from worker.job import VoiceJobHandler
 from worker.store_mongo import MongoStore
@@ -77,7 +77,7 @@ class RecordingStore:
                 exc = fault()
                 if exc is not None:
                     raise exc
-            return attr(*args, **kwargs)
+            return attempt_through(self, attr(*args, **kwargs))
 
         return call
 

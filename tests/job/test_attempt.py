@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.attempt import StoreLease
+from worker.attempt import Attempt, StoreLease
 from worker.errors import LeaseLost, StaleWrite, Stopped, StoreError
 from worker.stop import StopSignal
 
@@ -32,7 +32,8 @@ class FlakyStore:
 
 def make(lease_s=300.0, margin_s=60.0):
     store, clock, stop = FlakyStore(), Clock(), StopSignal()
-    return StoreLease(store, "j", "t", lease_s, stop, margin_s=margin_s, clock=clock), store, clock, stop
+    attempt = Attempt(store, "j", "p", "t", lease_s)
+    return StoreLease(attempt, stop, margin_s=margin_s, clock=clock), store, clock, stop
 
 
 def test_store_outage_shorter_than_the_lease_is_retried():

@@ -19,7 +19,7 @@ from tests.store.conftest import FakeClock, make_store
 from tests.support import FAST, FaultyClient, client_error
 from worker import metrics as m
 from worker.errors import BadRecording, ConfigError, DownloadError, Stopped, StoreError
-from worker.attempt import ProgressReporter
+from worker.attempt import Attempt, ProgressReporter
 from worker.lease import Lease, Shutdown
 from worker.loop import Worker
 from worker.metrics import Metrics, parse_dimensions
@@ -318,7 +318,7 @@ def test_stage_durations_are_timed_from_first_report_to_100_percent(claimed):
     """Each stage emits one StageDuration with a Stage dimension, from its first report to its first 100 %."""
     store, _ = claimed
     out, ticks = io.StringIO(), Ticks()
-    reporter = ProgressReporter(store, "a" * 24, "t", StopSignal(), clock=ticks,
+    reporter = ProgressReporter(Attempt(store, "a" * 24, None, "t", 60.0), StopSignal(), clock=ticks,
                                 metrics=Metrics(dimensions={"Queue": "jobs"}, stream=out))
     for at, stage, percent in [(0, "download", 0), (3, "download", 100), (3, "train_full", 0),
                                (4, "train_full", 50), (10, "train_full", 100), (11, "train_full", 100)]:
@@ -334,7 +334,7 @@ def test_progress_is_rate_limited_per_stage_but_stage_changes_and_100_go_through
     """Within 2 s of a write, same-stage reports are dropped; a new stage, 100 % or the interval's end write."""
     store, clock = claimed
     ticks = Ticks()
-    reporter = ProgressReporter(store, "a" * 24, "t", StopSignal(), clock=ticks)
+    reporter = ProgressReporter(Attempt(store, "a" * 24, None, "t", 60.0), StopSignal(), clock=ticks)
     steps = [  # (seconds since start, stage, percent, written?)
         (0.0, "train_full", 0, True), (0.5, "train_full", 10, False), (1.99, "train_full", 20, False),
         (2.0, "train_full", 30, True), (2.1, "train_full", 100, True), (2.2, "export", 0, True),
@@ -358,7 +358,7 @@ def test_a_chatty_trainer_cannot_flood_the_store(claimed):
     ticks, writes = Ticks(), []
     real = store.set_progress
     store.set_progress = lambda *a, **k: writes.append(a) or real(*a, **k)
-    reporter = ProgressReporter(store, "a" * 24, "t", StopSignal(), clock=ticks)
+    reporter = ProgressReporter(Attempt(store, "a" * 24, None, "t", 60.0), StopSignal(), clock=ticks)
     for n in range(1000):
         ticks.now = 100.0 + n * 0.0019
         reporter("train_full", n / 10)

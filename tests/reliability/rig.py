@@ -24,7 +24,7 @@ import botocore.retries.standard
 from botocore.awsrequest import AWSResponse
 
 from tests.reliability.stack import ARTIFACTS, ENVIRONMENT, new_object_id
-from tests.support import Queues, create_queues
+from tests.support import Queues, attempt_through, create_queues
 from worker.artifacts import ArtifactUploader
 from worker.aws import client_config, make_client
 from worker.errors import StoreError
@@ -176,7 +176,7 @@ class FlakyStore:
                 raise StoreError(f"injected: the store is unavailable ({name})")
             if name in self.slow:
                 time.sleep(self.slow[name])
-            return attr(*args, **kwargs)
+            return attempt_through(self, attr(*args, **kwargs))
 
         return call
 
