@@ -203,7 +203,7 @@ class VoiceJobHandler:
             claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
                                 message_id=message.message_id)
         except StoreError:
-            # The claim may have landed before the failure (MongoDB stamps the profile separately):
+            # The claim may have landed before the failure (the profile is stamped in a second swap):
             # let go of it, fenced on our token, so the redelivery is not told the job is busy.
             self._release(job.job_id, token)
             raise

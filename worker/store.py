@@ -282,20 +282,10 @@ class Store(ABC):
     @abstractmethod
     def get_profile(self, profile_id: str) -> dict | None: ...
 
+    @abstractmethod
     def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
               message_id: str | None = None) -> Claim:
         """Claim the job under ``token``; a "claimed" outcome carries the ``Attempt`` to write with."""
-        claim = self._claim(job_id, owner=owner, token=token, lease_s=lease_s, message_id=message_id)
-        if claim.outcome != "claimed":
-            return claim
-        profile_id = (claim.job or {}).get("profileId")
-        attempt = Attempt(self, job_id, str(profile_id) if profile_id else None, token, lease_s)
-        return Claim(claim.outcome, claim.job, claim.cancel_requested, attempt)
-
-    @abstractmethod
-    def _claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
-               message_id: str | None = None) -> Claim:
-        """The backend's claim: the job record and the profile's stamp, without the Attempt."""
 
     @abstractmethod
     def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:

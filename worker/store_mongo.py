@@ -1,20 +1,19 @@
 """The production records store: MongoDB through pymongo (tested with mongomock).
 
-Every conditional operation is one ``find_one_and_update`` whose filter carries the condition, so the
-server decides atomically. Operations that rewrite the history list (claim, error, complete, cancel,
-release) are compare-and-swap: the new record is computed from a read by the shared pure rules and
-written only if ``_rev`` is unchanged and the condition still holds; a lost race re-reads and
-decides again. (A single update cannot both close the last history entry and append a new one.)
-The claim's profile stamp is compare-and-swap too, on the profile's status and claims list.
+It supplies the two swap primitives of ``worker.store_transitions`` (which holds every rule) as
+compare-and-swap on a revision field, ``_rev``: read the record, decide with the shared pure rule,
+and write only the fields that changed with a filter on the revision read; a lost race re-reads and
+decides again (up to a few times, then ``StoreError``). Fields the worker did not change are never
+written, so a profile's other fields stay as the product's backend left them.
 Datetimes are written as naive UTC (what BSON means by a datetime) and returned aware.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import pymongo
@@ -25,8 +24,9 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from worker import store as rules
 from worker import store_recovery as recovery
-from worker.errors import StaleWrite, StoreError
-from worker.store import Claim, Clock, Store
+from worker.errors import StoreError
+from worker.store import Clock
+from worker.store_transitions import TransitionStore
 
 log = structlog.get_logger(__name__)
 
@@ -34,8 +34,6 @@ _OBJECT_ID = re.compile(r"^[0-9a-fA-F]{24}$")
 _REV = "_rev"
 # Each retry follows another writer's successful change, so a few always suffice in practice.
 _CAS_ATTEMPTS = 8
-_FINAL = list(rules.FINAL_STATUSES)
-_MISSING = object()
 
 
 def db_id(record_id: str) -> ObjectId | str:
@@ -67,13 +65,20 @@ def from_bson(value: Any) -> Any:
     return value
 
 
-def _claimable(now: datetime) -> dict:
-    return {"status": {"$nin": _FINAL},
-            "$or": [{"lease": None}, {"lease.expiresAt": {"$lte": to_bson(now)}}]}
+def _cas(raw: dict, before: dict, after: dict) -> tuple[dict, dict]:
+    """The filter and update that turn ``before`` (read as ``raw``) into ``after``, or match nothing.
 
-
-def _held(token: str) -> dict:
-    return {"status": rules.PROCESSING, "lease.token": token}
+    The filter holds the revision read and the stored value of every field the update touches: a
+    writer that bypasses the revision (the product's backend, an older worker) still makes the swap
+    fail rather than be overwritten. Fields nobody here changed are neither compared nor written.
+    """
+    changed = [key for key, value in after.items() if key != "_id" and (key not in before or before[key] != value)]
+    dropped = [key for key in before if key not in after and key != "_id"]
+    condition = {"_id": raw["_id"], _REV: raw.get(_REV), **{key: raw.get(key) for key in changed + dropped}}
+    update: dict = {"$set": {**to_bson({key: after[key] for key in changed}), _REV: int(raw.get(_REV) or 0) + 1}}
+    if dropped:
+        update["$unset"] = {key: "" for key in dropped}
+    return condition, update
 
 
 @contextmanager
@@ -85,7 +90,7 @@ def translated(op: str) -> Iterator[None]:
         raise StoreError(f"mongo {op} failed: {type(exc).__name__}") from exc
 
 
-class MongoStore(Store):
+class MongoStore(TransitionStore):
     def __init__(self, db: Any, *, jobs_collection: str = "voiceclonings",
                  profiles_collection: str = "useraudioprofiles", clock: Clock = rules.utc_now,
                  client: Any = None):
@@ -111,12 +116,8 @@ class MongoStore(Store):
     def _now(self) -> datetime:
         return rules.to_ms(self._clock())
 
-    def _change_job(self, op: str, job_id: str,
-                    allowed: Callable[[dict, datetime], bool],
-                    change: Callable[[dict, datetime], dict],
-                    condition: Callable[[datetime], dict]) -> tuple[dict | None, bool]:
-        """Compare-and-swap on ``_rev`` plus the condition; returns (record now, whether it changed)."""
-        lost_at_rev: Any = _MISSING
+    def _swap_job(self, op: str, job_id: str, allowed, change) -> tuple[dict | None, bool]:
+        """Compare-and-swap on ``_rev``: a job changed since the read is read again and decided again."""
         with translated(op):
             for _ in range(_CAS_ATTEMPTS):
                 now = self._now()
@@ -124,66 +125,38 @@ class MongoStore(Store):
                 if raw is None:
                     return None, False
                 job = from_bson(raw)
-                # Same revision as the write that just failed: the condition refused it, not a race.
-                if not allowed(job, now) or raw.get(_REV) == lost_at_rev:
+                if not allowed(job, now):
                     return job, False
-                new = change(job, now)
-                changes = {key: value for key, value in new.items()
-                           if key != "_id" and (key not in job or job[key] != value)}
-                changes[_REV] = int(raw.get(_REV) or 0) + 1
-                after = self._jobs.find_one_and_update(
-                    {"_id": raw["_id"], _REV: raw.get(_REV), **condition(now)},
-                    {"$set": to_bson(changes)}, return_document=ReturnDocument.AFTER)
+                after = self._jobs.find_one_and_update(*_cas(raw, job, change(job, now)),
+                                                       return_document=ReturnDocument.AFTER)
                 if after is not None:
                     return from_bson(after), True
-                lost_at_rev = raw.get(_REV)
         raise StoreError(f"mongo {op} failed: job {job_id} kept changing under concurrent writers")
 
-    def _fenced_job(self, op: str, job_id: str, token: str,
-                    change: Callable[[dict, datetime], dict]) -> None:
-        _job, changed = self._change_job(op, job_id, lambda j, _now: rules.holds_lease(j, token),
-                                         change, lambda _now: _held(token))
-        if not changed:
-            raise StaleWrite(f"{op}: job {job_id} is not held by this token any more")
+    def _swap_profile(self, op: str, profile_id: str, allowed, change) -> tuple[dict | None, bool]:
+        """The same on a profile; a missing one is inserted (a claim may stamp a profile not yet there).
 
-    def _set_if_held(self, op: str, job_id: str, token: str, fields: dict) -> dict:
+        Profiles written before revisions existed have no ``_rev``: the filter's ``None`` matches the
+        missing field, and the first write adds it."""
         with translated(op):
-            after = self._jobs.find_one_and_update(
-                {"_id": db_id(job_id), **_held(token)}, {"$set": to_bson(fields)},
-                return_document=ReturnDocument.AFTER)
-        if after is None:
-            raise StaleWrite(f"{op}: job {job_id} is not held by this token any more")
-        return from_bson(after)
-
-    def _set_if_claimed(self, op: str, profile_id: str, job_id: str, token: str, fields: dict) -> None:
-        # rules.holds_profile_claim as a filter: a list of {jobId, token}, as a map keyed by job id
-        # would address a dotted path and job ids may contain dots.
-        claimed = {"$elemMatch": {"jobId": str(job_id), "token": token}}
-        with translated(op):
-            after = self._profiles.find_one_and_update(
-                {"_id": db_id(profile_id), rules.CLAIMS: claimed}, {"$set": to_bson(fields)})
-        if after is None:
-            raise StaleWrite(f"{op}: profile {profile_id} holds no claim of job {job_id} by this token")
-
-    def _stamp_profile(self, profile_id: str, job_id: str, token: str) -> None:
-        # Compare-and-swap on the status and claims read: a profile completed meanwhile stays so, and
-        # the claims of other jobs racing ours all survive.
-        for _ in range(_CAS_ATTEMPTS):
-            raw = self._profiles.find_one({"_id": db_id(profile_id)})
-            new = rules.stamped_profile(raw and from_bson(raw), profile_id, job_id, token, self._now())
-            if raw is None:
-                try:
-                    self._profiles.insert_one(to_bson({**new, "_id": db_id(profile_id)}))
-                    return
-                except DuplicateKeyError:
-                    continue  # created meanwhile: stamp that record instead
-            stamp = {key: new[key] for key in ("status", rules.CLAIMS, "jobId", "updatedAt")}
-            result = self._profiles.update_one(
-                {"_id": raw["_id"], "status": raw.get("status"), rules.CLAIMS: raw.get(rules.CLAIMS)},
-                {"$set": to_bson(stamp), "$unset": {rules.LEGACY_CLAIM_TOKEN: ""}})
-            if result.matched_count == 1:
-                return
-        raise StoreError(f"mongo claim failed: profile {profile_id} kept changing under concurrent writers")
+            for _ in range(_CAS_ATTEMPTS):
+                now = self._now()
+                raw = self._profiles.find_one({"_id": db_id(profile_id)})
+                profile = None if raw is None else from_bson(raw)
+                if not allowed(profile, now):
+                    return profile, False
+                new = change(profile, now)
+                if raw is None:
+                    try:
+                        self._profiles.insert_one(to_bson({**new, "_id": db_id(profile_id), _REV: 1}))
+                        return new, True
+                    except DuplicateKeyError:
+                        continue  # created meanwhile: decide again on that record
+                after = self._profiles.find_one_and_update(*_cas(raw, profile, new),
+                                                           return_document=ReturnDocument.AFTER)
+                if after is not None:
+                    return from_bson(after), True
+        raise StoreError(f"mongo {op} failed: profile {profile_id} kept changing under concurrent writers")
 
     # ------------------------------------------------------------ reads
 
@@ -203,77 +176,6 @@ class MongoStore(Store):
         with translated("find_stale"):
             raws = list(self._jobs.find(query).sort("heartbeatAt", pymongo.ASCENDING).limit(int(limit)))
         return [from_bson(raw) for raw in raws]
-
-    # ------------------------------------------------------------ the attempt's life
-
-    def _claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
-               message_id: str | None = None) -> Claim:
-        job, changed = self._change_job(
-            "claim", job_id,
-            lambda j, now: rules.claim_refusal(j, now) is None,
-            lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now,
-                                         message_id=message_id),
-            _claimable)
-        if job is None:
-            return Claim("missing", None)
-        if not changed:
-            outcome = rules.claim_refusal(job, self._now()) or "held"
-            return Claim(outcome, job, bool(job.get("cancelRequested")))
-        if job.get("profileId"):
-            with translated("claim"):
-                self._stamp_profile(str(job["profileId"]), str(job_id), token)
-        return Claim("claimed", job, bool(job.get("cancelRequested")))
-
-    def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
-        now = self._now()
-        job = self._set_if_held("renew_lease", job_id, token, {
-            "lease.expiresAt": now + timedelta(seconds=lease_s), "heartbeatAt": now})
-        return bool(job.get("cancelRequested"))
-
-    def set_progress(self, job_id: str, token: str, stage: str, percent: float) -> None:
-        now = self._now()
-        self._set_if_held("set_progress", job_id, token, {
-            "progress": {"stage": stage, "percent": float(percent), "updatedAt": now}})
-
-    def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
-                     retryable: bool) -> bool:
-        _job, changed = self._change_job(
-            "record_error", job_id,
-            lambda j, now: rules.may_record_error(j, token, now),
-            lambda j, now: rules.errored(j, token=token, error_type=error_type, message=message,
-                                         retryable=retryable, now=now),
-            (lambda _now: _held(token)) if token is not None else _claimable)
-        return changed
-
-    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
-                    job_id: str) -> None:
-        self._set_if_claimed("write_paths", profile_id, job_id, token, {
-            "modelPaths": dict(model_paths), "s3Paths": dict(s3_paths), "updatedAt": self._now()})
-
-    def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
-        self._set_if_claimed("mark_profile_completed", profile_id, job_id, token, {
-            "status": rules.COMPLETED, "updatedAt": self._now()})
-
-    def mark_job_completed(self, job_id: str, token: str) -> None:
-        self._fenced_job("mark_job_completed", job_id, token,
-                         lambda j, now: rules.completed(j, token, now))
-
-    def mark_cancelled(self, job_id: str, token: str) -> None:
-        self._fenced_job("mark_cancelled", job_id, token,
-                         lambda j, now: rules.cancelled(j, token, now))
-
-    def release_lease(self, job_id: str, token: str) -> bool:
-        _job, changed = self._change_job(
-            "release_lease", job_id, lambda j, _now: rules.holds_lease(j, token),
-            lambda j, now: rules.released(j, token, now), lambda _now: _held(token))
-        return changed
-
-    def request_cancel(self, job_id: str) -> bool:
-        with translated("request_cancel"):
-            before = self._jobs.find_one_and_update(
-                {"_id": db_id(job_id), "status": {"$nin": _FINAL}},
-                {"$set": {"cancelRequested": True}})
-        return before is not None
 
     # ------------------------------------------------------------ creation
 
@@ -307,35 +209,12 @@ class MongoStore(Store):
 
     # ------------------------------------------------------------ the reconciler's operations
 
-    def mark_enqueued(self, job_id: str, *, again: bool = False) -> bool:
-        field = recovery.REENQUEUED if again else recovery.ENQUEUED
-        return self._change_job("mark_enqueued", job_id, lambda j, _now: j.get(field) is None,
-                                lambda j, now: recovery.stamped(j, field, now),
-                                lambda _now: {field: None})[1]
-
     def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
         query = {"status": rules.PENDING, recovery.ENQUEUED: None, recovery.REENQUEUED: None,
                  "createdAt": {"$lte": to_bson(recovery.cutoff(self._now(), older_than_s))}}
         with translated("find_unenqueued"):
             raws = list(self._jobs.find(query).sort("createdAt", pymongo.ASCENDING).limit(int(limit)))
         return [from_bson(raw) for raw in raws]
-
-    def mark_worker_lost(self, job_id: str, *, stale_after_s: float, worker: str) -> bool:
-        def condition(now: datetime) -> dict:
-            ended = to_bson(recovery.cutoff(now, stale_after_s))
-            return {"status": rules.PROCESSING, "$or": [{"lease.expiresAt": {"$lte": ended}},
-                                                        {"lease": None, "heartbeatAt": {"$lte": ended}}]}
-
-        return self._change_job("mark_worker_lost", job_id,
-                                lambda j, now: recovery.worker_lost(j, now, stale_after_s),
-                                lambda j, now: recovery.lost(j, worker=worker, now=now), condition)[1]
-
-    def record_dead_letter(self, job_id: str, *, dead_letter: dict, worker: str) -> bool:
-        message_id = dead_letter["messageId"]
-        return self._change_job(
-            "record_dead_letter", job_id, lambda j, now: recovery.may_record_dead_letter(j, message_id, now),
-            lambda j, now: recovery.dead_lettered(j, dead_letter, worker=worker, now=now),
-            lambda now: {**_claimable(now), recovery.DEAD_LETTERS: {"$ne": message_id}})[1]
 
     def close(self) -> None:
         client, self._client = self._client, None

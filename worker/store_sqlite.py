@@ -1,10 +1,9 @@
 """The embedded records store: one SQLite file, safe for several worker processes at once.
 
-Every conditional operation runs inside ``BEGIN IMMEDIATE``: the write lock is taken before the
-record is read, so the decision (made by the shared pure rules in ``worker.store``) and the write see
-the same row, and two processes cannot both claim a job. The ``UPDATE … WHERE`` repeats the
-condition on indexed columns, so a row that somehow changed is not overwritten. Each record is kept
-whole as a JSON document; the columns beside it exist only for those conditions.
+It supplies the two swap primitives of ``worker.store_transitions`` (which holds every rule): each
+runs inside ``BEGIN IMMEDIATE``, so the write lock is taken before the record is read, the decision
+and the write see the same row, and two processes cannot both claim a job. Each record is kept
+whole as a JSON document; the columns beside it serve the queries (stale leases, statuses).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import os
 import sqlite3
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 
@@ -22,8 +21,9 @@ import structlog
 
 from worker import store as rules
 from worker import store_recovery as recovery
-from worker.errors import ConfigError, StaleWrite, StoreError
-from worker.store import Claim, Clock, Store
+from worker.errors import ConfigError, StoreError
+from worker.store import Clock
+from worker.store_transitions import TransitionStore
 
 log = structlog.get_logger(__name__)
 
@@ -45,17 +45,6 @@ _SCHEMA = (
         status TEXT NOT NULL
     )""",
 )
-
-# The same conditions the pure rules decide with, restated for the UPDATE's WHERE.
-_CLAIMABLE = "status NOT IN ('completed', 'cancelled') AND (lease_token IS NULL OR lease_expires_ms <= ?)"
-_HELD = "status = 'processing' AND lease_token = ?"
-_NOT_FINAL = "status NOT IN ('completed', 'cancelled')"
-# rules.holds_profile_claim, restated on the JSON document (the claims list has no column).
-_PROFILE_CLAIMED = ("EXISTS (SELECT 1 FROM json_each(profiles.doc, '$.claims') "
-                    "WHERE json_extract(value, '$.jobId') = ? AND json_extract(value, '$.token') = ?)")
-_LOST = ("status = 'processing' AND ((lease_token IS NOT NULL AND lease_expires_ms <= ?) "
-         "OR (lease_token IS NULL AND heartbeat_ms <= ?))")
-
 
 def _epoch_ms(moment: datetime | None) -> int | None:
     return None if moment is None else round(moment.timestamp() * 1000)
@@ -85,7 +74,7 @@ def _decode(text: str) -> dict:
 CREATE, EXISTING, READ_ONLY = "rwc", "rw", "ro"
 
 
-class SqliteStore(Store):
+class SqliteStore(TransitionStore):
     def __init__(self, path: str, *, clock: Clock = rules.utc_now, busy_timeout_s: float = 10.0,
                  mode: str = CREATE):
         if mode not in (CREATE, EXISTING, READ_ONLY):
@@ -173,12 +162,7 @@ class SqliteStore(Store):
             (profile["_id"], _encode(profile), profile["status"]),
         )
 
-    def _change_job(self, op: str, job_id: str,
-                    allowed: Callable[[dict, datetime], bool],
-                    change: Callable[[dict, datetime], dict],
-                    where: str, where_args: Callable[[datetime], tuple],
-                    after: Callable[[sqlite3.Connection, dict, datetime], None] | None = None,
-                    ) -> tuple[dict | None, bool]:
+    def _swap_job(self, op: str, job_id: str, allowed, change) -> tuple[dict | None, bool]:
         """Read, decide, write in one IMMEDIATE transaction; returns (record now, whether it changed)."""
         with self._transaction(op) as conn:
             # Read the clock once the write lock is held: waiting for it must not shorten a new lease.
@@ -187,38 +171,20 @@ class SqliteStore(Store):
             if job is None or not allowed(job, now):
                 return job, False
             new = change(job, now)
-            cursor = conn.execute(
+            conn.execute(
                 "UPDATE jobs SET doc = ?, status = ?, lease_token = ?, lease_expires_ms = ?, "
-                f"heartbeat_ms = ? WHERE id = ? AND {where}",
-                (*self._job_columns(new), str(job_id), *where_args(now)),
-            )
-            if cursor.rowcount != 1:
-                return job, False
-            if after is not None:
-                after(conn, new, now)
+                "heartbeat_ms = ? WHERE id = ?", (*self._job_columns(new), str(job_id)))
             return new, True
 
-    def _fenced_job(self, op: str, job_id: str, token: str,
-                    change: Callable[[dict, datetime], dict]) -> dict:
-        job, changed = self._change_job(
-            op, job_id, lambda j, _now: rules.holds_lease(j, token), change, _HELD, lambda _now: (token,))
-        if not changed:
-            raise StaleWrite(f"{op}: job {job_id} is not held by this token any more")
-        return job
-
-    def _fenced_profile(self, op: str, profile_id: str, job_id: str, token: str,
-                        change: Callable[[dict, datetime], dict]) -> None:
+    def _swap_profile(self, op: str, profile_id: str, allowed, change) -> tuple[dict | None, bool]:
         with self._transaction(op) as conn:
             now = self._now()
             profile = self._read(conn, "profiles", profile_id)
-            if rules.holds_profile_claim(profile, job_id, token):
-                new = change(profile, now)
-                cursor = conn.execute(
-                    f"UPDATE profiles SET doc = ?, status = ? WHERE id = ? AND {_PROFILE_CLAIMED}",
-                    (_encode(new), new["status"], str(profile_id), str(job_id), token))
-                if cursor.rowcount == 1:
-                    return
-        raise StaleWrite(f"{op}: profile {profile_id} holds no claim of job {job_id} by this token")
+            if not allowed(profile, now):
+                return profile, False
+            new = change(profile, now)
+            self._put_profile(conn, new)
+            return new, True
 
     # ------------------------------------------------------------ reads
 
@@ -239,81 +205,6 @@ class SqliteStore(Store):
                 "ORDER BY heartbeat_ms IS NOT NULL, heartbeat_ms LIMIT ?",
                 (now_ms, int(limit))).fetchall()
         return [_decode(row[0]) for row in rows]
-
-    # ------------------------------------------------------------ the attempt's life
-
-    def _claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
-               message_id: str | None = None) -> Claim:
-        def stamp_profile(conn: sqlite3.Connection, job: dict, now: datetime) -> None:
-            if not job.get("profileId"):
-                return
-            profile_id = str(job["profileId"])
-            profile = self._read(conn, "profiles", profile_id)
-            self._put_profile(conn, rules.stamped_profile(profile, profile_id, str(job_id), token, now))
-
-        job, changed = self._change_job(
-            "claim", job_id,
-            lambda j, now: rules.claim_refusal(j, now) is None,
-            lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now,
-                                         message_id=message_id),
-            _CLAIMABLE, lambda now: (_epoch_ms(now),),
-            after=stamp_profile,
-        )
-        if job is None:
-            return Claim("missing", None)
-        outcome = "claimed" if changed else (rules.claim_refusal(job, self._now()) or "held")
-        return Claim(outcome, job, bool(job.get("cancelRequested")))
-
-    def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
-        job = self._fenced_job("renew_lease", job_id, token,
-                               lambda j, now: rules.renewed(j, lease_s, now))
-        return bool(job.get("cancelRequested"))
-
-    def set_progress(self, job_id: str, token: str, stage: str, percent: float) -> None:
-        self._fenced_job("set_progress", job_id, token,
-                         lambda j, now: rules.with_progress(j, stage, percent, now))
-
-    def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
-                     retryable: bool) -> bool:
-        where, args = (_HELD, lambda _now: (token,)) if token is not None else (
-            _CLAIMABLE, lambda now: (_epoch_ms(now),))
-        _job, changed = self._change_job(
-            "record_error", job_id,
-            lambda j, now: rules.may_record_error(j, token, now),
-            lambda j, now: rules.errored(j, token=token, error_type=error_type, message=message,
-                                         retryable=retryable, now=now),
-            where, args,
-        )
-        return changed
-
-    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
-                    job_id: str) -> None:
-        self._fenced_profile("write_paths", profile_id, job_id, token, lambda p, now: {
-            **p, "modelPaths": dict(model_paths), "s3Paths": dict(s3_paths), "updatedAt": now})
-
-    def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
-        self._fenced_profile("mark_profile_completed", profile_id, job_id, token, lambda p, now: {
-            **p, "status": rules.COMPLETED, "updatedAt": now})
-
-    def mark_job_completed(self, job_id: str, token: str) -> None:
-        self._fenced_job("mark_job_completed", job_id, token,
-                         lambda j, now: rules.completed(j, token, now))
-
-    def mark_cancelled(self, job_id: str, token: str) -> None:
-        self._fenced_job("mark_cancelled", job_id, token,
-                         lambda j, now: rules.cancelled(j, token, now))
-
-    def release_lease(self, job_id: str, token: str) -> bool:
-        _job, changed = self._change_job(
-            "release_lease", job_id, lambda j, _now: rules.holds_lease(j, token),
-            lambda j, now: rules.released(j, token, now), _HELD, lambda _now: (token,))
-        return changed
-
-    def request_cancel(self, job_id: str) -> bool:
-        _job, changed = self._change_job(
-            "request_cancel", job_id, lambda j, _now: rules.may_request_cancel(j),
-            lambda j, _now: rules.cancel_requested(j), _NOT_FINAL, lambda _now: ())
-        return changed
 
     # ------------------------------------------------------------ creation
 
@@ -341,13 +232,6 @@ class SqliteStore(Store):
 
     # ------------------------------------------------------------ the reconciler's operations
 
-    def mark_enqueued(self, job_id: str, *, again: bool = False) -> bool:
-        field = recovery.REENQUEUED if again else recovery.ENQUEUED
-        _job, changed = self._change_job(
-            "mark_enqueued", job_id, lambda j, _now: j.get(field) is None,
-            lambda j, now: recovery.stamped(j, field, now), "1 = 1", lambda _now: ())
-        return changed
-
     def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
         now = self._now()
         with self._guarded("find_unenqueued") as conn:
@@ -356,25 +240,6 @@ class SqliteStore(Store):
         jobs = [job for job in map(_decode, (row[0] for row in rows))
                 if recovery.awaiting_enqueue(job, now, older_than_s)]
         return sorted(jobs, key=lambda job: job["createdAt"])[:int(limit)]
-
-    def mark_worker_lost(self, job_id: str, *, stale_after_s: float, worker: str) -> bool:
-        def args(now: datetime) -> tuple:
-            cutoff_ms = _epoch_ms(recovery.cutoff(now, stale_after_s))
-            return cutoff_ms, cutoff_ms
-
-        _job, changed = self._change_job(
-            "mark_worker_lost", job_id, lambda j, now: recovery.worker_lost(j, now, stale_after_s),
-            lambda j, now: recovery.lost(j, worker=worker, now=now), _LOST, args)
-        return changed
-
-    def record_dead_letter(self, job_id: str, *, dead_letter: dict, worker: str) -> bool:
-        message_id = dead_letter["messageId"]
-        _job, changed = self._change_job(
-            "record_dead_letter", job_id,
-            lambda j, now: recovery.may_record_dead_letter(j, message_id, now),
-            lambda j, now: recovery.dead_lettered(j, dead_letter, worker=worker, now=now),
-            _CLAIMABLE, lambda now: (_epoch_ms(now),))
-        return changed
 
     def close(self) -> None:
         with self._lock:

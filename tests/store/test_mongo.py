@@ -334,3 +334,21 @@ def test_profile_that_keeps_changing_is_store_error(mongo, clock):
     store._profiles.find_one = find_one_then_someone_writes
     with pytest.raises(StoreError):
         store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+
+
+def test_fields_the_worker_does_not_change_are_left_as_the_backend_wrote_them(mongo, clock):
+    """A profile field the product's backend sets between the worker's read and write survives the write."""
+    store, db = mongo
+    submit(store)
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    real_find_one, profiles = store._profiles.find_one, db["useraudioprofiles"]
+
+    def find_one_then_backend_renames(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        profiles.update_one({"_id": ObjectId(PROFILE_ID)}, {"$set": {"displayName": "Ada's voice"}})
+        return doc
+
+    store._profiles.find_one = find_one_then_backend_renames
+    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
+    raw = profiles.find_one({"_id": ObjectId(PROFILE_ID)})
+    assert raw["displayName"] == "Ada's voice" and raw["modelPaths"] == MODEL_PATHS
