@@ -25,8 +25,8 @@ from pathlib import Path
 
 from sqs_bench import ROOT, LocalAws, session
 
-from worker.store_sqlite import SqliteStore
-from worker.submit import submit
+from worker.voice.store_sqlite import SqliteStore
+from worker.voice.submit import submit
 
 PIPELINE = """
 [artifacts]

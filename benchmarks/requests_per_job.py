@@ -19,9 +19,9 @@ from pathlib import Path
 from sqs_bench import LocalAws, session
 
 from worker.app import build_app
-from worker.demo import demo_settings, provision, sample_job
-from worker.logs import configure_logging
-from worker.submit import submit
+from worker.ops.demo import demo_settings, provision, sample_job
+from worker.core.logs import configure_logging
+from worker.voice.submit import submit
 
 
 def main() -> int:

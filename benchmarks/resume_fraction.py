@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import StageSpec  # noqa: E402
 from pipeline.dataset import build_dataset  # noqa: E402
 from pipeline.stages import StageContext, run_stage  # noqa: E402
-from worker.errors import Stopped  # noqa: E402
-from worker.stop import StopSignal  # noqa: E402
+from worker.core.errors import Stopped  # noqa: E402
+from worker.core.stop import StopSignal  # noqa: E402
 
 
 def synthesize(directory: Path) -> list[tuple[Path, str]]:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from worker.demo import LocalAws  # noqa: E402  (re-exported: the one way this project starts moto)
+from worker.ops.demo import LocalAws  # noqa: E402  (re-exported: the one way this project starts moto)
 
 __all__ = ["LocalAws", "Handled", "Feeder", "RequestCounter", "session", "new_queue", "ROOT"]
 

@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 from sqs_bench import ROOT, Feeder, Handled, LocalAws, RequestCounter, new_queue, session
 
-from worker.aws import make_client
-from worker.logs import configure_logging
-from worker.loop import Worker
-from worker.queue import Queue
+from worker.core.aws import make_client
+from worker.core.logs import configure_logging
+from worker.core.loop import Worker
+from worker.core.queue import Queue
 from worker.settings import load_settings
 
 START_TIMEOUT_S = 60

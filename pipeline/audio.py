@@ -38,8 +38,8 @@ import soundfile as sf
 from pipeline.files import fsync_dir
 from pipeline.manifest import TEMP_MARKER
 from pipeline.resample import Resampler
-from worker.errors import BadRecording, DownloadError
-from worker.stop import StopSignal
+from worker.core.errors import BadRecording, DownloadError
+from worker.core.stop import StopSignal
 
 TARGET_RATE_HZ = 22_050
 SILENCE_PEAK_DBFS = -60.0

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from worker.errors import ConfigError
-from worker.store import ASSET_KEYS
+from worker.core.errors import ConfigError
+
+# The five artifacts every pipeline must produce; the records (worker.voice.store) name the same keys.
+ASSET_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
 
 PLACEHOLDERS = frozenset(
     {"python", "dataset_dir", "output_dir", "checkpoint_dir", "log_dir", "job_id", "language"}

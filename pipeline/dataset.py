@@ -23,8 +23,8 @@ from pathlib import Path
 
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes, remove_stale_temps
-from worker.errors import BadRecording
-from worker.stop import StopSignal
+from worker.core.errors import BadRecording
+from worker.core.stop import StopSignal
 
 METADATA_NAME = "metadata.csv"
 WAVS_DIR_NAME = "wavs"

@@ -29,9 +29,9 @@ from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes
 from pipeline.stages import open_step_log, run_supervised, tail_lines
-from worker.errors import BadRecording, StageFailed
-from worker.redact import redact_text
-from worker.stop import StopSignal
+from worker.core.errors import BadRecording, StageFailed
+from worker.core.redact import redact_text
+from worker.core.stop import StopSignal
 
 STEP = "dataset"
 EXIT_BAD_RECORDING = 3

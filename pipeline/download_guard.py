@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from worker.stop import StopSignal
+from worker.core.stop import StopSignal
 
 # How often the watchdog looks at the clock and the stop signal, and how often a waiting caller looks
 # at the guard: the worst-case delay between a stop and the end of the download.

@@ -32,9 +32,9 @@ from pipeline import netguard
 from pipeline.download_guard import Cut, Guard, guard_of_this_thread
 from pipeline.part_file import part_file
 from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error
-from worker.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
-from worker.redact import redact_parsed_url
-from worker.stop import StopSignal
+from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
+from worker.core.redact import redact_parsed_url
+from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
 

@@ -5,7 +5,7 @@ fetch from the cloud metadata service, a database on the private network, or its
 hop of a download is parsed, resolved and checked here; the downloader then connects to the checked
 address itself, so DNS cannot answer differently between the check and the connection.
 
-Presigned URLs carry credentials in their query string: ``worker.redact.redact_parsed_url`` is the
+Presigned URLs carry credentials in their query string: ``worker.core.redact.redact_parsed_url`` is the
 only form of a URL that may appear in a log line or an exception message.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from worker.errors import BadRecording, DownloadError
-from worker.redact import redact_parsed_url, scrub_url_secrets
+from worker.core.errors import BadRecording, DownloadError
+from worker.core.redact import redact_parsed_url, scrub_url_secrets
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.files import fsync_dir
-from worker.errors import DownloadError
+from worker.core.errors import DownloadError
 
 
 @contextmanager

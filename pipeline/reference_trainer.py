@@ -41,7 +41,7 @@ import soundfile as sf
 
 from pipeline.dataset import split_metadata_line
 from pipeline.manifest import atomic_write_bytes, remove_stale_temps
-from worker.names import SAFE_NAME
+from worker.core.names import SAFE_NAME
 
 SAMPLE_RATE_HZ = 22_050
 N_FFT = 1024

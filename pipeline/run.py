@@ -16,14 +16,13 @@ from typing import Protocol
 
 import structlog
 
-from pipeline.config import PipelineConfig
+from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
 from pipeline.limits import JobLimits
 from pipeline.stage_env import stage_environment
 from pipeline.stages import DEFAULT_GRACE_S, StageContext, open_step_log, run_stage
-from worker.errors import BadRecording, DownloadError, StageFailed
-from worker.stop import StopSignal
-from worker.store import ASSET_KEYS
+from worker.core.errors import BadRecording, DownloadError, StageFailed
+from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
 

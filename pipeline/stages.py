@@ -14,7 +14,7 @@ Why it is shaped this way:
 - The caller's thread blocks on the stop signal in short slices (``poll_interval_s``) between
   checks of the process and the timeout: a stop is seen at once, nothing spins.
 - A failed stage is reported only after its output is in the log, with the log's tail redacted
-  (``worker.redact.redact_text``): the message goes to the job record, DLQ attributes, logs and Sentry.
+  (``worker.core.redact.redact_text``): the message goes to the job record, DLQ attributes, logs and Sentry.
 - A stage whose manifest verifies is not run again; otherwise its declared outputs (and, unless it
   is resumable, its checkpoint directory) are removed first, so nothing half-written survives.
 """
@@ -44,9 +44,9 @@ from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.proctree import TOKEN_NAME, StageTree, end_tree
 from pipeline.proctree import live_processes  # noqa: F401 - tests/reliability read /proc through it
 from pipeline.stage_env import stage_environment
-from worker.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
-from worker.redact import redact_text
-from worker.stop import StopSignal
+from worker.core.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
+from worker.core.redact import redact_text
+from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
 

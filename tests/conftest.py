@@ -47,7 +47,7 @@ def aws():
 @pytest.fixture(scope="session")
 def moto_server():
     """A real moto server process on a free loopback port (the demo's, one way to start it); yields its URL."""
-    from worker.demo import LocalAws
+    from worker.ops.demo import LocalAws
 
     with LocalAws() as aws:
         yield aws.url
@@ -71,8 +71,8 @@ def queues(sqs):
 def make_worker(queues):
     """Build a Worker on the moto queue; returns (worker, recording client)."""
     from tests.support import FAST, FaultyClient
-    from worker.loop import Worker
-    from worker.queue import Queue
+    from worker.core.loop import Worker
+    from worker.core.queue import Queue
     from worker.settings import load_settings
 
     def build(handler, *, client=None, reporter=None, **env):

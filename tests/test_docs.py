@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.stage_env import BUILTIN_NAMES
-from worker.cli import build_parser
-from worker.input_policy import InputPolicy
+from worker.ops.cli import build_parser
+from worker.voice.input_policy import InputPolicy
 from worker.settings import ENV_NAMES
-from worker.submit import prepare
+from worker.voice.submit import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -31,7 +31,7 @@ NOT_SETTINGS = frozenset({
     "JOB_ID",
 }) | frozenset(BUILTIN_NAMES)
 
-# Subcommands the docs describe that are being added to worker/cli.py in a parallel change.
+# Subcommands the docs describe that are being added to worker/ops/cli.py in a parallel change.
 KNOWN_PENDING: frozenset[str] = frozenset()
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

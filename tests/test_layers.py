@@ -1,4 +1,11 @@
-"""The generic core (queue, heartbeat, loop, stop, errors, process, logs) imports nothing voice-specific."""
+"""The layout is the layering: worker/core imports nothing voice-specific, and no layer imports one above it.
+
+    worker/core     the generic queue worker: queue, heartbeat, loop, stop, errors, process, logs
+    pipeline/       downloads, dataset, stages, the five artifacts                (uses core)
+    worker/voice    the voice-cloning job: message, handler, artifacts, records   (uses core, pipeline)
+    worker/ops      operator commands, demo, dev stack                            (uses all)
+    worker/app.py   the wiring of the daemon; worker/settings.py the one shared settings object
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# What a queue worker for any job would need; the voice-cloning job, the records, the pipeline and
-# the operator commands sit on top of it.
-CORE = frozenset({"errors", "stop", "queue", "lease", "loop", "daemon", "health", "metrics", "reporting",
-                  "faults", "redact", "logs", "aws"})
-# The one shared object the core may read: the validated settings, built once at start-up.
-SHARED = frozenset({"settings"})
+# What each layer may import from the project, besides itself.
+ALLOWED = {
+    "worker.core": {"worker.settings"},
+    "worker.voice": {"worker.core", "worker.settings", "pipeline"},
+    "pipeline": {"worker.core", "worker.settings"},
+}
 
 
 def project_imports(path: Path) -> set[str]:
@@ -20,21 +27,37 @@ def project_imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+            names.update({node.module} if node.module not in ("worker", "pipeline")
+                         else {f"{node.module}.{alias.name}" for alias in node.names})
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return {n for n in names if n.split(".")[0] in ("worker", "pipeline")}
 
 
+def crossings(layer: str) -> dict[str, list[str]]:
+    """The layer's modules that import something outside the layer and what it may use."""
+    allowed = (layer, *ALLOWED[layer])
+    found = {}
+    for path in sorted((REPO / Path(*layer.split("."))).rglob("*.py")):
+        bad = sorted(name for name in project_imports(path)
+                     if not any(name == ok or name.startswith(ok + ".") for ok in allowed))
+        if bad:
+            found[str(path.relative_to(REPO))] = bad
+    return found
+
+
 def test_the_core_imports_only_the_core_and_the_settings():
     """No core module imports the job, the records, the pipeline or the operator commands."""
-    allowed = {f"worker.{name}" for name in CORE | SHARED}
-    crossings = {name: sorted(project_imports(REPO / "worker" / f"{name}.py") - allowed) for name in sorted(CORE)}
-    assert {name: found for name, found in crossings.items() if found} == {}
+    assert crossings("worker.core") == {}
+
+
+def test_the_voice_job_and_the_pipeline_import_no_operator_command():
+    """The pipeline stands on the core alone; the job on the core and the pipeline; neither on worker/ops."""
+    assert crossings("worker.voice") == {} and crossings("pipeline") == {}
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
-    """An import tucked into a function body counts like one at the top."""
+    """An import tucked into a function body counts like one at the top, also ``from worker import x``."""
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from worker.job import VoiceJobHandler\n")
-    assert project_imports(module) == {"worker.job"}
+    module.write_text("def f():\n    from worker.voice.job import VoiceJobHandler\n    from worker import app\n")
+    assert project_imports(module) == {"worker.voice.job", "worker.app"}

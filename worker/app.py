@@ -15,19 +15,19 @@ from pipeline.downloads import fetch as download
 from pipeline.limits import JobLimits
 from pipeline.run import run_pipeline
 from pipeline.stage_env import stage_env_problems, stage_environment
-from worker.artifacts import ArtifactUploader
-from worker.aws import LazyClient, lease_client_config, make_client, new_session
-from worker.errors import ConfigError
-from worker.faults import CrashPoints
-from worker.health import Pulse
-from worker.input_policy import InputPolicy
-from worker.job import VoiceJobHandler
-from worker.loop import Worker
-from worker.metrics import Metrics
-from worker.queue import Queue
-from worker.reporting import Reporter
+from worker.voice.artifacts import ArtifactUploader
+from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
+from worker.core.errors import ConfigError
+from worker.core.faults import CrashPoints
+from worker.core.health import Pulse
+from worker.voice.input_policy import InputPolicy
+from worker.voice.job import VoiceJobHandler
+from worker.core.loop import Worker
+from worker.core.metrics import Metrics
+from worker.core.queue import Queue
+from worker.core.reporting import Reporter
 from worker.settings import Settings
-from worker.store import Store, open_store
+from worker.voice.store import Store, open_store
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.errors import ConfigError
+from worker.core.errors import ConfigError
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
 SQS_MAX_VISIBILITY_S = 43_200
@@ -98,13 +98,13 @@ class Settings(BaseSettings):
     liveness_max_age_s: float | None = Field(None, alias="LIVENESS_MAX_AGE_SECONDS", gt=0)
     # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
     notify_socket: str | None = Field(None, alias="NOTIFY_SOCKET")
-    # CloudWatch embedded metric format, one JSON object per line on stdout (worker/metrics.py).
+    # CloudWatch embedded metric format, one JSON object per line on stdout (worker/core/metrics.py).
     metrics_enabled: bool = Field(True, alias="METRICS_ENABLED")
     metrics_namespace: str = Field("VoiceWorker", alias="METRICS_NAMESPACE", min_length=1, max_length=255)
     # Name=Value pairs added to every metric, e.g. "Environment=production,Queue=jobs".
     metrics_dimensions: str = Field("", alias="METRICS_DIMENSIONS")
 
-    # --- testing only: kill the process at a named point (see worker/faults.py); unset in production
+    # --- testing only: kill the process at a named point (see worker/core/faults.py); unset in production
     crash_at: str | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
 
     # --- AWS
@@ -186,7 +186,7 @@ def consistency_problems(s: Settings) -> list[str]:
     if s.mongo_uri and s.store_url:
         problems.append("MONGO_URI and STORE_URL are both set: choose one store")
     if s.crash_at is not None:
-        from worker.faults import POINTS
+        from worker.core.faults import POINTS
 
         if s.crash_at not in POINTS:
             problems.append(f"VOICE_WORKER_CRASH_AT={s.crash_at} is not one of {', '.join(POINTS)}")
@@ -198,7 +198,7 @@ def consistency_problems(s: Settings) -> list[str]:
             f"JOB_TIME_LIMIT_SECONDS + SQS_VISIBILITY_TIMEOUT_SECONDS "
             f"({s.job_time_limit_s + s.sqs_visibility_timeout_s}), or a live job may be marked lost")
     if s.metrics_dimensions:
-        from worker.metrics import parse_dimensions
+        from worker.core.metrics import parse_dimensions
 
         try:
             parse_dimensions(s.metrics_dimensions)

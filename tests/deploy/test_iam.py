@@ -13,7 +13,7 @@ import pytest
 
 from tests.deploy.cfn import ACCOUNT, MODEL_BUCKET, REGION, Resolver, load_template
 from tests.deploy.files import REPO
-from worker.queue import Queue
+from worker.core.queue import Queue
 
 POLICY_JSON = REPO / "config" / "iam-policy.json"
 OPERATOR_POLICY_JSON = REPO / "config" / "iam-operator-policy.json"
@@ -170,13 +170,13 @@ COMMAND_CALLS = {
 }
 # Granted though no command calls it (they take SQS_QUEUE_URL): resolving the job queue's URL by name.
 OPERATOR_UNCALLED = {("sqs:GetQueueUrl", JOB_QUEUE)}
-# `doctor` runs with the worker's credentials (worker/doctor.py): both queues' attributes, the DLQ's
+# `doctor` runs with the worker's credentials (worker/ops/doctor.py): both queues' attributes, the DLQ's
 # URL, and a probe object under <prefix>/.doctor/ written and deleted.
 _PROBE = f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/.doctor/0123456789abcdef"
 DOCTOR_CALLS = _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("s3:PutObject", _PROBE),
                             ("s3:DeleteObject", _PROBE)}
-# The modules whose SQS calls the operator commands make (worker/cli.py wires them).
-OPERATOR_CODE = ("worker/submit.py", "worker/reconcile.py", "worker/dlq.py")
+# The modules whose SQS calls the operator commands make (worker/ops/cli.py wires them).
+OPERATOR_CODE = ("worker/voice/submit.py", "worker/ops/reconcile.py", "worker/ops/dlq.py")
 
 
 @pytest.fixture(params=["cloudformation", "json"])

@@ -63,7 +63,7 @@ def test_start_timeout_outlasts_the_store_connect_retries(unit):
 
 def test_restarts_on_failure_but_not_on_configuration_errors(unit):
     """Restart=on-failure with a RestartSec, and exit 2 (bad settings) is not restarted."""
-    from worker.daemon import EXIT_CONFIG
+    from worker.core.daemon import EXIT_CONFIG
 
     assert unit.value("Service", "Restart") == "on-failure"
     assert timespan_s(unit.value("Service", "RestartSec")) > 0

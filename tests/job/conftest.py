@@ -12,10 +12,10 @@ import mongomock
 import pytest
 
 from tests.support import SHIPPED_ARTIFACTS, attempt_through
-from worker.artifacts import ArtifactUploader
-from worker.job import VoiceJobHandler
-from worker.store_mongo import MongoStore
-from worker.store_sqlite import SqliteStore
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.job import VoiceJobHandler
+from worker.voice.store_mongo import MongoStore
+from worker.voice.store_sqlite import SqliteStore
 
 JOB_ID = "665f1c2e9b1e8a0012ab34cd"
 PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"

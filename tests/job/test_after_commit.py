@@ -9,9 +9,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.job.conftest import BUCKET, JOB_ID, PROFILE_ID, message_body
-from worker.artifacts import ArtifactUploader
-from worker.job import VoiceJobHandler
-from worker.store import is_complete
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.job import VoiceJobHandler
+from worker.voice.store import is_complete
 
 # message_body's environment, directoryName and jobId, under the handler fixture's WORK_ROOT.
 WORK_DIR = Path("production", "user-123-voice-1", JOB_ID)
@@ -62,7 +62,7 @@ def test_keep_work_files_keeps_every_file(queues, make_worker, keeping_handler, 
 def test_files_of_an_uncommitted_attempt_are_kept_for_its_retry(queues, make_worker, handler, store, train,
                                                                 tmp_path):
     """An attempt that fails before the commit leaves its files, so the retry can resume from them."""
-    from worker.errors import StoreError
+    from worker.core.errors import StoreError
 
     train.during = write_work_files
     store.faults["mark_job_completed"] = lambda: StoreError("store unavailable")
@@ -76,7 +76,7 @@ def test_files_of_an_uncommitted_attempt_are_kept_for_its_retry(queues, make_wor
 def test_a_failed_removal_is_logged_and_the_job_still_acknowledged(queues, make_worker, handler, train, raw_store,
                                                                    monkeypatch, tmp_path):
     """A removal that raises is a warning: the committed job is still acknowledged and stays complete."""
-    import worker.job as job_module
+    import worker.voice.job as job_module
 
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
@@ -98,7 +98,7 @@ def test_a_failed_removal_is_logged_and_the_job_still_acknowledged(queues, make_
 
 def test_an_unexpected_error_while_removing_never_fails_the_job(queues, make_worker, handler, monkeypatch):
     """Even a non-OSError from the removal (a bug) is logged, not raised: the commit already happened."""
-    import worker.job as job_module
+    import worker.voice.job as job_module
 
     def broken(_work_dir):
         raise RuntimeError("bug in cleanup")

@@ -12,14 +12,14 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from worker.artifacts import (
+from worker.voice.artifacts import (
     ArtifactUploader,
     artifact_key,
     object_matches,
     verify_local,
 )
-from worker.errors import StageFailed, StorageError
-from worker.store import ASSET_KEYS as ASSET_NAMES
+from worker.core.errors import StageFailed, StorageError
+from worker.voice.store import ASSET_KEYS as ASSET_NAMES
 
 BUCKET = "voice-artifacts"
 MIB = 1024 * 1024

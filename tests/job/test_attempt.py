@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.attempt import Attempt, StoreLease
-from worker.errors import LeaseLost, StaleWrite, Stopped, StoreError
-from worker.stop import StopSignal
+from worker.voice.attempt import Attempt, StoreLease
+from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
+from worker.core.stop import StopSignal
 
 
 class Clock:

@@ -7,11 +7,11 @@ import time
 
 from tests.job.conftest import JOB_ID, PROFILE_ID, message_body
 from tests.support import client_error
-from worker.errors import BadRecording
-from worker.job import AlreadyFailed
-from worker.lease import Lease, Shutdown
-from worker.queue import Message, Queue
-from worker.store import is_complete
+from worker.core.errors import BadRecording
+from worker.voice.job import AlreadyFailed
+from worker.core.lease import Lease, Shutdown
+from worker.core.queue import Message, Queue
+from worker.voice.store import is_complete
 
 
 def bad_recording(job, work_dir, stop, progress):

@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 
 from tests.job.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body
-from worker.errors import BadRecording, Stopped, StoreError, StaleWrite
-from worker.store import ASSET_KEYS, is_complete
+from worker.core.errors import BadRecording, Stopped, StoreError, StaleWrite
+from worker.voice.store import ASSET_KEYS, is_complete
 
 
 def test_completes_a_job_in_commit_order(queues, make_worker, handler, recorder, raw_store, s3):

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from tests.job.conftest import JOB_ID, PROFILE_ID, message_body
-from worker import message as message_module
-from worker.errors import InvalidMessage
-from worker.input_policy import SHAPE_ONLY, SQS_MAX_BODY_BYTES, InputPolicy
-from worker.message import job_id_hint, parse_job
+from worker.voice import message as message_module
+from worker.core.errors import InvalidMessage
+from worker.voice.input_policy import SHAPE_ONLY, SQS_MAX_BODY_BYTES, InputPolicy
+from worker.voice.message import job_id_hint, parse_job
 from worker.settings import load_settings
 
 RECORDINGS = "voice-recordings"
@@ -178,8 +178,8 @@ def test_handler_dead_letters_another_profiles_recording_without_work(queues, ma
                                                                       tmp_path, raw_store):
     """The handler applies its injected policy: another profile's s3:// key is dead-lettered, untrained."""
     from tests.job.conftest import BUCKET
-    from worker.artifacts import ArtifactUploader
-    from worker.job import VoiceJobHandler
+    from worker.voice.artifacts import ArtifactUploader
+    from worker.voice.job import VoiceJobHandler
 
     handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
                               work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=2,
@@ -219,8 +219,8 @@ def test_the_app_gives_the_handler_the_settings_policy_and_file_retention(queues
 
 def test_submit_with_the_worker_policy_refuses_before_recording_or_sending(queues, tmp_path):
     """submit(policy=...) refuses what the worker would refuse: no record is created and nothing is sent."""
-    from worker.store_sqlite import SqliteStore
-    from worker.submit import submit
+    from worker.voice.store_sqlite import SqliteStore
+    from worker.voice.submit import submit
 
     payload = json.loads(body_with(f"s3://{RECORDINGS}/recordings/665f1c2e9b1e8a0012ab9999/a.wav"))
     for key in ("jobId", "_doc"):

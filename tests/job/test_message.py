@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.errors import InvalidMessage
-from worker.message import (
+from worker.core.errors import InvalidMessage
+from worker.voice.message import (
     Job,
     Recording,
     job_id_hint,
     parse_job,
     split_s3_url,
 )
-from worker.names import SAFE_NAME
-from worker.redact import redact_url
+from worker.core.names import SAFE_NAME
+from worker.core.redact import redact_url
 
 SECRET = "SIGSECRET123"
 DELETE = object()

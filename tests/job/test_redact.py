@@ -2,8 +2,8 @@
 
 import pytest
 
-from worker.logs import scrub
-from worker.redact import redact_secrets, redact_text, redact_url
+from worker.core.logs import scrub
+from worker.core.redact import redact_secrets, redact_text, redact_url
 
 
 @pytest.mark.parametrize("url,shown", [
@@ -61,9 +61,9 @@ def test_a_recorded_error_and_a_dead_letter_never_carry_a_credential():
     """Whatever text an error carries, the job record and the DLQ attribute get it redacted."""
     from datetime import datetime, timezone
 
-    from worker.errors import UnexpectedError
-    from worker.queue import Message, dead_letter_attributes
-    from worker.store import errored
+    from worker.core.errors import UnexpectedError
+    from worker.core.queue import Message, dead_letter_attributes
+    from worker.voice.store import errored
 
     text = "unexpected ServerSelectionTimeoutError: mongodb://voice:hunter2@db.internal:27017/voice timed out"
     record = errored({"_id": "j"}, token=None, error_type="UnexpectedError", message=text, retryable=True,

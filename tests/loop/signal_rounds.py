@@ -15,9 +15,9 @@ import signal
 import sys
 import time
 
-from worker.daemon import run_worker
-from worker.logs import configure_logging
-from worker.loop import Worker
+from worker.core.daemon import run_worker
+from worker.core.logs import configure_logging
+from worker.core.loop import Worker
 from worker.settings import load_settings
 
 POLL_S = 0.002

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-from worker.aws import make_client
-from worker.daemon import run_worker
-from worker.logs import configure_logging
-from worker.loop import Worker
-from worker.queue import Queue
+from worker.core.aws import make_client
+from worker.core.daemon import run_worker
+from worker.core.logs import configure_logging
+from worker.core.loop import Worker
+from worker.core.queue import Queue
 from worker.settings import load_settings
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.errors import BadRecording, DownloadError, LeaseLost, Stopped, TimeLimitExceeded
-from worker.loop import Action, decide
-from worker.metrics import OUTCOME_METRICS, Outcome, outcome_of
+from worker.core.errors import BadRecording, DownloadError, LeaseLost, Stopped, TimeLimitExceeded
+from worker.core.loop import Action, decide
+from worker.core.metrics import OUTCOME_METRICS, Outcome, outcome_of
 
 
 @pytest.mark.parametrize("outcome,lease_lost,action", [

@@ -11,9 +11,9 @@ import sys
 import pytest
 import structlog
 
-from worker.aws import client_config, make_client
-from worker.daemon import EXIT_CRASHED, run_worker
-from worker.logs import configure_logging
+from worker.core.aws import client_config, make_client
+from worker.core.daemon import EXIT_CRASHED, run_worker
+from worker.core.logs import configure_logging
 from worker.settings import load_settings
 
 
@@ -135,7 +135,7 @@ def test_a_lazy_client_is_made_once_when_threads_race_to_use_it():
     import threading
     import time
 
-    from worker.aws import LazyClient
+    from worker.core.aws import LazyClient
 
     made = []
 

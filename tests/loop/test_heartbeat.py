@@ -8,9 +8,9 @@ import boto3
 import pytest
 
 from tests.support import client_error
-from worker.errors import LeaseLost, StoreError
-from worker.errors import Stopped
-from worker.queue import is_lease_lost_error
+from worker.core.errors import LeaseLost, StoreError
+from worker.core.errors import Stopped
+from worker.core.queue import is_lease_lost_error
 
 
 def test_renews_every_interval_with_a_full_reset(queues, make_worker):

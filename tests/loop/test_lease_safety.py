@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-from worker.errors import Stopped
-from worker.lease import Lease, Shutdown
-from worker.queue import Message
+from worker.core.errors import Stopped
+from worker.core.lease import Lease, Shutdown
+from worker.core.queue import Message
 
 
 class BlockingQueue:

@@ -9,9 +9,9 @@ import time
 import pytest
 import structlog
 
-from worker.errors import DownloadError
-from worker.logs import configure_logging, scrub
-from worker.reporting import Reporter
+from worker.core.errors import DownloadError
+from worker.core.logs import configure_logging, scrub
+from worker.core.reporting import Reporter
 
 SECRET_BODY = (
     '{"jobId": "j1", "input": [{"recordingUrl": "https://media.example.com/a.wav?X-Amz-Signature=SECRET123",'

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from tests.support import FAST, FaultyClient, client_error, create_queues
-from worker.errors import BadRecording, DownloadError, InvalidMessage, JobBusy, Stopped, StoreError
-from worker.loop import Worker, retry_ceiling_s, retry_delay_for, retry_delay_s
-from worker.queue import Queue
+from worker.core.errors import BadRecording, DownloadError, InvalidMessage, JobBusy, Stopped, StoreError
+from worker.core.loop import Worker, retry_ceiling_s, retry_delay_for, retry_delay_s
+from worker.core.queue import Queue
 from worker.settings import load_settings
 
 

@@ -14,7 +14,7 @@ import sentry_sdk
 from sentry_sdk import integrations
 from sentry_sdk.transport import Transport
 
-from worker.reporting import Reporter, scrub_event
+from worker.core.reporting import Reporter, scrub_event
 
 SIGNED = "/rec/a.wav?X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20240101&X-Amz-Signature=SECRETSIG123"
 SECRETS = ("SECRETSIG123", "AKIAIOSFODNN7EXAMPLE")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from worker.errors import ConfigError
+from worker.core.errors import ConfigError
 from worker.settings import daemon_problems, load_settings
 
 BAD = [
@@ -97,8 +97,8 @@ def test_importing_modules_starts_nothing():
     code = (
         "import signal, threading, importlib, pkgutil, worker\n"
         "before = signal.getsignal(signal.SIGTERM)\n"
-        "for m in pkgutil.iter_modules(worker.__path__):\n"
-        "    if m.name != '__main__': importlib.import_module('worker.' + m.name)\n"
+        "for m in pkgutil.walk_packages(worker.__path__, 'worker.'):\n"
+        "    if not m.name.endswith('__main__'): importlib.import_module(m.name)\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "assert signal.getsignal(signal.SIGTERM) is before\n"
         "print('ok')\n"

@@ -11,8 +11,8 @@ import sys
 import threading
 import time
 
-from worker.daemon import SignalRelay
-from worker.loop import Worker
+from worker.core.daemon import SignalRelay
+from worker.core.loop import Worker
 from worker.settings import load_settings
 
 ROUNDS = 300

@@ -13,11 +13,11 @@ import pytest
 
 from pipeline.config import load_pipeline_config
 from tests.support import create_queues
-from worker.commands import cmd_cancel, cmd_health, cmd_status, cmd_submit
-from worker.doctor import report, run_checks
+from worker.ops.commands import cmd_cancel, cmd_health, cmd_status, cmd_submit
+from worker.ops.doctor import report, run_checks
 from worker.settings import load_settings
-from worker.store import open_store
-from worker.store_sqlite import SqliteStore
+from worker.voice.store import open_store
+from worker.voice.store_sqlite import SqliteStore
 
 PAYLOAD = {
     "profileId": "665f1c2e9b1e8a0012ab34ce",
@@ -267,7 +267,7 @@ def test_cancel_of_a_finished_job_has_nothing_to_do_and_exits_4(store, job_id, e
 
 def test_cli_cancel_uses_the_configured_heartbeat_interval(tmp_path, monkeypatch, capsys):
     """`python -m worker cancel` reads SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS for its "within ~N s"."""
-    from worker import cli
+    from worker.ops import cli
 
     db = tmp_path / "records.db"
     with SqliteStore(str(db)) as s:
@@ -282,7 +282,7 @@ def test_cli_cancel_uses_the_configured_heartbeat_interval(tmp_path, monkeypatch
 
 def test_the_submit_command_refuses_what_the_worker_would_refuse(queues, tmp_path, monkeypatch, capsys):
     """`python -m worker submit` applies the worker's input policy from the settings before any record exists."""
-    from worker import cli
+    from worker.ops import cli
 
     monkeypatch.setattr(cli, "configure_logging", lambda *a, **k: None)
     db = tmp_path / "records.db"

@@ -16,8 +16,8 @@ import boto3
 import pytest
 
 from tests.support import create_queues
-from worker.store_sqlite import SqliteStore
-from worker.submit import submit
+from worker.voice.store_sqlite import SqliteStore
+from worker.voice.submit import submit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
 
 def test_no_notify_socket_means_no_datagrams(tmp_path):
     """Without NOTIFY_SOCKET the worker sends nothing (and does not fail)."""
-    from worker.health import Pulse, notify
+    from worker.core.health import Pulse, notify
 
     assert notify(None, "READY=1") is False
     Pulse(None, None).ready()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.procs import wait_until
-from worker.devstack import dev_environment, env_script
+from worker.ops.devstack import dev_environment, env_script
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.server

@@ -10,12 +10,12 @@ import pytest
 
 from tests.job.conftest import message_body
 from tests.support import FaultyClient, client_error, create_queues
-from worker.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
-from worker.dlq import (
+from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
+from worker.ops.dlq import (
     MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue, dead_letter_receives, move_task_unsupported,
 )
-from worker.errors import BadRecording, QueueError
-from worker.queue import Message, Queue
+from worker.core.errors import BadRecording, QueueError
+from worker.core.queue import Message, Queue
 
 
 def dead_letter(queues, n: int, receive_count: int = 3, **attrs) -> str:
@@ -302,7 +302,7 @@ def test_fifo_redrive_keeps_the_message_group(sqs):
 
 @pytest.fixture
 def cli_env(queues, monkeypatch):
-    from worker import cli
+    from worker.ops import cli
 
     monkeypatch.setenv("SQS_QUEUE_URL", queues.url)
     monkeypatch.setenv("AWS_REGION", "us-east-1")

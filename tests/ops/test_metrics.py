@@ -17,15 +17,15 @@ from tests.deploy.files import REPO
 from tests.job.conftest import message_body
 from tests.store.conftest import FakeClock, make_store
 from tests.support import FAST, FaultyClient, client_error
-from worker import metrics as m
-from worker.errors import BadRecording, ConfigError, DownloadError, Stopped, StoreError
-from worker.attempt import Attempt, ProgressReporter
-from worker.lease import Lease, Shutdown
-from worker.loop import Worker
-from worker.metrics import Metrics, parse_dimensions
-from worker.queue import Message, Queue
+from worker.core import metrics as m
+from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, StoreError
+from worker.voice.attempt import Attempt, ProgressReporter
+from worker.core.lease import Lease, Shutdown
+from worker.core.loop import Worker
+from worker.core.metrics import Metrics, parse_dimensions
+from worker.core.queue import Message, Queue
 from worker.settings import load_settings
-from worker.stop import StopSignal
+from worker.core.stop import StopSignal
 
 # The EMF document structure, restated from CloudWatch's specification.
 _UNITS = ["Seconds", "Microseconds", "Milliseconds", "Bytes", "Kilobytes", "Megabytes", "Gigabytes",
@@ -368,9 +368,9 @@ def test_a_chatty_trainer_cannot_flood_the_store(claimed):
 def test_the_handler_times_stages_through_its_metrics(aws, tmp_path):
     """VoiceJobHandler hands its Metrics to the progress reporter, so a real attempt emits StageDuration."""
     from tests.job.conftest import FakeTrain
-    from worker.artifacts import ArtifactUploader
-    from worker.job import VoiceJobHandler
-    from worker.store_sqlite import SqliteStore
+    from worker.voice.artifacts import ArtifactUploader
+    from worker.voice.job import VoiceJobHandler
+    from worker.voice.store_sqlite import SqliteStore
 
     s3 = boto3.client("s3", region_name="us-east-1")
     s3.create_bucket(Bucket="models")

@@ -13,12 +13,12 @@ from tests.deploy.files import REPO, read_unit, timespan_s
 from tests.job.conftest import message_body
 from tests.store.conftest import FakeClock, make_store
 from tests.support import FaultyClient, client_error
-from worker.errors import BadRecording
-from worker.message import parse_job
-from worker.queue import Message, Queue
-from worker.reconcile import Reconciler, cmd_reconcile, message_body_for
+from worker.core.errors import BadRecording
+from worker.voice.message import parse_job
+from worker.core.queue import Message, Queue
+from worker.ops.reconcile import Reconciler, cmd_reconcile, message_body_for
 from worker.settings import load_settings
-from worker.submit import submit as submit_job
+from worker.voice.submit import submit as submit_job
 
 LEASE_S = 300
 STALE_S = 3600
@@ -241,7 +241,7 @@ def test_failed_re_enqueue_is_reported_and_retried_next_pass(store, reconciler, 
 
 def test_message_body_for_rejects_a_body_naming_another_job():
     """A stored body for another job id is not sent under this job's name."""
-    from worker.errors import InvalidMessage
+    from worker.core.errors import InvalidMessage
 
     with pytest.raises(InvalidMessage):
         message_body_for({"_id": "a" * 24, "messageBody": message_body("b" * 24)})
@@ -369,8 +369,8 @@ def test_queue_without_a_dlq_is_noted(store, sqs, clock):
 
 def test_cli_reconcile_runs_one_pass_from_the_environment(queues, tmp_path, monkeypatch, capsys):
     """`python -m worker reconcile` reads the settings, runs a pass and prints its summary."""
-    from worker import cli
-    from worker.store_sqlite import SqliteStore
+    from worker.ops import cli
+    from worker.voice.store_sqlite import SqliteStore
 
     db = tmp_path / "records.db"
     with SqliteStore(str(db)) as store:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import FaultyClient, client_error
-from worker import cli
-from worker.errors import ConfigError, QueueError
-from worker.queue import Queue
+from worker.ops import cli
+from worker.core.errors import ConfigError, QueueError
+from worker.core.queue import Queue
 
 REPO = Path(__file__).resolve().parents[2]
 NO_REGION = "AWS_REGION is not set and cannot be derived from SQS_QUEUE_URL: set AWS_REGION"
@@ -50,7 +50,7 @@ def test_a_missing_region_is_one_settings_line_and_exit_2(env, tmp_path, capsys,
 @pytest.mark.parametrize("service", ["s3", "sts", "sqs"])
 def test_no_client_quietly_falls_back_to_a_default_region(env, service):
     """S3 and STS would pick us-east-1 on their own: without a region every client is refused with the settings line."""
-    from worker.aws import make_client
+    from worker.core.aws import make_client
     from worker.settings import load_settings
 
     with pytest.raises(ConfigError) as caught:

@@ -16,7 +16,7 @@ from pipeline.audio import convert
 from pipeline.dataset import build_dataset
 from pipeline.limits import JobLimits
 from tests.pipeline.test_dataset import voice_like
-from worker.errors import BadRecording
+from worker.core.errors import BadRecording
 from worker.settings import load_settings
 
 # Decoding either bomb below would allocate tens of megabytes at least; refusing it from the header

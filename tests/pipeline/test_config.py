@@ -13,8 +13,8 @@ from pipeline.config import (
     placeholder_problems,
     render_argv,
 )
-from worker.errors import ConfigError
-from worker.store import ASSET_KEYS as ARTIFACT_KEYS
+from worker.core.errors import ConfigError
+from worker.voice.store import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,8 +19,8 @@ from pipeline.dataset import (
     unescape_text,
 )
 from pipeline.resample import Resampler, resample
-from worker.errors import BadRecording, Stopped
-from worker.stop import StopSignal
+from worker.core.errors import BadRecording, Stopped
+from worker.core.stop import StopSignal
 
 
 def voice_like(rate_hz: int, duration_s: float, f0_hz: float, channels: int = 1) -> np.ndarray:

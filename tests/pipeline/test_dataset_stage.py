@@ -15,8 +15,8 @@ from pipeline.dataset_stage import run_dataset_stage
 from pipeline.limits import JobLimits
 from pipeline.stage_env import stage_environment
 from tests.pipeline.test_dataset import write_inputs
-from worker.errors import BadRecording, StageFailed, Stopped
-from worker.stop import StopSignal
+from worker.core.errors import BadRecording, StageFailed, Stopped
+from worker.core.stop import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def run(tmp_path: Path, recordings, *, stop: StopSignal | None = None, python: s
 
 def test_the_worker_wiring_never_imports_numpy_or_soundfile():
     """Importing the daemon's wiring and the pipeline leaves numpy, soundfile and the decoders unloaded."""
-    probe = ("import sys, worker.app, worker.cli, pipeline.run; "
+    probe = ("import sys, worker.app, worker.ops.cli, pipeline.run; "
              "print(sorted(m for m in ('numpy', 'soundfile', 'pipeline.audio', 'pipeline.resample') "
              "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -20,8 +20,8 @@ from botocore.config import Config
 
 from pipeline.downloads import DownloadSettings, fetch
 from tests.pipeline.tls_server import LOOPBACK, ca, ca_path, leftovers  # noqa: F401  (ca, ca_path are fixtures)
-from worker.errors import DownloadError, Stopped
-from worker.stop import StopSignal
+from worker.core.errors import DownloadError, Stopped
+from worker.core.stop import StopSignal
 
 DEADLINE_S = 0.4
 # A stop or deadline must end the fetch within this much more. The watchdog polls every 50 ms; the

@@ -26,8 +26,8 @@ from tests.pipeline.tls_server import (  # noqa: F401  (ca, ca_path, server, bas
     server,
     with_changes,
 )
-from worker.errors import BadRecording, ConfigError, DownloadError, Stopped
-from worker.stop import StopSignal
+from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped
+from worker.core.stop import StopSignal
 
 
 # --- success

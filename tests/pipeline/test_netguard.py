@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from pipeline.downloads import DownloadSettings, classify_status, s3_error_is_permanent
 from pipeline.netguard import checked_addresses, default_resolver, describe_error, parse_https, refusal_reason
 from tests.pipeline.tls_server import LOOPBACK, SECRET, resolver
-from worker.errors import BadRecording, DownloadError
-from worker.redact import redact_parsed_url as redact_url
+from worker.core.errors import BadRecording, DownloadError
+from worker.core.redact import redact_parsed_url as redact_url
 from worker.settings import load_settings
 
 

@@ -16,9 +16,9 @@ from pipeline.downloads import fetch as real_fetch
 from pipeline.limits import JobLimits
 from pipeline.run import run_pipeline
 from tests.pipeline.test_dataset import write_inputs
-from worker.errors import BadRecording, DownloadError, StageFailed, Stopped
-from worker.stop import StopSignal
-from worker.store import ASSET_KEYS as ARTIFACT_KEYS
+from worker.core.errors import BadRecording, DownloadError, StageFailed, Stopped
+from worker.core.stop import StopSignal
+from worker.voice.store import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

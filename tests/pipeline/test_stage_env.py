@@ -13,10 +13,10 @@ from pipeline.run import run_pipeline
 from pipeline.stage_env import BUILTIN_NAMES, is_secret_name, stage_env_problems, stage_environment
 from pipeline.stages import StageContext, run_stage
 from tests.pipeline.test_dataset import write_inputs
-from worker.errors import ConfigError
+from worker.core.errors import ConfigError
 from worker.settings import load_settings
-from worker.stop import StopSignal
-from worker.store import ASSET_KEYS
+from worker.core.stop import StopSignal
+from worker.voice.store import ASSET_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 DUMP_ENV = "import json, os, sys\nopen(sys.argv[1], 'w').write(json.dumps(dict(os.environ)))\n"

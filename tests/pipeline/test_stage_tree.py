@@ -13,8 +13,8 @@ import pytest
 from pipeline.config import StageSpec
 from pipeline.stages import OutputReader, StageContext, run_stage
 from tests.pipeline.test_stages import process_alive
-from worker.errors import Stopped
-from worker.stop import StopSignal
+from worker.core.errors import Stopped
+from worker.core.stop import StopSignal
 
 # Forks a child that starts its own session (outside the stage's process group) and writes to the
 # shared stdout until killed; the parent waits for the setsid, publishes both pids, then either exits

@@ -20,8 +20,8 @@ from pipeline.stages import (
     parse_progress,
     run_stage,
 )
-from worker.errors import StageFailed, StageFailedPermanently, StaleWrite, Stopped, TimeLimitExceeded
-from worker.stop import StopSignal
+from worker.core.errors import StageFailed, StageFailedPermanently, StaleWrite, Stopped, TimeLimitExceeded
+from worker.core.stop import StopSignal
 
 # Records what it saw at start (outputs, checkpoints), then succeeds or fails as told.
 WRITER = """

@@ -23,8 +23,8 @@ from pipeline.reference_trainer import (
 )
 from pipeline.stages import StageContext, run_stage
 from tests.pipeline.test_dataset import write_inputs
-from worker.errors import Stopped
-from worker.stop import StopSignal
+from worker.core.errors import Stopped
+from worker.core.stop import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"^step \d+/\d+ loss", re.MULTILINE)

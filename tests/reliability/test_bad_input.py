@@ -27,15 +27,15 @@ from tests.reliability.bodies import CORPUS, JOB_ID, PROFILE_ID, RECORDINGS_BUCK
 from tests.reliability.stack import recording_key_for
 from tests.reliability.stack import new_object_id, quick_pipeline, write_tiny_wav
 from tests.support import FaultyClient, create_queues
-from worker.artifacts import ArtifactUploader
-from worker.input_policy import InputPolicy
-from worker.job import VoiceJobHandler
-from worker.loop import Worker
-from worker.message import is_safe_name
-from worker.queue import Queue
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.input_policy import InputPolicy
+from worker.voice.job import VoiceJobHandler
+from worker.core.loop import Worker
+from worker.voice.message import is_safe_name
+from worker.core.queue import Queue
 from worker.settings import load_settings
-from worker.store import is_complete
-from worker.store_sqlite import SqliteStore
+from worker.voice.store import is_complete
+from worker.voice.store_sqlite import SqliteStore
 
 MAX_EXAMPLES = 200
 PERMANENT = {"InvalidMessage", "BadRecording", "StageFailedPermanently", "TimeLimitExceeded"}

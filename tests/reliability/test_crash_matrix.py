@@ -19,7 +19,7 @@ import pytest
 
 from tests.reliability.procs import WorkerProcess, cmdline, descendants, wait_until
 from tests.reliability.stack import Stack, make_stack, reference_pipeline
-from worker.faults import POINTS as CRASH_POINTS
+from worker.core.faults import POINTS as CRASH_POINTS
 
 STAGES = ("embed", "train_full", "train_light")
 KILL_POINTS = (

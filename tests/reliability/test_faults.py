@@ -20,8 +20,9 @@ from tests.reliability.rig import (
     fast_botocore_backoff, first_attempt, make_rig,
 )
 from tests.reliability.stack import REPO
-from worker import cli, store_mongo
-from worker.daemon import EXIT_CRASHED
+from worker.ops import cli
+from worker.voice import store_mongo
+from worker.core.daemon import EXIT_CRASHED
 
 SQS_OPERATIONS = ("ReceiveMessage", "ChangeMessageVisibility", "DeleteMessage", "GetQueueAttributes",
                   "GetQueueUrl", "SendMessage")

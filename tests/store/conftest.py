@@ -7,8 +7,8 @@ from datetime import datetime, timedelta, timezone
 import mongomock
 import pytest
 
-from worker.store_mongo import MongoStore
-from worker.store_sqlite import SqliteStore
+from worker.voice.store_mongo import MongoStore
+from worker.voice.store_sqlite import SqliteStore
 
 JOB_ID = "665f1c2e9b1e8a0012ab34cd"
 PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"

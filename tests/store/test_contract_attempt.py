@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, submit
-from worker.errors import StaleWrite
-from worker.store import is_complete
+from worker.core.errors import StaleWrite
+from worker.voice.store import is_complete
 
 
 def test_only_a_claimed_outcome_carries_an_attempt(store, clock):

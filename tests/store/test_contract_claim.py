@@ -10,8 +10,8 @@ import pytest
 from tests.store.conftest import (
     JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, commit, submit,
 )
-from worker.errors import InvalidMessage
-from worker.store import HISTORY_LIMIT
+from worker.core.errors import InvalidMessage
+from worker.voice.store import HISTORY_LIMIT
 
 
 # ---------------------------------------------------------------- submit

@@ -9,8 +9,8 @@ import pytest
 from tests.store.conftest import (
     JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, commit, submit,
 )
-from worker.errors import StaleWrite
-from worker.store import ERROR_MESSAGE_MAX_CHARS, is_complete
+from worker.core.errors import StaleWrite
+from worker.voice.store import ERROR_MESSAGE_MAX_CHARS, is_complete
 
 
 # ---------------------------------------------------------------- lease, progress, cancel

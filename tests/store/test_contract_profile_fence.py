@@ -14,8 +14,8 @@ import pytest
 from tests.store.conftest import (
     ASSETS, JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, commit, submit,
 )
-from worker.errors import StaleWrite
-from worker.store import CLAIMS_KEPT, is_complete
+from worker.core.errors import StaleWrite
+from worker.voice.store import CLAIMS_KEPT, is_complete
 
 OTHER_JOB = "665f1c2e9b1e8a0012ab34cf"
 

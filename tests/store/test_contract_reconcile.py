@@ -8,7 +8,7 @@ import mongomock
 import pytest
 
 from tests.store.conftest import JOB_ID, LEASE_S, PROFILE_ID, claim, commit, race_after_first_read, submit
-from worker.store_mongo import MongoStore
+from worker.voice.store_mongo import MongoStore
 
 STALE_S = 3600.0
 OTHER = "f" * 24
@@ -198,7 +198,7 @@ def test_record_dead_letter_leaves_leased_and_final_jobs(store, clock, setup):
 
 def test_history_stays_bounded_through_reconciler_entries(store, clock):
     """Reconciler entries count towards the history limit like attempts do."""
-    from worker.store import HISTORY_LIMIT
+    from worker.voice.store import HISTORY_LIMIT
 
     submit(store)
     for n in range(HISTORY_LIMIT + 3):
@@ -214,7 +214,7 @@ def test_worker_lost_rule_needs_processing_and_an_end_older_than_the_stale_age()
     """Only a processing job whose lease (or, released, heartbeat) ended at least stale_after_s ago is lost."""
     from datetime import datetime, timezone
 
-    from worker.store_recovery import worker_lost
+    from worker.voice.store_recovery import worker_lost
 
     now = datetime(2024, 5, 1, 12, tzinfo=timezone.utc)
     ended = now - timedelta(seconds=STALE_S)
@@ -230,7 +230,7 @@ def test_dead_letter_rule_refuses_final_leased_and_already_applied():
     """A dead letter applies to a job that is not final, not leased, and has not seen that message."""
     from datetime import datetime, timezone
 
-    from worker.store_recovery import may_record_dead_letter
+    from worker.voice.store_recovery import may_record_dead_letter
 
     now = datetime(2024, 5, 1, 12, tzinfo=timezone.utc)
     job = {"status": "processing", "lease": {"expiresAt": now}}
@@ -245,7 +245,7 @@ def test_awaiting_enqueue_rule_needs_pending_old_and_unstamped():
     """Pending, created at least older_than_s ago, and neither stamp set."""
     from datetime import datetime, timezone
 
-    from worker.store_recovery import awaiting_enqueue
+    from worker.voice.store_recovery import awaiting_enqueue
 
     now = datetime(2024, 5, 1, 12, tzinfo=timezone.utc)
     job = {"status": "pending", "createdAt": now - timedelta(seconds=100)}

@@ -7,11 +7,11 @@ import pytest
 from pymongo.errors import ServerSelectionTimeoutError
 
 from tests.store.conftest import JOB_ID, submit
-from worker.errors import ConfigError, StoreError
+from worker.core.errors import ConfigError, StoreError
 from worker.settings import load_settings
-from worker.store import open_store, sqlite_path_from_url
-from worker.store_mongo import MongoStore
-from worker.store_sqlite import SqliteStore
+from worker.voice.store import open_store, sqlite_path_from_url
+from worker.voice.store_mongo import MongoStore
+from worker.voice.store_sqlite import SqliteStore
 
 
 def test_store_url_opens_sqlite_and_creates_its_directory(tmp_path):

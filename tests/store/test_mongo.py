@@ -10,10 +10,10 @@ from pymongo.errors import ConfigurationError, ConnectionFailure, ServerSelectio
 from structlog.testing import capture_logs
 
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, race_after_first_read, submit
-from worker.errors import ConfigError, StoreError
-from worker.store import is_complete
-from worker.mongo_connect import connect_mongo
-from worker.store_mongo import MongoStore
+from worker.core.errors import ConfigError, StoreError
+from worker.voice.store import is_complete
+from worker.voice.mongo_connect import connect_mongo
+from worker.voice.store_mongo import MongoStore
 
 
 class FakeClient:

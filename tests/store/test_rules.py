@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.store.conftest import MODEL_PATHS, S3_PATHS
-from worker.store import (
+from worker.voice.store import (
     CLAIMS_KEPT, HISTORY_LIMIT, claim_refusal, claimed, close_attempt, holds_profile_claim, is_complete,
     lease_live, stamped_profile, to_ms, with_claim,
 )

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, submit
-from worker.errors import StaleWrite, StoreError
-from worker.store_sqlite import SqliteStore
+from worker.core.errors import StaleWrite, StoreError
+from worker.voice.store_sqlite import SqliteStore
 
 PROCESSES = 4
 # Many rounds per run: one contested claim overlaps only for microseconds, so a single round could
@@ -221,7 +221,7 @@ def test_read_only_store_reads_and_refuses_every_write(tmp_path):
 
 def test_read_only_store_is_not_created_where_there_is_no_file(tmp_path):
     """Opening a missing file read-only or for existing-only writes fails and creates nothing."""
-    from worker.errors import ConfigError
+    from worker.core.errors import ConfigError
 
     for mode in ("ro", "rw"):
         with pytest.raises(ConfigError):

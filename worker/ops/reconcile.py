@@ -35,13 +35,13 @@ from typing import TextIO
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.dlq import DeadLetterQueue
-from worker.errors import InvalidMessage, QueueError, WorkerError
-from worker.logs import scrub
-from worker.message import parse_job
-from worker.metrics import COUNT, NULL_METRICS, RECONCILE_METRICS, Metrics
-from worker.store import Store, utc_now
-from worker.store_recovery import may_record_dead_letter, worker_lost
+from worker.ops.dlq import DeadLetterQueue
+from worker.core.errors import InvalidMessage, QueueError, WorkerError
+from worker.core.logs import scrub
+from worker.voice.message import parse_job
+from worker.core.metrics import COUNT, NULL_METRICS, RECONCILE_METRICS, Metrics
+from worker.voice.store import Store, utc_now
+from worker.voice.store_recovery import may_record_dead_letter, worker_lost
 
 log = structlog.get_logger(__name__)
 

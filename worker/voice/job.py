@@ -38,9 +38,9 @@ from pathlib import Path
 
 import structlog
 
-from worker.artifacts import ArtifactUploader, artifact_key, verify_local
-from worker.faults import NEVER, CrashPoints
-from worker.errors import (
+from worker.voice.artifacts import ArtifactUploader, artifact_key, verify_local
+from worker.core.faults import NEVER, CrashPoints
+from worker.core.errors import (
     InvalidMessage,
     JobBusy,
     LeaseLost,
@@ -53,14 +53,14 @@ from worker.errors import (
     UnknownJob,
     WorkerError,
 )
-from worker.lease import Lease
-from worker.input_policy import InputPolicy
-from worker.message import Job, job_id_hint, parse_job
-from worker.metrics import NULL_METRICS, Metrics
-from worker.queue import Message
-from worker.stop import StopSignal
-from worker.attempt import Attempt, ProgressReporter, StoreLease
-from worker.store import ASSET_KEYS, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
+from worker.core.lease import Lease
+from worker.voice.input_policy import InputPolicy
+from worker.voice.message import Job, job_id_hint, parse_job
+from worker.core.metrics import NULL_METRICS, Metrics
+from worker.core.queue import Message
+from worker.core.stop import StopSignal
+from worker.voice.attempt import Attempt, ProgressReporter, StoreLease
+from worker.voice.store import ASSET_KEYS, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
 
 log = structlog.get_logger(__name__)
 

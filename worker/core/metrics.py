@@ -110,7 +110,7 @@ def parse_dimensions(text: str) -> dict[str, str]:
 def outcome_of(action: str, label: str | None) -> Outcome | str:
     """The outcome counted for the loop's action (ack/retry/…) and the handler's label.
 
-    ``action`` is a ``worker.loop.Action`` (a str enum: this module sits below the loop)."""
+    ``action`` is a ``worker.core.loop.Action`` (a str enum: this module sits below the loop)."""
     if action == "ack":
         return Outcome(label) if label in (Outcome.COMPLETED, Outcome.CANCELLED) else Outcome.SKIPPED
     return {"retry": Outcome.RETRIED, "dead_letter": Outcome.DEAD_LETTERED, "release": Outcome.RELEASED,

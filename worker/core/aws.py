@@ -10,7 +10,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import NoRegionError
 
-from worker.errors import ConfigError
+from worker.core.errors import ConfigError
 from worker.settings import Settings
 
 _REGION_IN_QUEUE_URL = re.compile(r"^https://sqs[.-]([a-z0-9-]+)\.amazonaws\.com")

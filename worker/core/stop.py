@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from worker.errors import Stopped
+from worker.core.errors import Stopped
 
 
 class StopSignal:

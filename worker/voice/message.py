@@ -4,7 +4,7 @@
 parts, so they must each be one safe name. Recording URLs may be presigned (credentials in the query
 string), so nothing here ever echoes a URL's query, fragment or userinfo back into an error line.
 Where s3:// recordings may live and how much input a job may list is an ``InputPolicy``
-(worker/input_policy.py), passed in by the caller.
+(worker/voice/input_policy.py), passed in by the caller.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Annotated, Any
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       ValidationInfo)
 
-from worker.errors import InvalidMessage
-from worker.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
-from worker.names import SAFE_NAME
-from worker.redact import redact_url, redact_urls_in_text
+from worker.core.errors import InvalidMessage
+from worker.voice.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
+from worker.core.names import SAFE_NAME
+from worker.core.redact import redact_url, redact_urls_in_text
 
 ENVIRONMENTS = ("development", "staging", "production")
 DEFAULT_ENVIRONMENT = "production"

@@ -25,7 +25,7 @@ import boto3
 
 from worker.settings import Settings, load_settings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
 CLIPS = (
     ("clip-1.wav", "Hello there, this is a short sample of my voice."),
@@ -183,9 +183,9 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
 def run_demo(out=None) -> int:
     out = out or sys.stdout
     from worker.app import build_app
-    from worker.input_policy import InputPolicy
-    from worker.logs import configure_logging
-    from worker.submit import submit
+    from worker.voice.input_policy import InputPolicy
+    from worker.core.logs import configure_logging
+    from worker.voice.submit import submit
 
     run_dir = REPO / "var" / "demo" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,10 +9,10 @@ import textwrap
 
 import structlog
 
-from worker.commands import EXIT_INTERRUPTED
-from worker.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
-from worker.errors import ConfigError, WorkerError
-from worker.logs import configure_logging
+from worker.ops.commands import EXIT_INTERRUPTED
+from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
+from worker.core.errors import ConfigError, WorkerError
+from worker.core.logs import configure_logging
 from worker.settings import Settings, daemon_problems, load_settings, missing
 
 log = structlog.get_logger(__name__)
@@ -31,13 +31,13 @@ def _fail(problems: list[str]) -> int:
 
 
 def _store(settings: Settings, access: str = "create"):
-    from worker.store import open_store
+    from worker.voice.store import open_store
 
     return open_store(settings, access=access)
 
 
 def _client(service: str, settings: Settings):
-    from worker.aws import make_client
+    from worker.core.aws import make_client
 
     return make_client(service, settings)
 
@@ -63,13 +63,13 @@ def cmd_run(settings: Settings, _args) -> int:
 
 
 def cmd_demo(_settings, _args) -> int:
-    from worker.demo import run_demo
+    from worker.ops.demo import run_demo
 
     return run_demo()
 
 
 def cmd_dev_stack(_settings, args) -> int:
-    from worker.devstack import run_dev_stack
+    from worker.ops.devstack import run_dev_stack
 
     try:
         return run_dev_stack(port=args.port, **({"state_dir": args.dir} if args.dir else {}))
@@ -79,8 +79,8 @@ def cmd_dev_stack(_settings, args) -> int:
 
 
 def cmd_submit(settings: Settings, args) -> int:
-    from worker.commands import cmd_submit as submit
-    from worker.input_policy import InputPolicy
+    from worker.ops.commands import cmd_submit as submit
+    from worker.voice.input_policy import InputPolicy
 
     if problems := missing(settings, "queue", "store"):
         return _fail(problems)
@@ -92,7 +92,7 @@ def cmd_submit(settings: Settings, args) -> int:
 
 
 def cmd_status(settings: Settings, args) -> int:
-    from worker.commands import cmd_status as status
+    from worker.ops.commands import cmd_status as status
 
     if problems := missing(settings, "store"):
         return _fail(problems)
@@ -101,7 +101,7 @@ def cmd_status(settings: Settings, args) -> int:
 
 
 def cmd_cancel(settings: Settings, args) -> int:
-    from worker.commands import cmd_cancel as cancel
+    from worker.ops.commands import cmd_cancel as cancel
 
     if problems := missing(settings, "store"):
         return _fail(problems)
@@ -111,7 +111,7 @@ def cmd_cancel(settings: Settings, args) -> int:
 
 def cmd_doctor(settings: Settings, _args) -> int:
     from pipeline.config import load_pipeline_config
-    from worker.doctor import report, run_checks
+    from worker.ops.doctor import report, run_checks
 
     if problems := missing(settings, "queue", "store", "bucket"):
         return _fail(problems)
@@ -122,14 +122,14 @@ def cmd_doctor(settings: Settings, _args) -> int:
 
 
 def cmd_health(settings: Settings, _args) -> int:
-    from worker.commands import cmd_health as health
+    from worker.ops.commands import cmd_health as health
 
     return health(settings)
 
 
 def cmd_reconcile(settings: Settings, _args) -> int:
-    from worker.metrics import Metrics
-    from worker.reconcile import Reconciler, cmd_reconcile as reconcile
+    from worker.core.metrics import Metrics
+    from worker.ops.reconcile import Reconciler, cmd_reconcile as reconcile
 
     if problems := missing(settings, "queue", "store"):
         return _fail(problems)
@@ -149,8 +149,8 @@ def cmd_reconcile(settings: Settings, _args) -> int:
 
 
 def cmd_dlq(settings: Settings, args) -> int:
-    from worker.commands import cmd_dlq_list, cmd_dlq_redrive
-    from worker.dlq import DeadLetterQueue
+    from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive
+    from worker.ops.dlq import DeadLetterQueue
 
     if problems := missing(settings, "queue"):
         return _fail(problems)

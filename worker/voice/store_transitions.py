@@ -10,7 +10,7 @@ A backend (SQLite, MongoDB) supplies only
                                 return (the record now, whether it changed)
 
 plus its queries (``find_stale``, ``find_unenqueued``), ``submit`` and ``close``. Each rule below is
-the pure decision from ``worker.store`` (who may write, what the record becomes) bound to one of
+the pure decision from ``worker.voice.store`` (who may write, what the record becomes) bound to one of
 the swaps, so the two stores cannot drift apart on a rule: the fence of every write after a claim
 is checked in ``allowed`` on the very version that ``change`` replaces.
 
@@ -24,11 +24,11 @@ from abc import abstractmethod
 from collections.abc import Callable
 from datetime import datetime
 
-from worker import store as rules
-from worker import store_recovery as recovery
-from worker.attempt import Attempt
-from worker.errors import StaleWrite
-from worker.store import Claim, Store
+from worker.voice import store as rules
+from worker.voice import store_recovery as recovery
+from worker.voice.attempt import Attempt
+from worker.core.errors import StaleWrite
+from worker.voice.store import Claim, Store
 
 Allowed = Callable[[dict, datetime], bool]
 Change = Callable[[dict, datetime], dict]

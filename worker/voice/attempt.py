@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from worker.errors import LeaseLost, StaleWrite, Stopped, StoreError
-from worker.metrics import NULL_METRICS, STAGE_DIMENSION, STAGE_DURATION, Metrics
-from worker.stop import StopSignal
+from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
+from worker.core.metrics import NULL_METRICS, STAGE_DIMENSION, STAGE_DURATION, Metrics
+from worker.core.stop import StopSignal
 
 if TYPE_CHECKING:
-    from worker.store import Store
+    from worker.voice.store import Store
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """The pure rules for records nobody will finish: what the reconciler may change, and into what.
 
 Both stores decide with these functions and restate the same conditions in their atomic writes, as
-they do with the rules in ``worker.store``. Every transition here only writes the job record (files,
+they do with the rules in ``worker.voice.store``. Every transition here only writes the job record (files,
 uploads and the profile are left as they are), clears no live lease, never leaves a final status,
 and appends exactly one history entry saying what the reconciler did.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from worker.store import (
+from worker.voice.store import (
     ERROR,
     ERROR_MESSAGE_MAX_CHARS,
     FINAL_STATUSES,

@@ -1,6 +1,6 @@
 """The operator's commands: submit, status, cancel, health, dlq list/redrive.
 
-Each takes its clients, prints, and returns an exit code (the table is in worker/cli.py's help texts).
+Each takes its clients, prints, and returns an exit code (the table is in worker/ops/cli.py's help texts).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, ContextManager, TextIO
 
-from worker.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
-from worker.errors import InvalidMessage, WorkerError
-from worker.input_policy import SHAPE_ONLY, InputPolicy
-from worker.health import liveness_problem
-from worker.logs import scrub
+from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
+from worker.core.errors import InvalidMessage, WorkerError
+from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
+from worker.core.health import liveness_problem
+from worker.core.logs import scrub
 from worker.settings import Settings
-from worker.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live, utc_now
-from worker.submit import prepare, submit
+from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live, utc_now
+from worker.voice.submit import prepare, submit
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C

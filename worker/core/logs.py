@@ -1,7 +1,7 @@
 """Structured logs: JSON lines by default, readable console output with LOG_FORMAT=console.
 
 A last line of defence scrubs URL query strings, fragments and userinfo from every string value, since
-presigned URLs carry credentials, and masks other credential shapes (``worker.redact.redact_secrets``:
+presigned URLs carry credentials, and masks other credential shapes (``worker.core.redact.redact_secrets``:
 userinfo in any scheme's URL, AWS key ids, ``password=...``); message bodies are never logged at all.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 import structlog
 
-from worker.redact import redact_secrets
+from worker.core.redact import redact_secrets
 
 _URL = re.compile(r"\b((?:https?|s3)://)(?:[^\s/@?#]*@)?([^\s?#]*)(?:\?[^\s#]*)?(?:#\S*)?", re.I)
 

@@ -1,6 +1,6 @@
 """The embedded records store: one SQLite file, safe for several worker processes at once.
 
-It supplies the two swap primitives of ``worker.store_transitions`` (which holds every rule): each
+It supplies the two swap primitives of ``worker.voice.store_transitions`` (which holds every rule): each
 runs inside ``BEGIN IMMEDIATE``, so the write lock is taken before the record is read, the decision
 and the write see the same row, and two processes cannot both claim a job. Each record is kept
 whole as a JSON document; the columns beside it serve the queries (stale leases, statuses).
@@ -19,11 +19,11 @@ from datetime import datetime
 
 import structlog
 
-from worker import store as rules
-from worker import store_recovery as recovery
-from worker.errors import ConfigError, StoreError
-from worker.store import Clock
-from worker.store_transitions import TransitionStore
+from worker.voice import store as rules
+from worker.voice import store_recovery as recovery
+from worker.core.errors import ConfigError, StoreError
+from worker.voice.store import Clock
+from worker.voice.store_transitions import TransitionStore
 
 log = structlog.get_logger(__name__)
 

@@ -17,8 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
-from worker.daemon import SignalRelay
-from worker.demo import REPO, LocalAws, dev_session, provision
+from worker.core.daemon import SignalRelay
+from worker.ops.demo import REPO, LocalAws, dev_session, provision
 
 DEFAULT_PORT = 4566
 DEFAULT_DIR = REPO / "var" / "dev"

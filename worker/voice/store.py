@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
-from worker.attempt import Attempt
-from worker.errors import ConfigError, InvalidMessage
-from worker.redact import redact_text
+from pipeline.config import ASSET_KEYS
+from worker.voice.attempt import Attempt
+from worker.core.errors import ConfigError, InvalidMessage
+from worker.core.redact import redact_text
 
 if TYPE_CHECKING:
     from worker.settings import Settings
 
-ASSET_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
 
 PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED = (
     "pending", "processing", "completed", "error", "cancelled")
@@ -327,7 +327,7 @@ class Store(ABC):
     def find_stale(self, limit: int = 100) -> list[dict]:
         """Jobs left processing with no live lease (their worker died or let go), oldest first."""
 
-    # --- the reconciler's operations (rules in worker.store_recovery); each returns whether it wrote
+    # --- the reconciler's operations (rules in worker.voice.store_recovery); each returns whether it wrote
 
     @abstractmethod
     def mark_enqueued(self, job_id: str, *, again: bool = False) -> bool:
@@ -374,7 +374,7 @@ def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] |
     ConfigError. MongoDB creates nothing on reads, so it ignores ``access``.
     """
     if settings.store_url:
-        from worker.store_sqlite import CREATE, EXISTING, READ_ONLY, SqliteStore
+        from worker.voice.store_sqlite import CREATE, EXISTING, READ_ONLY, SqliteStore
 
         modes = {"create": CREATE, "existing": EXISTING, "read": READ_ONLY}
         path = sqlite_path_from_url(settings.store_url)
@@ -383,7 +383,7 @@ def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] |
             os.makedirs(parent, exist_ok=True)
         return SqliteStore(path, mode=modes[access])
     if settings.mongo_uri:
-        from worker.mongo_connect import open_mongo_store
+        from worker.voice.mongo_connect import open_mongo_store
 
         return open_mongo_store(settings, client_factory=mongo_client_factory, sleep=sleep)
     raise ConfigError("MONGO_URI or STORE_URL is required: where job and profile records live")

@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from worker.logs import scrub
+from worker.core.logs import scrub
 
 log = structlog.get_logger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import structlog
 
-from worker.health import Pulse
-from worker.loop import Worker
+from worker.core.health import Pulse
+from worker.core.loop import Worker
 
 log = structlog.get_logger(__name__)
 

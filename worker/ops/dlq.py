@@ -2,7 +2,7 @@
 
 The DLQ is the one named by the source queue's RedrivePolicy. Two kinds of messages end up there:
 the worker's own (a permanent failure: it sends the body with ErrorType, ErrorMessage, ReceiveCount
-and SourceQueue attributes, see ``worker.queue.dead_letter_attributes``) and SQS's (a message
+and SourceQueue attributes, see ``worker.core.queue.dead_letter_attributes``) and SQS's (a message
 received ``maxReceiveCount`` times without a delete: no attributes of ours).
 
 Looking (``peek``) has to receive, and SQS has no other way: each message is received with a short
@@ -17,7 +17,7 @@ emulators), it receives, sends to the source queue, and deletes from the DLQ onl
 succeeded: a failure can leave a message in both queues (the worker acknowledges the duplicate
 without work), never in neither. Such a run moves at most the ApproximateNumberOfMessages of its
 start and never the same message twice: one a worker dead-letters again during the run stays.
-The operator's commands over this (``dlq list``, ``dlq redrive``) are in ``worker.commands``.
+The operator's commands over this (``dlq list``, ``dlq redrive``) are in ``worker.ops.commands``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.errors import QueueError
-from worker.logs import scrub
-from worker.message import job_id_hint
-from worker.queue import Queue, sendable_attribute
+from worker.core.errors import QueueError
+from worker.core.logs import scrub
+from worker.voice.message import job_id_hint
+from worker.core.queue import Queue, sendable_attribute
 
 log = structlog.get_logger(__name__)
 
-# The attributes worker.queue.dead_letter_attributes adds; a redriven message goes back without them.
+# The attributes worker.core.queue.dead_letter_attributes adds; a redriven message goes back without them.
 OUR_ATTRIBUTES = ("ErrorType", "ErrorMessage", "ReceiveCount", "SourceQueue")
 # Answers meaning "this endpoint has no StartMessageMoveTask", as opposed to a failure worth retrying.
 _UNSUPPORTED_CODES = frozenset({

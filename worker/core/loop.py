@@ -25,7 +25,7 @@ from enum import StrEnum
 
 import structlog
 
-from worker.errors import (
+from worker.core.errors import (
     LeaseLost,
     PermanentError,
     QueueError,
@@ -33,14 +33,14 @@ from worker.errors import (
     TimeLimitExceeded,
     WorkerError,
 )
-from worker.faults import NEVER, CrashPoints
-from worker.lease import Lease, Shutdown
-from worker.metrics import (
+from worker.core.faults import NEVER, CrashPoints
+from worker.core.lease import Lease, Shutdown
+from worker.core.metrics import (
     COUNT, JOB_DURATION, NULL_METRICS, OUTCOME_METRICS, RECEIVE_COUNT_AT_COMPLETION, SECONDS, Metrics,
     outcome_of,
 )
-from worker.queue import Message, Queue
-from worker.reporting import Reporter
+from worker.core.queue import Message, Queue
+from worker.core.reporting import Reporter
 from worker.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -154,7 +154,7 @@ class Worker:
 
     def stop(self) -> None:
         """Request a shutdown (a second request skips the grace); from any thread, never from a signal
-        handler: it takes locks (see ``worker.daemon`` for how signals get here)."""
+        handler: it takes locks (see ``worker.core.daemon`` for how signals get here)."""
         self.shutdown.request()
 
     def run_once(self) -> str | None:

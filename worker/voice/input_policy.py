@@ -3,7 +3,7 @@
 The worker reads s3:// recordings with its own credentials, so without a scope a message could name
 any object those credentials reach (another user's recordings, or the trained models). The policy is
 built once from the settings and handed to ``parse_job``; every rule here is a pure function of the
-policy and the message. A leaf module: ``worker.message`` imports it, never the other way round.
+policy and the message. A leaf module: ``worker.voice.message`` imports it, never the other way round.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.errors import WorkerError
-from worker.queue import dead_letter_target
+from worker.core.errors import WorkerError
+from worker.core.queue import dead_letter_target
 from worker.settings import Settings
 
 

@@ -1,6 +1,6 @@
 """The production records store: MongoDB through pymongo (tested with mongomock).
 
-It supplies the two swap primitives of ``worker.store_transitions`` (which holds every rule) as
+It supplies the two swap primitives of ``worker.voice.store_transitions`` (which holds every rule) as
 compare-and-swap on a revision field, ``_rev``: read the record, decide with the shared pure rule,
 and write only the fields that changed with a filter on the revision read; a lost race re-reads and
 decides again (up to a few times, then ``StoreError``). Fields the worker did not change are never
@@ -22,11 +22,11 @@ from bson import ObjectId
 from pymongo import ReturnDocument, WriteConcern
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
-from worker import store as rules
-from worker import store_recovery as recovery
-from worker.errors import StoreError
-from worker.store import Clock
-from worker.store_transitions import TransitionStore
+from worker.voice import store as rules
+from worker.voice import store_recovery as recovery
+from worker.core.errors import StoreError
+from worker.voice.store import Clock
+from worker.voice.store_transitions import TransitionStore
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """The SQS adapter: receive, extend, release, delete, dead-letter. botocore errors stop here.
 
-Every method makes exactly the SQS calls its name says; botocore's own retry mode (see ``worker.aws``)
+Every method makes exactly the SQS calls its name says; botocore's own retry mode (see ``worker.core.aws``)
 handles throttling and 5xx, so there are no retry loops here. What is left after those retries becomes
 ``QueueError`` (try again later) or ``LeaseLost`` (the receipt handle is no longer ours).
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.errors import ConfigError, LeaseLost, QueueError, WorkerError
-from worker.redact import redact_text
+from worker.core.errors import ConfigError, LeaseLost, QueueError, WorkerError
+from worker.core.redact import redact_text
 
 # Error codes that mean "this receipt handle no longer holds the message": renewing, releasing or
 # deleting with it cannot work, and another consumer may already have the message.
@@ -72,7 +72,7 @@ class Queue:
     def __init__(self, client, queue_url: str, *, lease_client=None, clock=time.monotonic):
         self._sqs = client
         # Renewals get their own client with short timeouts and few retries: a renewal that hangs
-        # for minutes would hide a lapsing lease (see worker.aws.lease_client_config).
+        # for minutes would hide a lapsing lease (see worker.core.aws.lease_client_config).
         self._lease_sqs = lease_client or client
         self.url = queue_url
         self._clock = clock

@@ -2,7 +2,7 @@
 
 The record keeps the exact body as ``messageBody`` and gets ``enqueuedAt`` once the send succeeded:
 a pending job without that stamp is one whose message may never have reached the queue, and the
-reconciler (worker/reconcile.py) sends ``messageBody`` again, once.
+reconciler (worker/ops/reconcile.py) sends ``messageBody`` again, once.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.errors import InvalidMessage, QueueError, WorkerError
-from worker.input_policy import SHAPE_ONLY, InputPolicy
-from worker.message import Job, parse_job
-from worker.store import Store
+from worker.core.errors import InvalidMessage, QueueError, WorkerError
+from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
+from worker.voice.message import Job, parse_job
+from worker.voice.store import Store
 
 log = structlog.get_logger(__name__)
 

@@ -13,8 +13,8 @@ import pymongo
 import structlog
 from pymongo.errors import ConfigurationError, PyMongoError
 
-from worker.errors import ConfigError, StoreError
-from worker.store_mongo import MongoStore, close_quietly, translated
+from worker.core.errors import ConfigError, StoreError
+from worker.voice.store_mongo import MongoStore, close_quietly, translated
 
 if TYPE_CHECKING:
     from worker.settings import Settings

@@ -19,10 +19,10 @@ from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline.files import sha256_and_size
-from worker.errors import StageFailed, StorageError
-from worker.message import is_safe_name
-from worker.redact import redact_urls_in_text
-from worker.store import ASSET_KEYS
+from worker.core.errors import StageFailed, StorageError
+from worker.voice.message import is_safe_name
+from worker.core.redact import redact_urls_in_text
+from worker.voice.store import ASSET_KEYS
 
 log = structlog.get_logger(__name__)
 
