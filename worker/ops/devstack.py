@@ -51,9 +51,9 @@ def dev_environment(endpoint: str, queue_url: str, state_dir: Path) -> dict[str,
     }
 
 
-def env_script(env: dict[str, str]) -> str:
+def env_script(env: dict[str, str], shown_path: str = "var/dev/env.sh") -> str:
     """The environment as a POSIX shell file to source: one quoted ``export`` per setting."""
-    lines = ["# written by `python -m worker dev-stack`; source it: . var/dev/env.sh"]
+    lines = [f"# written by `python -m worker dev-stack`; source it: . {shlex.quote(shown_path)}"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     return "\n".join(lines) + "\n"
 
@@ -69,7 +69,7 @@ def run_dev_stack(port: int = DEFAULT_PORT, state_dir: Path = DEFAULT_DIR, out=N
         queue_url = provision(dev_session(), aws.url)
         env = dev_environment(aws.url, queue_url, state_dir)
         env_path = state_dir / ENV_FILE
-        env_path.write_text(env_script(env))
+        env_path.write_text(env_script(env, _shown(env_path)))
         print(f"local SQS/S3 (moto) on {aws.url}; records in {state_dir / 'records.db'}", file=out)
         print(f"the environment is in {env_path}; in each other terminal:\n", file=out)
         print(f"  . {_shown(env_path)}", file=out)
