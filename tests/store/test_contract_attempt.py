@@ -56,3 +56,21 @@ def test_release_and_fail_report_whether_they_applied(store, clock):
     assert old.release() is False and old.fail("DownloadError", "x", retryable=True) is False
     assert new.fail("DownloadError", "timeout", retryable=True) is True
     assert store.get_job(JOB_ID)["status"] == "error"
+
+
+def test_a_claim_whose_profile_stamp_fails_lets_go_of_the_job(store, monkeypatch):
+    """Any failure while stamping the profile releases the just-claimed job (fenced) before it propagates."""
+    from worker.voice import store as rules
+
+    submit(store)
+
+    def odd_profile(*_args, **_kwargs):
+        raise TypeError("the profile holds data no rule expected")
+
+    monkeypatch.setattr(rules, "stamped_profile", odd_profile)
+    with pytest.raises(TypeError):
+        claim(store, "t1")
+    job = store.get_job(JOB_ID)
+    assert job["lease"] is None and job["history"][-1]["outcome"] == "released"
+    monkeypatch.undo()
+    assert claim(store, "t2", owner="w2").outcome == "claimed"

@@ -10,7 +10,7 @@ from pymongo.errors import ConfigurationError, ConnectionFailure, ServerSelectio
 from structlog.testing import capture_logs
 
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, race_after_first_read, submit
-from worker.core.errors import ConfigError, StoreError
+from worker.core.errors import ConfigError, StaleWrite, StoreError
 from worker.voice.store import is_complete
 from worker.voice.mongo_connect import connect_mongo
 from worker.voice.store_mongo import MongoStore
@@ -352,3 +352,40 @@ def test_fields_the_worker_does_not_change_are_left_as_the_backend_wrote_them(mo
     store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     raw = profiles.find_one({"_id": ObjectId(PROFILE_ID)})
     assert raw["displayName"] == "Ada's voice" and raw["modelPaths"] == MODEL_PATHS
+
+
+def test_a_fence_field_changed_by_a_writer_that_skips_the_revision_refuses_the_write(mongo, clock):
+    """Claims emptied behind the worker's back (no _rev bump) between its read and its write make write_paths StaleWrite."""
+    store, db = mongo
+    submit(store)
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    real_find_one, profiles = store._profiles.find_one, db["useraudioprofiles"]
+
+    def find_one_then_claims_cleared(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        profiles.update_one({"_id": ObjectId(PROFILE_ID)}, {"$set": {"claims": []}})
+        return doc
+
+    store._profiles.find_one = find_one_then_claims_cleared
+    with pytest.raises(StaleWrite):
+        store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
+    assert profiles.find_one({"_id": ObjectId(PROFILE_ID)}).get("modelPaths") in (None, {})
+
+
+def test_a_job_cancelled_behind_the_revision_is_not_claimed(mongo, clock):
+    """A released job (still processing) set to cancelled without a _rev bump between the claim's read and write is not claimed."""
+    store, db = mongo
+    submit(store)
+    store.claim(JOB_ID, owner="w0", token="t0", lease_s=LEASE_S)
+    assert store.release_lease(JOB_ID, "t0")  # status stays processing: the claim will not change it
+    jobs, real_find_one = db["voiceclonings"], store._jobs.find_one
+
+    def find_one_then_cancelled(*args, **kwargs):
+        doc = real_find_one(*args, **kwargs)
+        jobs.update_one({"_id": ObjectId(JOB_ID)}, {"$set": {"status": "cancelled"}})
+        return doc
+
+    store._jobs.find_one = find_one_then_cancelled
+    claim = store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    assert claim.outcome != "claimed" and claim.attempt is None
+    assert jobs.find_one({"_id": ObjectId(JOB_ID)})["lease"] is None

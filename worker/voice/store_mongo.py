@@ -19,7 +19,7 @@ from typing import Any
 import pymongo
 import structlog
 from bson import ObjectId
-from pymongo import ReturnDocument, WriteConcern
+from pymongo import ReadPreference, ReturnDocument, WriteConcern
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from worker.voice import store as rules
@@ -65,16 +65,23 @@ def from_bson(value: Any) -> Any:
     return value
 
 
+# What the rules' fences read: a job's status and lease, a profile's status and claims (a field a
+# record does not have is compared as missing).
+_FENCE_FIELDS = ("status", "lease", "claims")
+
+
 def _cas(raw: dict, before: dict, after: dict) -> tuple[dict, dict]:
     """The filter and update that turn ``before`` (read as ``raw``) into ``after``, or match nothing.
 
-    The filter holds the revision read and the stored value of every field the update touches: a
-    writer that bypasses the revision (the product's backend, an older worker) still makes the swap
-    fail rather than be overwritten. Fields nobody here changed are neither compared nor written.
+    The filter holds the revision read, the fields every fence decides on (``_FENCE_FIELDS``, changed
+    or not), and the stored value of every field the update touches: a writer that bypasses the
+    revision (the product's backend, an older worker during a rollout) still makes the swap fail
+    rather than be overwritten or be written past. Other fields are neither compared nor written.
     """
     changed = [key for key, value in after.items() if key != "_id" and (key not in before or before[key] != value)]
     dropped = [key for key in before if key not in after and key != "_id"]
-    condition = {"_id": raw["_id"], _REV: raw.get(_REV), **{key: raw.get(key) for key in changed + dropped}}
+    compared = dict.fromkeys([*_FENCE_FIELDS, *changed, *dropped])
+    condition = {"_id": raw["_id"], _REV: raw.get(_REV), **{key: raw.get(key) for key in compared}}
     update: dict = {"$set": {**to_bson({key: after[key] for key in changed}), _REV: int(raw.get(_REV) or 0) + 1}}
     if dropped:
         update["$unset"] = {key: "" for key in dropped}
@@ -96,8 +103,12 @@ class MongoStore(TransitionStore):
                  client: Any = None):
         """``client``, when given, is owned by this store and closed by ``close()``."""
         majority = WriteConcern("majority")
-        self._jobs = db[jobs_collection].with_options(write_concern=majority)
-        self._profiles = db[profiles_collection].with_options(write_concern=majority)
+        # Reads from the primary: a swap decides on what it read, and a lagging secondary would turn
+        # into false StaleWrites (lost leases) or retries until StoreError.
+        self._jobs = db[jobs_collection].with_options(write_concern=majority,
+                                                      read_preference=ReadPreference.PRIMARY)
+        self._profiles = db[profiles_collection].with_options(write_concern=majority,
+                                                              read_preference=ReadPreference.PRIMARY)
         self._clock = clock
         self._client = client
 

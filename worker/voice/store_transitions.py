@@ -24,11 +24,15 @@ from abc import abstractmethod
 from collections.abc import Callable
 from datetime import datetime
 
+import structlog
+
 from worker.voice import store as rules
 from worker.voice import store_recovery as recovery
 from worker.voice.attempt import Attempt
 from worker.core.errors import StaleWrite
 from worker.voice.store import Claim, Store
+
+log = structlog.get_logger(__name__)
 
 Allowed = Callable[[dict, datetime], bool]
 Change = Callable[[dict, datetime], dict]
@@ -82,11 +86,22 @@ class TransitionStore(Store):
             return Claim(rules.claim_refusal(job, self._now()) or "held", job, cancel)
         profile_id = str(job["profileId"]) if job.get("profileId") else None
         if profile_id is not None:
-            # After the job: a failure here leaves a claimed job whose profile is not stamped, which
-            # the handler releases (fenced on the token) before the redelivery.
-            self._swap_profile("claim", profile_id, lambda _p, _now: True,
-                               lambda p, now: rules.stamped_profile(p, profile_id, str(job_id), token, now))
+            try:
+                self._swap_profile("claim", profile_id, lambda _p, _now: True,
+                                   lambda p, now: rules.stamped_profile(p, profile_id, str(job_id), token, now))
+            except BaseException:
+                # Whatever failed (the store, or a rule on odd profile data), a claimed job whose
+                # profile is not stamped must not sit leased until its lease runs out: let go of it,
+                # fenced on our token, and report the failure.
+                self._release_quietly(job_id, token)
+                raise
         return Claim("claimed", job, cancel, Attempt(self, job_id, profile_id, token, lease_s))
+
+    def _release_quietly(self, job_id: str, token: str) -> None:
+        try:
+            self.release_lease(job_id, token)
+        except Exception as exc:  # noqa: BLE001 - the claim's own failure is the one to report
+            log.warning("store.claim_release_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
 
     def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
         job = self._fenced_job("renew_lease", job_id, token, lambda j, now: rules.renewed(j, lease_s, now))
