@@ -341,14 +341,9 @@ def test_fields_the_worker_does_not_change_are_left_as_the_backend_wrote_them(mo
     store, db = mongo
     submit(store)
     store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
-    real_find_one, profiles = store._profiles.find_one, db["useraudioprofiles"]
-
-    def find_one_then_backend_renames(*args, **kwargs):
-        doc = real_find_one(*args, **kwargs)
-        profiles.update_one({"_id": ObjectId(PROFILE_ID)}, {"$set": {"displayName": "Ada's voice"}})
-        return doc
-
-    store._profiles.find_one = find_one_then_backend_renames
+    profiles = db["useraudioprofiles"]
+    race_after_first_read(store, lambda: profiles.update_one(
+        {"_id": ObjectId(PROFILE_ID)}, {"$set": {"displayName": "Ada's voice"}}), "_profiles")
     store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     raw = profiles.find_one({"_id": ObjectId(PROFILE_ID)})
     assert raw["displayName"] == "Ada's voice" and raw["modelPaths"] == MODEL_PATHS
@@ -359,14 +354,9 @@ def test_a_fence_field_changed_by_a_writer_that_skips_the_revision_refuses_the_w
     store, db = mongo
     submit(store)
     store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
-    real_find_one, profiles = store._profiles.find_one, db["useraudioprofiles"]
-
-    def find_one_then_claims_cleared(*args, **kwargs):
-        doc = real_find_one(*args, **kwargs)
-        profiles.update_one({"_id": ObjectId(PROFILE_ID)}, {"$set": {"claims": []}})
-        return doc
-
-    store._profiles.find_one = find_one_then_claims_cleared
+    profiles = db["useraudioprofiles"]
+    race_after_first_read(store, lambda: profiles.update_one(
+        {"_id": ObjectId(PROFILE_ID)}, {"$set": {"claims": []}}), "_profiles")
     with pytest.raises(StaleWrite):
         store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     assert profiles.find_one({"_id": ObjectId(PROFILE_ID)}).get("modelPaths") in (None, {})
@@ -378,14 +368,9 @@ def test_a_job_cancelled_behind_the_revision_is_not_claimed(mongo, clock):
     submit(store)
     store.claim(JOB_ID, owner="w0", token="t0", lease_s=LEASE_S)
     assert store.release_lease(JOB_ID, "t0")  # status stays processing: the claim will not change it
-    jobs, real_find_one = db["voiceclonings"], store._jobs.find_one
-
-    def find_one_then_cancelled(*args, **kwargs):
-        doc = real_find_one(*args, **kwargs)
-        jobs.update_one({"_id": ObjectId(JOB_ID)}, {"$set": {"status": "cancelled"}})
-        return doc
-
-    store._jobs.find_one = find_one_then_cancelled
+    jobs = db["voiceclonings"]
+    race_after_first_read(store, lambda: jobs.update_one(
+        {"_id": ObjectId(JOB_ID)}, {"$set": {"status": "cancelled"}}))
     claim = store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
     assert claim.outcome != "claimed" and claim.attempt is None
     assert jobs.find_one({"_id": ObjectId(JOB_ID)})["lease"] is None
