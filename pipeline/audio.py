@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from pipeline.files import fsync_dir
-from pipeline.manifest import TEMP_MARKER
+from pipeline.manifest import replaced_atomically
 from pipeline.resample import Resampler
 from worker.core.errors import BadRecording, DownloadError
 from worker.core.stop import StopSignal
@@ -164,9 +162,8 @@ def to_pcm16(samples: np.ndarray) -> np.ndarray:
 
 @contextmanager
 def _wav_writer(dest: Path) -> Iterator:
-    """Yield ``write(samples) -> count`` into a temp WAV; rename it onto ``dest`` only on success."""
-    temp = dest.with_name(f".{dest.name}{TEMP_MARKER}{os.getpid()}")
-    try:
+    """Yield ``write(samples) -> count`` into a temp WAV; it replaces ``dest`` only on success."""
+    with replaced_atomically(dest) as temp:
         with _own_file_error(temp):
             out = sf.SoundFile(str(temp), "w", TARGET_RATE_HZ, 1, subtype="PCM_16", format="WAV")
         with out:
@@ -178,13 +175,6 @@ def _wav_writer(dest: Path) -> Iterator:
                 return len(samples)
 
             yield write
-        with open(temp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temp, dest)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    fsync_dir(dest.parent)
 
 
 @contextmanager

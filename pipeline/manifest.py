@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.config import MANIFEST_DIR_NAME
@@ -21,20 +22,26 @@ MANIFEST_VERSION = 1
 TEMP_MARKER = ".tmp-"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` so that ``path`` holds either its old content or all of ``data``, never a part."""
-    path = Path(path)
+@contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """Yield a temp path beside ``path`` to write; on success it is synced and renamed onto ``path``,
+    on any failure removed, so ``path`` holds either its old content or all of the new."""
     temp = path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}")
     try:
-        with open(temp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        yield temp
+        with open(temp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` so that ``path`` holds either its old content or all of ``data``, never a part."""
+    with replaced_atomically(Path(path)) as temp:
+        temp.write_bytes(data)
 
 
 def remove_stale_temps(directory: Path) -> None:
