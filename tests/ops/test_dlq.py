@@ -30,16 +30,6 @@ def dead_letter(queues, n: int, receive_count: int = 3, **attrs) -> str:
     return job_id
 
 
-@pytest.fixture
-def client(queues):
-    return FaultyClient(queues.sqs)
-
-
-@pytest.fixture
-def dlq(client, queues):
-    return DeadLetterQueue.of(client, queues.url, wait_s=0)
-
-
 def ops(client, name: str) -> list[dict]:
     return [kwargs for op, kwargs, *_ in client.calls if op == name]
 

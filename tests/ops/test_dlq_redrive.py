@@ -18,16 +18,6 @@ from worker.core.errors import BadRecording
 from worker.core.queue import Message, Queue
 
 
-@pytest.fixture
-def client(queues):
-    return FaultyClient(queues.sqs)
-
-
-@pytest.fixture
-def dlq(client, queues):
-    return DeadLetterQueue.of(client, queues.url, wait_s=0)
-
-
 class RedeadLetteringClient(FaultyClient):
     """A client behind which a "worker" takes each message redriven to the source queue and dead-letters it again at once."""
 
