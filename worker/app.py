@@ -60,6 +60,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     store = open_store(settings)
     downloads = DownloadSettings.from_settings(settings)
 
+    limits = JobLimits.from_settings(settings)
     crash_points = CrashPoints(settings.crash_at)
     metrics = Metrics.from_settings(settings)
 
@@ -72,7 +73,7 @@ def build_app(settings: Settings, *, session=None) -> App:
         fetch = functools.partial(fetch_recording, stop=stop)
         return run_pipeline(job, work_dir, stop, config=config, fetch=fetch, progress=progress,
                             grace_s=settings.stage_stop_grace_s,
-                            limits=JobLimits.from_settings(settings),
+                            limits=limits,
                             stage_env=stage_env)
 
     handler = VoiceJobHandler(

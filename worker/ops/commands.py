@@ -23,7 +23,7 @@ from worker.core.health import liveness_problem
 from worker.core.logs import scrub
 from worker.settings import Settings
 from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live, utc_now
-from worker.voice.submit import prepare, submit
+from worker.voice.submit import prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
@@ -51,9 +51,9 @@ def cmd_submit(open_store: Callable[[], ContextManager[Store]], sqs, queue_url: 
         print(f"submission is not valid JSON: {exc}", file=err)
         return EXIT_USAGE
     try:
-        prepare(payload, policy)
+        prepared = prepare(payload, policy)
         with open_store() as store:
-            job_id, created = submit(store, sqs, queue_url, payload, policy=policy)
+            job_id, created = submit_prepared(store, sqs, queue_url, prepared)
     except InvalidMessage as exc:
         for line in exc.problems:
             print(line, file=err)

@@ -48,7 +48,13 @@ def submit(store: Store, sqs, queue_url: str, payload: Any, *,
     refused here, before any record exists; the default checks the shape only and leaves the rest
     to the worker, which dead-letters what its policy refuses.
     """
-    body, job, key = prepare(payload, policy)
+    return submit_prepared(store, sqs, queue_url, prepare(payload, policy))
+
+
+def submit_prepared(store: Store, sqs, queue_url: str,
+                    prepared: tuple[dict, Job, str | None]) -> tuple[str, bool]:
+    """``submit`` for what ``prepare`` already validated: records, then the message."""
+    body, job, key = prepared
     record = {
         "_id": job.job_id,
         "profileId": job.profile_id,
