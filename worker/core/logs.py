@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from typing import Any
 
 import structlog
 
@@ -23,20 +24,30 @@ def scrub(text: str) -> str:
     return redact_secrets(_URL.sub(lambda m: m.group(1) + m.group(2), text))
 
 
-def _scrubbed(value, depth: int = 0):
-    # Nested too: a list of failures or a dict of paths carries the same URLs as a plain string.
+# Deep enough for any log field or Sentry event; a bound keeps a cyclic structure from recursing forever.
+_MAX_DEPTH = 64
+
+
+def scrub_value(value: Any, *, drop_keys: frozenset = frozenset(), _depth: int = 0) -> Any:
+    """``value`` with every string in it scrubbed, through lists, tuples and dicts (minus ``drop_keys``).
+
+    Nested too: a list of failures or a dict of paths carries the same URLs as a plain string.
+    """
     if isinstance(value, str):
         return scrub(value)
-    if depth < 4 and isinstance(value, (list, tuple)):
-        return [_scrubbed(v, depth + 1) for v in value]
-    if depth < 4 and isinstance(value, dict):
-        return {k: _scrubbed(v, depth + 1) for k, v in value.items()}
+    if _depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, dict):
+        return {k: scrub_value(v, drop_keys=drop_keys, _depth=_depth + 1)
+                for k, v in value.items() if k not in drop_keys}
+    if isinstance(value, list | tuple):
+        return [scrub_value(v, drop_keys=drop_keys, _depth=_depth + 1) for v in value]
     return value
 
 
 def _scrub_event(_logger, _name, event_dict: dict) -> dict:
     for key, value in event_dict.items():
-        event_dict[key] = _scrubbed(value)
+        event_dict[key] = scrub_value(value)
     return event_dict
 
 

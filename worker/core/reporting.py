@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from worker.core.logs import scrub
+from worker.core.logs import scrub_value
 
 log = structlog.get_logger(__name__)
 
@@ -23,13 +23,7 @@ _DROPPED_KEYS = frozenset({"http.query", "http.fragment", "query_string"})
 
 def scrub_event(event: Any, _hint: Any = None) -> Any:
     """A Sentry event with URLs cut to scheme://host/path, secret shapes masked, query fields dropped."""
-    if isinstance(event, str):
-        return scrub(event)
-    if isinstance(event, dict):
-        return {k: scrub_event(v) for k, v in event.items() if k not in _DROPPED_KEYS}
-    if isinstance(event, list | tuple):
-        return [scrub_event(v) for v in event]
-    return event
+    return scrub_value(event, drop_keys=_DROPPED_KEYS)
 
 
 def scrub_breadcrumb(crumb: Any, _hint: Any = None) -> Any:
