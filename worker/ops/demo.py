@@ -111,26 +111,29 @@ def provision(session, endpoint: str) -> str:
     return queue_url
 
 
-def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
-    return load_settings({
+def local_stack_env(endpoint: str, queue_url: str, state_dir: Path) -> dict[str, str]:
+    """The settings of a worker on the local stack: what the demo and the dev stack share."""
+    return {
         "SQS_QUEUE_URL": queue_url,
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_REGION": "us-east-1",
         "SQS_VISIBILITY_TIMEOUT_SECONDS": "60",
         "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "5000",
-        "SQS_WAIT_TIME_SECONDS": "1",
-        "STORE_URL": f"sqlite:///{run_dir / 'records.db'}",
+        "STORE_URL": f"sqlite:///{state_dir / 'records.db'}",
         "S3_BUCKET": BUCKET,
         "S3_PREFIX": "models",
         "RECORDINGS_S3_BUCKET": RECORDINGS_BUCKET,
-        "KEEP_WORK_FILES": "true",  # the summary lists the local files: they must still be there
-        "WORK_ROOT": str(run_dir / "work"),
+        "KEEP_WORK_FILES": "true",  # the demo's summary lists the local files; a developer reads them
+        "WORK_ROOT": str(state_dir / "work"),
         "PIPELINE_CONFIG": str(REPO / "config" / "pipeline.toml"),
-        "LOG_LEVEL": "WARNING",
         "LOG_FORMAT": "console",
-        "WORKER_ID": "demo-worker",
-        "METRICS_ENABLED": "false",  # EMF lines are for CloudWatch, not for a person reading the demo
-    })
+        "METRICS_ENABLED": "false",  # EMF lines are for CloudWatch, not for a person reading along
+    }
+
+
+def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
+    return load_settings({**local_stack_env(endpoint, queue_url, run_dir),
+                          "SQS_WAIT_TIME_SECONDS": "1", "LOG_LEVEL": "WARNING", "WORKER_ID": "demo-worker"})
 
 
 def sample_job() -> dict:

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from worker.core.daemon import SignalRelay
-from worker.ops.demo import REPO, LocalAws, dev_session, provision
+from worker.ops.demo import REPO, LocalAws, dev_session, local_stack_env, provision
 
 DEFAULT_PORT = 4566
 DEFAULT_DIR = REPO / "var" / "dev"
@@ -27,26 +27,12 @@ ENV_FILE = "env.sh"
 
 def dev_environment(endpoint: str, queue_url: str, state_dir: Path) -> dict[str, str]:
     """Every setting a worker or an operator command needs to use the local stack, by name."""
-    state_dir = state_dir.resolve()
     return {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_REGION": "us-east-1",
+        **local_stack_env(endpoint, queue_url, state_dir.resolve()),
         # moto takes any credentials; fixed ones keep the dev loop away from a real AWS profile.
         "AWS_ACCESS_KEY_ID": "dev",
         "AWS_SECRET_ACCESS_KEY": "dev",
-        "SQS_QUEUE_URL": queue_url,
-        "SQS_VISIBILITY_TIMEOUT_SECONDS": "60",
-        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "5000",
         "SQS_WAIT_TIME_SECONDS": "5",
-        "STORE_URL": f"sqlite:///{state_dir / 'records.db'}",
-        "S3_BUCKET": "voice-models",
-        "S3_PREFIX": "models",
-        "RECORDINGS_S3_BUCKET": "voice-recordings",
-        "WORK_ROOT": str(state_dir / "work"),
-        "PIPELINE_CONFIG": str(REPO / "config" / "pipeline.toml"),
-        "KEEP_WORK_FILES": "true",
-        "LOG_FORMAT": "console",
-        "METRICS_ENABLED": "false",
         "WORKER_ID": "dev-worker",
     }
 
