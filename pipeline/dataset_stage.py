@@ -28,7 +28,7 @@ from pipeline.config import StageSpec
 from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes
-from pipeline.stages import open_step_log, run_supervised, tail_lines
+from pipeline.stages import how_it_ended, open_step_log, run_supervised, tail_lines
 from worker.core.errors import BadRecording, StageFailed
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
@@ -71,8 +71,7 @@ def run_dataset_stage(
     if code == EXIT_BAD_RECORDING and "bad_recording" in outcome:
         raise BadRecording(str(outcome["bad_recording"]))
     if code != 0 or "notes" not in outcome:
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        raise StageFailed(f"the dataset step {how}; last lines of {log_path.name}:\n"
+        raise StageFailed(f"the dataset step {how_it_ended(code)}; last lines of {log_path.name}:\n"
                           f"{redact_text(tail_lines(log_path))}")
     return DatasetResult(metadata, rebuilt=True, notes=tuple(outcome["notes"]))
 

@@ -117,11 +117,15 @@ def exit_error(stage: StageSpec, code: int, log_name: str, tail: str) -> WorkerE
 
     The tail is redacted here, since the message leaves the worker: record, DLQ, logs, Sentry.
     """
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    message = f"stage {stage.name} {how}; last lines of {log_name}:\n{redact_text(tail)}"
+    message = f"stage {stage.name} {how_it_ended(code)}; last lines of {log_name}:\n{redact_text(tail)}"
     if code in stage.permanent_exit_codes:
         return StageFailedPermanently(message)
     return StageFailed(message)
+
+
+def how_it_ended(code: int) -> str:
+    """A process's end in words, from its return code (negative: the signal that killed it)."""
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 def tail_lines(path: Path, count: int = TAIL_LINES) -> str:
