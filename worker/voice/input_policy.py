@@ -8,8 +8,11 @@ policy and the message. A leaf module: ``worker.voice.message`` imports it, neve
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from worker.core.redact import redact_urls_in_text
 
 if TYPE_CHECKING:
     from worker.settings import Settings
@@ -18,11 +21,15 @@ if TYPE_CHECKING:
 SQS_MAX_BODY_BYTES = 1024 * 1024
 PROFILE_PLACEHOLDER = "{profileId}"
 DEFAULT_KEY_PREFIX = "recordings/{profileId}/"
-_MAX_SHOWN = 80
+MAX_SHOWN_CHARS = 80
 
 
-def _shown(value: str) -> str:
-    return repr(value if len(value) <= _MAX_SHOWN else value[: _MAX_SHOWN - 1] + "…")
+def show(value: object) -> str:
+    """A short, quoted, escaped echo of a rejected value, with any URL in it redacted."""
+    text = redact_urls_in_text(value if isinstance(value, str) else json.dumps(value, default=str))
+    if len(text) > MAX_SHOWN_CHARS:
+        text = text[: MAX_SHOWN_CHARS - 1] + "…"
+    return repr(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +75,7 @@ class InputPolicy:
         bucket, _, key = rest.partition("/")
         if bucket != self.recordings_bucket:
             return (f"s3:// recordings must be in bucket {self.recordings_bucket!r} "
-                    f"(RECORDINGS_S3_BUCKET), got {_shown(bucket)}")
+                    f"(RECORDINGS_S3_BUCKET), got {show(bucket)}")
         if any(segment in ("", ".", "..") for segment in key.split("/")):
             # S3 keys are literal, but a client or proxy that normalises paths would not read them so.
             return "S3 key must not have empty, '.' or '..' path segments"
@@ -76,7 +83,7 @@ class InputPolicy:
             return None
         prefix = self.key_prefix_for(profile_id)
         if not key.startswith(prefix):
-            return (f"S3 key must start with {_shown(prefix)} "
+            return (f"S3 key must start with {show(prefix)} "
                     "(RECORDINGS_S3_KEY_PREFIX for this job's profileId)")
         if key == prefix:
             return "S3 key names the recordings prefix alone, not a recording"

@@ -20,9 +20,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationInfo)
 
 from worker.core.errors import InvalidMessage
-from worker.voice.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
+from worker.voice.input_policy import MAX_SHOWN_CHARS, SHAPE_ONLY, InputPolicy, body_size_problem, show
 from worker.core.names import SAFE_NAME
-from worker.core.redact import redact_url, redact_urls_in_text
+from worker.core.redact import redact_url
 
 ENVIRONMENTS = ("development", "staging", "production")
 DEFAULT_ENVIRONMENT = "production"
@@ -35,7 +35,6 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _ASCII_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
 
-MAX_SHOWN_CHARS = 80
 MAX_PROBLEM_LINES = 20
 
 
@@ -191,15 +190,6 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return bucket, key
 
 
-# ---------------------------------------------------------------- echoing
-
-
-def show(value: object) -> str:
-    """A short, quoted, escaped echo of a rejected value, with any URL in it redacted."""
-    text = redact_urls_in_text(value if isinstance(value, str) else json.dumps(value, default=str))
-    if len(text) > MAX_SHOWN_CHARS:
-        text = text[: MAX_SHOWN_CHARS - 1] + "…"
-    return repr(text)
 
 
 # ---------------------------------------------------------------- the wire schema
