@@ -27,7 +27,7 @@ from worker.core.metrics import Metrics
 from worker.core.queue import Queue
 from worker.core.reporting import Reporter
 from worker.settings import Settings
-from worker.voice.store import Store, open_store
+from worker.voice.store import Store, clock_skew_problem, open_store
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +40,18 @@ class App:
 
     def close(self) -> None:
         self.store.close()
+
+
+def refuse_clock_skew(store: Store, max_skew_s: float) -> None:
+    """ConfigError when this host's clock is off from the store's by more than ``max_skew_s``.
+
+    Leases are stamped and judged on the store's clock alone; the margin guards what still reads the
+    host's clock (log times, signed AWS requests, operators comparing the two).
+    """
+    offset_s = store.clock_offset_s()
+    log.info("worker.store_clock", offset_s=round(offset_s, 3), max_skew_s=max_skew_s)
+    if problem := clock_skew_problem(offset_s, max_skew_s):
+        raise ConfigError(problem)
 
 
 def build_app(settings: Settings, *, session=None) -> App:
@@ -58,6 +70,11 @@ def build_app(settings: Settings, *, session=None) -> App:
     # Made at the first download or upload: an idle worker never needs the S3 model in memory.
     s3 = LazyClient(lambda: make_client("s3", settings, session))
     store = open_store(settings)
+    try:
+        refuse_clock_skew(store, settings.max_clock_skew_s)
+    except BaseException:
+        store.close()
+        raise
     downloads = DownloadSettings.from_settings(settings)
 
     limits = JobLimits.from_settings(settings)

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     # after its creation is enqueued again, once.
     reconcile_stale_after_s: int | None = Field(None, alias="RECONCILE_STALE_AFTER_SECONDS", ge=1)
     reconcile_pending_after_s: int = Field(1800, alias="RECONCILE_PENDING_AFTER_SECONDS", ge=1)
+    # Leases are judged on the store's clock; a host whose clock is further off than this from the
+    # store's refuses to start (AWS refuses requests signed more than 15 min off, hence the cap).
+    max_clock_skew_s: float = Field(10.0, alias="MAX_CLOCK_SKEW_SECONDS", gt=0, le=900)
 
     # --- downloads
     download_timeout_s: float = Field(60.0, alias="DOWNLOAD_TIMEOUT_SECONDS", gt=0)

@@ -295,8 +295,11 @@ def test_unexpected_error_in_the_job_is_retried_and_recorded(queues, make_worker
     assert job["lease"] is None and "delete_message" not in client.ops()
 
 
-def test_busy_message_comes_back_when_the_holders_record_lease_ends(queues, make_worker, handler, raw_store):
-    """The retry of a busy message waits for the holder's record lease, not the generic backoff."""
+@pytest.mark.parametrize("store_ahead_s", [0, 1000])
+def test_busy_message_comes_back_when_the_holders_record_lease_ends(queues, make_worker, handler, raw_store,
+                                                                    clock, store_ahead_s):
+    """The retry of a busy message waits for the holder's record lease, judged on the store's clock."""
+    clock.offset = timedelta(seconds=store_ahead_s)
     msg_id = queues.send(message_body())
     raw_store.claim(JOB_ID, owner="worker-a", token="token-a", lease_s=200, message_id=msg_id)
     worker, client = make_worker(handler)
@@ -305,13 +308,38 @@ def test_busy_message_comes_back_when_the_holders_record_lease_ends(queues, make
     assert 195 <= last[1]["VisibilityTimeout"] <= 206
 
 
-def test_a_failed_claim_lets_go_of_whatever_it_took(queues, make_worker, handler, store, recorder):
-    """A claim that fails in the store is followed by a fenced release, so the redelivery is not told the job is busy."""
-    store.faults["claim"] = lambda: StoreError("connection reset")
-    worker, client = make_worker(handler)
+def test_a_failed_profile_stamp_lets_go_of_the_job_once(queues, make_worker, handler, raw_store, monkeypatch):
+    """A claim whose profile stamp fails in the store releases the job it took exactly once, then retries."""
+    real_swap, real_release, releases = raw_store._swap_profile, raw_store.release_lease, []
+
+    def failing_stamp(op, *args):
+        if op == "claim":
+            raise StoreError("connection reset")
+        return real_swap(op, *args)
+
+    def counted_release(*args):
+        releases.append(args)
+        return real_release(*args)
+
+    monkeypatch.setattr(raw_store, "_swap_profile", failing_stamp)
+    monkeypatch.setattr(raw_store, "release_lease", counted_release)
+    worker, _client = make_worker(handler)
     queues.send(message_body())
     assert worker.run_once() == "retry"
-    assert "store.release_lease" in recorder.calls
+    assert len(releases) == 1 and raw_store.get_job(JOB_ID)["lease"] is None
+
+
+def test_a_profile_write_refused_while_the_job_lease_is_ours_releases_it(
+        queues, make_worker, handler, raw_store, store, train):
+    """StaleWrite from the profile paths write lets go of our still-live job lease and records no error."""
+    store.faults["write_paths"] = lambda: StaleWrite("profile claim replaced")
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "retry" and train.runs == 1
+    job = raw_store.get_job(JOB_ID)
+    assert job["lease"] is None and job["history"][-1]["outcome"] == "released"
+    assert job["status"] == "processing" and job["error"] is None
+    assert "delete_message" not in client.ops()
 
 
 def test_lease_lost_after_a_shutdown_request_still_stops_the_commit(queues, make_worker, handler, raw_store, s3):

@@ -151,3 +151,63 @@ def test_a_lazy_client_is_made_once_when_threads_race_to_use_it():
     for t in threads:
         t.join()
     assert len(made) == 1 and lazy.name == "c"
+
+
+@pytest.mark.parametrize("skew_s", [30, -300])
+def test_run_refuses_to_start_on_a_clock_off_from_the_stores(queues, tmp_path, monkeypatch, capsys, skew_s):
+    """A host clock further from the store's than MAX_CLOCK_SKEW_SECONDS: one line on stderr, exit 2, store closed."""
+    from datetime import datetime, timedelta, timezone
+
+    from worker.app import build_app
+    from worker.core.errors import ConfigError
+    from worker.ops import cli
+    from worker.voice import store as rules
+
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1",
+        "MAX_CLOCK_SKEW_SECONDS": "10"})
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=skew_s))
+    monkeypatch.setattr(os, "umask", lambda _mask: 0o022)  # cmd_run's umask must not outlive the test
+    assert cli.cmd_run(settings, None) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "MAX_CLOCK_SKEW_SECONDS=10" in lines[0]
+    assert ("behind" if skew_s < 0 else "ahead of") in lines[0]
+    closed = []
+    monkeypatch.setattr("worker.voice.store_sqlite.SqliteStore.close", lambda self: closed.append(self))
+    with pytest.raises(ConfigError):
+        build_app(settings)
+    assert len(closed) == 1
+
+
+def test_run_starts_on_a_clock_within_the_margin(queues, tmp_path, monkeypatch):
+    """A host clock 5 s off from the store's, under the 10 s margin, starts."""
+    from datetime import datetime, timedelta, timezone
+
+    from worker.app import build_app
+    from worker.voice import store as rules
+
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1"})
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=5))
+    build_app(settings).close()
+
+
+def test_the_start_up_clock_check_reads_mongodbs_server_time():
+    """On MongoDB the host's clock is compared with the server's (here an injected server clock 30 s ahead)."""
+    from datetime import datetime, timedelta, timezone
+
+    import mongomock
+
+    from worker.app import refuse_clock_skew
+    from worker.core.errors import ConfigError
+    from worker.voice.store_mongo import MongoStore, ServerClock
+
+    client = mongomock.MongoClient()
+    server = ServerClock(lambda: datetime.now(timezone.utc) + timedelta(seconds=30))
+    with MongoStore(client["voice"], clock=server, client=client) as store:
+        with pytest.raises(ConfigError) as caught:
+            refuse_clock_skew(store, 10)
+        refuse_clock_skew(store, 60)
+    assert caught.value.problems[0].startswith("this host's clock is 30.0 s behind the store's")

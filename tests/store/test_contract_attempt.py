@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, submit
-from worker.core.errors import StaleWrite
+from worker.core.errors import StaleWrite, StoreError
 from worker.voice.store import is_complete
 
 
@@ -73,4 +73,24 @@ def test_a_claim_whose_profile_stamp_fails_lets_go_of_the_job(store, monkeypatch
     job = store.get_job(JOB_ID)
     assert job["lease"] is None and job["history"][-1]["outcome"] == "released"
     monkeypatch.undo()
+    assert claim(store, "t2", owner="w2").outcome == "claimed"
+
+
+def test_a_claim_whose_reply_is_lost_lets_go_of_the_job(store):
+    """A claim that landed but failed on the way back (StoreError) releases the job before it propagates."""
+    submit(store)
+    real_swap = store._swap_job
+
+    def landed_then_lost(op, *args):
+        result = real_swap(op, *args)
+        if op == "claim":
+            raise StoreError("connection reset after the write")
+        return result
+
+    store._swap_job = landed_then_lost
+    with pytest.raises(StoreError):
+        claim(store, "t1")
+    store._swap_job = real_swap
+    job = store.get_job(JOB_ID)
+    assert job["lease"] is None and job["history"][-1]["outcome"] == "released"
     assert claim(store, "t2", owner="w2").outcome == "claimed"

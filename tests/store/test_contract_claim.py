@@ -85,7 +85,7 @@ def test_non_objectid_ids_work(store):
     """Ids that are not 24-hex strings are stored and returned unchanged."""
     assert submit(store, "job-1", "profile-1") == ("job-1", True)
     assert claim(store, "t1", job_id="job-1").outcome == "claimed"
-    assert store.get_profile("profile-1")["claims"] == [{"jobId": "job-1", "token": "t1"}]
+    assert store.get_profile("profile-1")["claims"] == [{"jobId": "job-1", "token": "t1", "epoch": 1}]
 
 
 # ---------------------------------------------------------------- claim
@@ -105,7 +105,7 @@ def test_claim_once(store, clock):
     assert job["history"] == [{"worker": "w1", "token": "t1", "start": clock.now, "end": None,
                                "outcome": "running"}]
     profile = store.get_profile(PROFILE_ID)
-    assert profile["status"] == "processing" and profile["claims"] == [{"jobId": JOB_ID, "token": "t1"}]
+    assert profile["status"] == "processing" and profile["claims"] == [{"jobId": JOB_ID, "token": "t1", "epoch": 1}]
     assert "claimToken" not in profile
     assert profile["jobId"] == JOB_ID and profile["updatedAt"] == clock.now
 
@@ -132,7 +132,7 @@ def test_claim_after_expiry_abandons_previous_attempt(store, clock):
     assert job["attempts"] == 2 and job["lease"]["token"] == "t2"
     assert [entry["outcome"] for entry in job["history"]] == ["abandoned", "running"]
     assert job["history"][0]["end"] == clock.now and job["history"][1]["token"] == "t2"
-    assert store.get_profile(PROFILE_ID)["claims"] == [{"jobId": JOB_ID, "token": "t2"}]
+    assert store.get_profile(PROFILE_ID)["claims"] == [{"jobId": JOB_ID, "token": "t2", "epoch": 2}]
 
 
 @pytest.mark.parametrize("final", ["completed", "cancelled"])
@@ -177,7 +177,7 @@ def test_claim_keeps_a_completed_profile_completed(store):
     store.record_error(JOB_ID, token="t1", error_type="StoreError", message="down", retryable=True)
     assert claim(store, "t2").outcome == "claimed"
     profile = store.get_profile(PROFILE_ID)
-    assert profile["status"] == "completed" and profile["claims"] == [{"jobId": JOB_ID, "token": "t2"}]
+    assert profile["status"] == "completed" and profile["claims"] == [{"jobId": JOB_ID, "token": "t2", "epoch": 2}]
 
 
 def test_history_keeps_the_last_twenty_attempts(store, clock):

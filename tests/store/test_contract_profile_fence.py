@@ -116,7 +116,8 @@ def test_claims_hold_one_entry_per_job_newest_claim_last(store, clock):
     clock.advance(LEASE_S)
     claim(store, "t3", owner="w3")
     profile = store.get_profile(PROFILE_ID)
-    assert profile["claims"] == [{"jobId": OTHER_JOB, "token": "t2"}, {"jobId": JOB_ID, "token": "t3"}]
+    assert profile["claims"] == [{"jobId": OTHER_JOB, "token": "t2", "epoch": 1},
+                                 {"jobId": JOB_ID, "token": "t3", "epoch": 2}]
     assert profile["jobId"] == JOB_ID and profile["status"] == "processing" and profile["updatedAt"] == clock.now
     assert "claimToken" not in profile
 
@@ -198,3 +199,68 @@ def test_profile_writes_require_the_job_id(store):
         store.mark_profile_completed(PROFILE_ID, "t1")
     with pytest.raises(TypeError):
         store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, JOB_ID)
+
+
+def pause_first_stamp(store, meanwhile) -> None:
+    """Run ``meanwhile()`` (a newer claim) between the next claim's job swap and its profile stamp, once."""
+    real_swap, paused = store._swap_profile, []
+
+    def swap_after_a_pause(op, profile_id, allowed, change):
+        if op == "claim" and not paused:
+            paused.append(True)
+            meanwhile()
+        return real_swap(op, profile_id, allowed, change)
+
+    store._swap_profile = swap_after_a_pause
+
+
+def test_a_paused_claimers_late_stamp_is_refused_and_the_newer_holder_commits(store, clock):
+    """A claimer paused past its lease between job swap and profile stamp cannot overwrite the newer claim."""
+    submit(store)
+
+    def newer_claim() -> None:
+        clock.advance(LEASE_S + 1)
+        assert claim(store, "t2", owner="w2").outcome == "claimed"
+
+    pause_first_stamp(store, newer_claim)
+    with pytest.raises(StaleWrite):
+        claim(store, "t1")
+    profile, job = store.get_profile(PROFILE_ID), store.get_job(JOB_ID)
+    assert [entry for entry in profile["claims"] if entry["jobId"] == JOB_ID] == [
+        {"jobId": JOB_ID, "token": "t2", "epoch": 2}]
+    assert job["lease"]["token"] == "t2" and job["attempts"] == 2
+    assert_refused(store, JOB_ID, "t1")
+    commit(store, "t2")
+    assert is_complete(store.get_job(JOB_ID), store.get_profile(PROFILE_ID))
+
+
+def test_a_refused_stamp_releases_the_claimers_own_lease(store):
+    """A stamp refused by a newer entry lets go of the job lease the same claim just took."""
+    submit(store)
+    claim(store, "t1")
+    store.release_lease(JOB_ID, "t1")
+
+    real_swap = store._swap_profile
+
+    def newer_stamp() -> None:
+        # Another claim's stamp that landed with a higher epoch (its job swap is not needed here).
+        real_swap("claim", PROFILE_ID, lambda _p, _now: True,
+                  lambda p, now: {**p, "claims": [{"jobId": JOB_ID, "token": "t9", "epoch": 9}]})
+
+    pause_first_stamp(store, newer_stamp)
+    with pytest.raises(StaleWrite):
+        claim(store, "t2", owner="w2")
+    job = store.get_job(JOB_ID)
+    assert job["lease"] is None and job["history"][-1]["outcome"] == "released"
+    assert store.get_profile(PROFILE_ID)["claims"] == [{"jobId": JOB_ID, "token": "t9", "epoch": 9}]
+
+
+def test_a_stamp_over_a_legacy_entry_without_epoch_is_taken(store):
+    """An entry written before epochs existed does not block a claim's stamp."""
+    submit(store)
+    claim(store, "t1")
+    store.release_lease(JOB_ID, "t1")
+    store._swap_profile("claim", PROFILE_ID, lambda _p, _now: True,
+                        lambda p, now: {**p, "claims": [{"jobId": JOB_ID, "token": "legacy"}]})
+    assert claim(store, "t2", owner="w2").outcome == "claimed"
+    assert store.get_profile(PROFILE_ID)["claims"] == [{"jobId": JOB_ID, "token": "t2", "epoch": 2}]

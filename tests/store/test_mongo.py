@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import mongomock
 import pymongo
 import pytest
 from bson import ObjectId
-from pymongo.errors import ConfigurationError, ConnectionFailure, ServerSelectionTimeoutError
+from pymongo.errors import ConfigurationError, ConnectionFailure, OperationFailure, ServerSelectionTimeoutError
 from structlog.testing import capture_logs
 
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, race_after_first_read, submit
 from worker.core.errors import ConfigError, StaleWrite, StoreError
 from worker.voice.store import is_complete
 from worker.voice.mongo_connect import connect_mongo
-from worker.voice.store_mongo import MongoStore
+from worker.voice.store_mongo import MongoStore, ServerClock, server_local_time
 
 
 class FakeClient:
@@ -178,7 +180,7 @@ def test_claim_of_an_app_created_job_creates_its_profile(mongo, clock):
     assert result.outcome == "claimed" and result.job["attempts"] == 1
     assert result.job["profileId"] == PROFILE_ID
     profile = store.get_profile(PROFILE_ID)
-    assert profile["status"] == "processing" and profile["claims"] == [{"jobId": JOB_ID, "token": "t1"}]
+    assert profile["status"] == "processing" and profile["claims"] == [{"jobId": JOB_ID, "token": "t1", "epoch": 1}]
     assert profile["modelPaths"] == {} and profile["s3Paths"] == {}
     store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
     store.mark_profile_completed(PROFILE_ID, "t1", job_id=JOB_ID)
@@ -213,7 +215,16 @@ class DownCollection:
         return fail
 
 
+class DownDatabase(dict):
+    """A database whose collections and server (the clock's ``hello``) all fail as ``DownCollection``."""
+
+    def __init__(self):
+        super().__init__(voiceclonings=DownCollection(), useraudioprofiles=DownCollection())
+        self.client = type("DownClient", (), {"admin": DownCollection()})()
+
+
 @pytest.mark.parametrize("call", [
+    lambda s: s.now(),
     lambda s: s.get_job(JOB_ID),
     lambda s: s.get_profile(PROFILE_ID),
     lambda s: s.claim(JOB_ID, owner="w", token="t", lease_s=LEASE_S),
@@ -232,9 +243,8 @@ class DownCollection:
 ])
 def test_pymongo_errors_become_store_error(call):
     """Every operation turns a pymongo failure into StoreError with the cause chained."""
-    db = {"voiceclonings": DownCollection(), "useraudioprofiles": DownCollection()}
     with pytest.raises(StoreError) as caught:
-        call(MongoStore(db))
+        call(MongoStore(DownDatabase()))
     assert isinstance(caught.value.__cause__, ServerSelectionTimeoutError)
 
 
@@ -304,7 +314,7 @@ def test_profile_of_an_app_created_job_appearing_during_the_stamp_is_stamped(mon
     store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
     profile = store.get_profile(PROFILE_ID)
     assert profile["name"] == "voice-1" and profile["status"] == "processing"
-    assert profile["claims"] == [{"jobId": JOB_ID, "token": "t1"}]
+    assert profile["claims"] == [{"jobId": JOB_ID, "token": "t1", "epoch": 1}]
 
 
 def test_legacy_profile_with_a_claim_token_is_migrated_on_claim(mongo):
@@ -315,7 +325,7 @@ def test_legacy_profile_with_a_claim_token_is_migrated_on_claim(mongo):
                                        {"$set": {"claimToken": "old"}, "$unset": {"claims": ""}})
     store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
     raw = db["useraudioprofiles"].find_one({"_id": ObjectId(PROFILE_ID)})
-    assert "claimToken" not in raw and raw["claims"] == [{"jobId": JOB_ID, "token": "t1"}]
+    assert "claimToken" not in raw and raw["claims"] == [{"jobId": JOB_ID, "token": "t1", "epoch": 1}]
     store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
 
 
@@ -374,3 +384,120 @@ def test_a_job_cancelled_behind_the_revision_is_not_claimed(mongo, clock):
     claim = store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
     assert claim.outcome != "claimed" and claim.attempt is None
     assert jobs.find_one({"_id": ObjectId(JOB_ID)})["lease"] is None
+
+
+# ---------------------------------------------------------------- the store's clock is the server's
+
+SERVER_NOW = datetime(2030, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+class FakeServerTime:
+    """The server's clock as ``hello`` reports it, on a monotonic clock the test moves by hand.
+
+    Each sample takes ``round_trip_s`` of monotonic time and reports the server time at its middle.
+    """
+
+    def __init__(self, round_trip_s: float = 0.2):
+        self.mono_s, self.round_trip_s = 100.0, round_trip_s
+        self.samples, self.failing = 0, False
+
+    def monotonic(self) -> float:
+        return self.mono_s
+
+    def server_now(self) -> datetime:
+        return SERVER_NOW + timedelta(seconds=self.mono_s - 100.0)
+
+    def sample(self) -> datetime | None:
+        self.samples += 1
+        if self.failing:
+            raise ConnectionFailure("server went away")
+        self.mono_s += self.round_trip_s / 2
+        reported = self.server_now()
+        self.mono_s += self.round_trip_s / 2
+        return reported
+
+    def clock(self, **kwargs) -> ServerClock:
+        return ServerClock(self.sample, monotonic=self.monotonic, **kwargs)
+
+
+def test_the_server_clock_is_corrected_by_half_the_round_trip_and_advanced_monotonically():
+    """A sample taken over a round trip reads the server's time at its end, then advances with monotonic time."""
+    server = FakeServerTime(round_trip_s=0.4)
+    clock = server.clock(fallback=lambda: SERVER_NOW - timedelta(days=1))
+    assert clock() == server.server_now()
+    server.mono_s += 59
+    assert clock() == server.server_now() and server.samples == 1
+
+
+def test_the_server_clock_is_sampled_again_each_period_and_keeps_the_last_sample_on_failure():
+    """After the resample period the server is asked again; a failed ask keeps the last sample going."""
+    server = FakeServerTime()
+    clock = server.clock(resample_s=60)
+    clock()
+    server.mono_s += 60
+    clock()
+    assert server.samples == 2
+    server.failing, server.mono_s = True, server.mono_s + 60
+    with capture_logs() as logs:
+        assert clock() == server.server_now()
+    assert server.samples == 3 and [e["event"] for e in logs] == ["store.server_clock_resample_failed"]
+
+
+def test_a_server_clock_never_sampled_raises_the_failure():
+    """With no sample at all there is no server time to fall back on: the failure propagates."""
+    server = FakeServerTime()
+    server.failing = True
+    with pytest.raises(ConnectionFailure):
+        server.clock()()
+
+
+def test_a_server_without_local_time_falls_back_to_this_hosts_clock_with_one_warning():
+    """mongomock answers no hello: the store's clock is this host's, said once in the log."""
+    db = mongomock.MongoClient()["voice"]
+    assert server_local_time(db) is None
+    host = SERVER_NOW - timedelta(hours=1)
+    clock = ServerClock(lambda: server_local_time(db), fallback=lambda: host)
+    with capture_logs() as logs:
+        assert clock() == host and clock() == host
+    assert [e["event"] for e in logs] == ["store.server_clock_unavailable"]
+
+
+class HelloClient:
+    """A client whose ``hello`` (or, on an old server, ``isMaster``) reports the server's localTime."""
+
+    def __init__(self, knows_hello: bool = True):
+        self.admin, self.knows_hello, self.asked = self, knows_hello, []
+
+    def command(self, name: str) -> dict:
+        self.asked.append(name)
+        if name == "hello" and not self.knows_hello:
+            raise OperationFailure("no such command: 'hello'")
+        return {"ok": 1.0, "localTime": SERVER_NOW.replace(tzinfo=None, microsecond=123_456)}
+
+
+@pytest.mark.parametrize("knows_hello, asked", [(True, ["hello"]), (False, ["hello", "isMaster"])])
+def test_the_servers_local_time_comes_from_hello_or_is_master(knows_hello, asked):
+    """localTime is read from hello, or from isMaster on a server before 4.4.2, as aware UTC in milliseconds."""
+    client = HelloClient(knows_hello)
+    db = type("Db", (), {"client": client})()
+    assert server_local_time(db) == SERVER_NOW.replace(microsecond=123_000)
+    assert client.asked == asked
+
+
+@pytest.mark.parametrize("skew_s", [30, 300])
+def test_on_server_time_a_skewed_worker_is_held_and_a_dead_lease_ends_on_time(monkeypatch, skew_s):
+    """With the server's clock injected, a worker clock off by the skew neither steals nor prolongs a lease."""
+    from worker.voice import store as rules
+
+    server = FakeServerTime()
+    client = mongomock.MongoClient()
+    holder = MongoStore(client["voice"], clock=server.clock(), client=client)
+    skewed = MongoStore(client["voice"], clock=server.clock())
+    submit(holder)
+    monkeypatch.setattr(rules, "utc_now", lambda: server.server_now() + timedelta(seconds=skew_s))
+    assert skewed.claim(JOB_ID, owner="w1", token="t1", lease_s=10).outcome == "claimed"
+    server.mono_s += 1
+    assert holder.claim(JOB_ID, owner="w2", token="t2", lease_s=10).outcome == "held"
+    server.mono_s += 9  # the skewed holder died: its lease ends 10 s of server time after its claim
+    assert holder.claim(JOB_ID, owner="w2", token="t2", lease_s=10).outcome == "claimed"
+    assert holder.clock_offset_s() == pytest.approx(-skew_s, abs=0.001)

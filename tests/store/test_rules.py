@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tests.store.conftest import MODEL_PATHS, S3_PATHS
 from worker.voice.store import (
-    CLAIMS_KEPT, HISTORY_LIMIT, claim_refusal, claimed, close_attempt, holds_profile_claim, is_complete,
+    CLAIMS_KEPT, HISTORY_LIMIT, claim_refusal, claimed, clock_skew_problem, close_attempt, holds_profile_claim,
+    is_complete, may_stamp_claim,
     lease_live, stamped_profile, to_ms, with_claim,
 )
 
@@ -92,10 +93,11 @@ def test_a_profile_without_claims_fences_everyone_out(profile):
 def test_stamp_replaces_only_the_claiming_jobs_entry():
     """A claim sets its own job's entry (moved last) and leaves other jobs' entries and tokens alone."""
     profile = {"_id": "p", "status": "pending", "claimToken": "legacy", "claims": []}
-    profile = stamped_profile(profile, "p", "j1", "t1", NOW)
-    profile = stamped_profile(profile, "p", "j2", "t2", NOW)
-    profile = stamped_profile(profile, "p", "j1", "t3", NOW)
-    assert profile["claims"] == [{"jobId": "j2", "token": "t2"}, {"jobId": "j1", "token": "t3"}]
+    profile = stamped_profile(profile, "p", "j1", "t1", NOW, 1)
+    profile = stamped_profile(profile, "p", "j2", "t2", NOW, 1)
+    profile = stamped_profile(profile, "p", "j1", "t3", NOW, 2)
+    assert profile["claims"] == [{"jobId": "j2", "token": "t2", "epoch": 1},
+                                 {"jobId": "j1", "token": "t3", "epoch": 2}]
     assert holds_profile_claim(profile, "j1", "t3") and holds_profile_claim(profile, "j2", "t2")
     assert not holds_profile_claim(profile, "j1", "t1") and not holds_profile_claim(profile, "j1", "t2")
     assert "claimToken" not in profile and profile["jobId"] == "j1" and profile["status"] == "processing"
@@ -107,8 +109,30 @@ def test_claims_stay_bounded_with_each_jobs_latest_token(stamps):
     claims: list[dict] = []
     latest: dict[str, str] = {}
     for job_no, token in stamps:
-        claims = with_claim(claims, f"j{job_no}", token)
+        claims = with_claim(claims, f"j{job_no}", token, 1)
         latest[f"j{job_no}"] = token
     assert len(claims) == min(len(latest), CLAIMS_KEPT)
     assert len({entry["jobId"] for entry in claims}) == len(claims)
     assert all(latest[entry["jobId"]] == entry["token"] for entry in claims)
+
+
+@pytest.mark.parametrize("claims, allowed", [
+    ([], True),
+    ([{"jobId": "j2", "token": "t9", "epoch": 9}], True),
+    ([{"jobId": "j1", "token": "legacy"}], True),
+    ([{"jobId": "j1", "token": "t1", "epoch": 2}], True),
+    ([{"jobId": "j1", "token": "t3", "epoch": 3}], True),
+    ([{"jobId": "j1", "token": "t4", "epoch": 3}], False),
+    ([{"jobId": "j1", "token": "t4", "epoch": 4}], False),
+])
+def test_a_claims_stamp_is_refused_only_by_a_newer_claim_of_the_same_job(claims, allowed):
+    """Stamping epoch 3 of j1 (token t3): a lower, equal-and-own, missing or epoch-less entry lets it land."""
+    assert may_stamp_claim({"claims": claims}, "j1", "t3", 3) is allowed
+
+
+@pytest.mark.parametrize("offset_s, words", [(0.0, None), (10.0, None), (-9.9, None),
+                                             (10.5, "10.5 s behind"), (-300.0, "300.0 s ahead of")])
+def test_a_clock_off_by_more_than_the_margin_is_a_problem(offset_s, words):
+    """An offset within the margin passes; beyond it, one line says how far and which way."""
+    problem = clock_skew_problem(offset_s, 10)
+    assert (problem is None) if words is None else (words in problem and "MAX_CLOCK_SKEW_SECONDS=10" in problem)

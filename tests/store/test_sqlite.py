@@ -5,11 +5,13 @@ from __future__ import annotations
 import multiprocessing
 import sqlite3
 import threading
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from tests.store.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, submit
 from worker.core.errors import StaleWrite, StoreError
+from worker.voice import store as rules
 from worker.voice.store_sqlite import SqliteStore
 
 PROCESSES = 4
@@ -75,7 +77,7 @@ def test_claim_race_across_processes_has_one_winner(tmp_path):
             job = store.get_job(_job_id(r))
             assert job["attempts"] == 1 and len(job["history"]) == 1
             assert store.get_profile(_job_id(r)[::-1])["claims"] == [
-                {"jobId": _job_id(r), "token": job["lease"]["token"]}]
+                {"jobId": _job_id(r), "token": job["lease"]["token"], "epoch": 1}]
 
 
 def test_submit_race_across_processes_creates_one_job(tmp_path):
@@ -237,3 +239,36 @@ def test_a_path_with_uri_characters_opens_the_file_it_names(tmp_path):
     assert path.exists()
     with SqliteStore(str(path), mode="ro") as store:
         assert store.get_job(JOB_ID) is not None
+
+
+# ---------------------------------------------------------------- the store's clock is SQLite's
+
+def _host_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@pytest.mark.parametrize("skew_s", [30, 300])
+def test_a_process_with_a_skewed_clock_cannot_move_a_lease_on_the_file(tmp_path, monkeypatch, skew_s):
+    """With SQLite's own clock, a process whose Python clock is off sees a live lease as live and stamps true times."""
+    path = str(tmp_path / "records.db")
+    with SqliteStore(path) as holder, SqliteStore(path) as skewed:
+        submit(holder)
+        before = rules.to_ms(_host_now())
+        assert holder.claim(JOB_ID, owner="w1", token="t1", lease_s=10).outcome == "claimed"
+        after = _host_now()
+        monkeypatch.setattr(rules, "utc_now", lambda: _host_now() + timedelta(seconds=skew_s))
+        refused = skewed.claim(JOB_ID, owner="w2", token="t2", lease_s=10)
+        assert refused.outcome == "held" and refused.now < _host_now()
+        expires_at = holder.get_job(JOB_ID)["lease"]["expiresAt"]
+        assert before + timedelta(seconds=10) <= expires_at <= after + timedelta(seconds=10)
+        assert skewed.find_stale() == []
+
+
+def test_the_store_clock_is_sqlites_which_is_this_hosts(tmp_path, monkeypatch):
+    """now() reads SQLite's clock (the host's), so a moved Python clock shows up as an offset, not a new now."""
+    with SqliteStore(str(tmp_path / "records.db")) as store:
+        monkeypatch.setattr(rules, "utc_now", lambda: _host_now() + timedelta(seconds=300))
+        before = rules.to_ms(_host_now())
+        now = store.now()
+        assert before <= now <= _host_now() and now.tzinfo is not None
+        assert store.clock_offset_s() < -290

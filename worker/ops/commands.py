@@ -22,7 +22,7 @@ from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.core.health import liveness_problem
 from worker.core.logs import scrub
 from worker.settings import Settings
-from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live, utc_now
+from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live
 from worker.voice.submit import prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO = 0, 1, 2, 3, 4
@@ -141,14 +141,15 @@ def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[bool, 
 
 
 def cmd_cancel(store: Store, job_id: str, *, heartbeat_s: float, out: TextIO | None = None,
-               err: TextIO | None = None, now: Callable[[], datetime] = utc_now) -> int:
+               err: TextIO | None = None, now: Callable[[], datetime] | None = None) -> int:
     # Resolved per call, not at import: pytest and wrappers replace sys.stdout after that.
     out, err = out or sys.stdout, err or sys.stderr
     job = store.get_job(job_id)
     if job is None:
         print(f"no job {job_id}", file=err)
         return EXIT_NOT_FOUND
-    useful, text = cancel_outcome(job, heartbeat_s, now())
+    # The store's clock by default: it stamped the lease this decides on.
+    useful, text = cancel_outcome(job, heartbeat_s, (now or store.now)())
     # request_cancel re-checks inside the store: a job that finished since the read is not touched.
     if not useful or not store.request_cancel(job_id):
         if useful:  # it became final between the read and the request

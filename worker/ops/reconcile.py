@@ -40,7 +40,7 @@ from worker.core.errors import InvalidMessage, QueueError, WorkerError
 from worker.core.logs import scrub
 from worker.voice.message import parse_job
 from worker.core.metrics import COUNT, NULL_METRICS, RECONCILE_METRICS, Metrics
-from worker.voice.store import Store, utc_now
+from worker.voice.store import Store
 from worker.voice.store_recovery import may_record_dead_letter, worker_lost
 
 log = structlog.get_logger(__name__)
@@ -95,12 +95,13 @@ class ReconcileReport:
 class Reconciler:
     def __init__(self, store: Store, sqs, queue_url: str, *, stale_after_s: float, pending_after_s: float,
                  dlq: DeadLetterQueue | None = None, metrics: Metrics = NULL_METRICS,
-                 clock: Callable[[], datetime] = utc_now, worker_id: str = RECONCILER_ID,
+                 clock: Callable[[], datetime] | None = None, worker_id: str = RECONCILER_ID,
                  limit: int = 1000, dlq_hold_s: int = 120, dlq_wait_s: int = 1):
         self._store, self._sqs, self._queue_url = store, sqs, queue_url
         self._stale_after_s, self._pending_after_s = stale_after_s, pending_after_s
         self._dlq = dlq  # None: resolved from the queue's RedrivePolicy on each pass
-        self._metrics, self._clock, self._worker_id = metrics, clock, worker_id
+        # The store's clock by default: leases were stamped on it, so they are judged on it too.
+        self._metrics, self._clock, self._worker_id = metrics, clock or store.now, worker_id
         self._limit, self._dlq_hold_s, self._dlq_wait_s = limit, dlq_hold_s, dlq_wait_s
 
     def run(self) -> ReconcileReport:

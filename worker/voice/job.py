@@ -34,6 +34,7 @@ from __future__ import annotations
 import secrets
 import shutil
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import structlog
@@ -47,7 +48,6 @@ from worker.core.errors import (
     PermanentError,
     StaleWrite,
     Stopped,
-    StoreError,
     TimeLimitExceeded,
     UnexpectedError,
     UnknownJob,
@@ -199,21 +199,16 @@ class VoiceJobHandler:
                         note="redelivery of a permanently failed message: dead-lettered again without work")
             raise failed
         token = secrets.token_hex(16)
-        try:
-            claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
-                                message_id=message.message_id)
-        except StoreError:
-            # The claim may have landed before the failure (the profile is stamped in a second swap):
-            # let go of it, fenced on our token, so the redelivery is not told the job is busy.
-            self._release(job.job_id, token)
-            raise
+        # A claim that fails after its job swap (the profile stamp, a lost reply) lets go of the job itself.
+        claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
+                            message_id=message.message_id)
         if claim.outcome == "missing":
             raise UnknownJob(f"no job record {job.job_id} (yet)")
         if claim.outcome in ("completed", "cancelled"):
             log.info("job.nothing_to_do", status=claim.outcome)
             return claim.outcome
         if claim.outcome == "held":
-            return self._held(claim.job or {}, message)
+            return self._held(claim.job or {}, message, claim.now)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
         attempt = claim.attempt
         store_lease = StoreLease(attempt, lease.stop, margin_s=lease.interval_s)
@@ -229,8 +224,14 @@ class VoiceJobHandler:
         except Stopped as exc:
             store_lease.end()
             return self._stopped(attempt, exc)
-        except (LeaseLost, StaleWrite):
+        except LeaseLost:
             raise  # not ours any more: write nothing
+        except StaleWrite:
+            # A fenced write refused (a profile claim replaced behind us) while the job lease may still
+            # be ours: let go of it (fenced: a no-op if not ours) so the job need not wait for it to lapse.
+            store_lease.end()
+            self._release_attempt(attempt)
+            raise
         except WorkerError as exc:
             store_lease.end()
             self._record_error(job.job_id, token, exc)
@@ -246,7 +247,7 @@ class VoiceJobHandler:
 
     # --- steps
     @staticmethod
-    def _held(record: dict, message: Message) -> str:
+    def _held(record: dict, message: Message, store_now: datetime | None) -> str:
         """Another worker holds a live lease on the job: is this delivery a duplicate, or its own message?"""
         holder = record.get("lease") or {}
         if holder.get("messageId") == message.message_id:
@@ -254,7 +255,9 @@ class VoiceJobHandler:
             # would leave the job with no message if the holder (which will stop) commits nothing.
             # Come back just after the holder's record lease ends, not after the generic backoff.
             expires_at = holder.get("expiresAt")
-            wait_s = (expires_at - utc_now()).total_seconds() + 5 if expires_at else None
+            # On the store's clock, which set expiresAt: this host's clock may be off.
+            now = store_now or utc_now()
+            wait_s = (expires_at - now).total_seconds() + 5 if expires_at else None
             raise JobBusy(f"message is held by {holder.get('owner')} under an expired SQS lease; "
                           "retrying once its record lease ends", retry_after_s=wait_s)
         log.warning("job.duplicate_delivery", holder=holder.get("owner"),
@@ -332,6 +335,13 @@ class VoiceJobHandler:
         # delivery claim at once instead of waiting for it to expire.
         self._release(attempt.job_id, attempt.token)
         raise exc
+
+    @staticmethod
+    def _release_attempt(attempt: Attempt) -> None:
+        try:
+            attempt.release()
+        except WorkerError as release_exc:
+            log.warning("job.release_failed", error=str(release_exc))
 
     def _release(self, job_id: str, token: str) -> None:
         try:

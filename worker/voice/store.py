@@ -72,6 +72,8 @@ class Claim:
     job: dict | None
     cancel_requested: bool = False
     attempt: Attempt | None = None  # set when the outcome is "claimed"
+    # The store's clock when it decided: a "held" job's lease end is judged on it, never on ours.
+    now: datetime | None = None
 
 
 
@@ -185,8 +187,17 @@ def cancel_requested(job: dict) -> dict:
     return {**job, "cancelRequested": True}
 
 
+def clock_skew_problem(offset_s: float, max_skew_s: float) -> str | None:
+    """Why a worker whose clock is ``offset_s`` behind the store's must not start, or None."""
+    if abs(offset_s) <= max_skew_s:
+        return None
+    direction = "behind" if offset_s > 0 else "ahead of"
+    return (f"this host's clock is {abs(offset_s):.1f} s {direction} the store's, more than "
+            f"MAX_CLOCK_SKEW_SECONDS={max_skew_s:g}: fix its time sync (NTP/chrony) before starting")
+
+
 def profile_claims(profile: dict | None) -> list[dict]:
-    """The profile's ``claims``: one ``{jobId, token}`` per job that claimed it, newest claim last."""
+    """The profile's ``claims``: one ``{jobId, token, epoch}`` per job that claimed it, newest claim last."""
     claims = (profile or {}).get(CLAIMS)
     if not isinstance(claims, list):
         return []
@@ -204,20 +215,36 @@ def holds_profile_claim(profile: dict | None, job_id: str, token: str) -> bool:
                for entry in profile_claims(profile))
 
 
-def with_claim(claims: list[dict], job_id: str, token: str) -> list[dict]:
-    """``claims`` with ``job_id``'s entry set to ``token`` and moved last; the oldest past the cap dropped."""
+def may_stamp_claim(profile: dict | None, job_id: str, token: str, epoch: int) -> bool:
+    """The fence of a claim's profile stamp: no newer claim of ``job_id`` is on the profile already.
+
+    ``epoch`` is the job's ``attempts`` after this claim, assigned in the claim's job swap, so a
+    claimer paused between its job swap and its stamp cannot overwrite the entry of the claim that
+    took the job over from it. An entry without an epoch (written before epochs) never blocks a stamp.
+    """
+    for entry in profile_claims(profile):
+        if entry.get("jobId") != str(job_id):
+            continue
+        held = entry.get("epoch")
+        if isinstance(held, int) and (held > epoch or (held == epoch and entry.get("token") != token)):
+            return False
+    return True
+
+
+def with_claim(claims: list[dict], job_id: str, token: str, epoch: int) -> list[dict]:
+    """``claims`` with ``job_id``'s entry set to ``token`` at ``epoch`` and moved last; the oldest past the cap dropped."""
     kept = [entry for entry in claims if entry.get("jobId") != str(job_id)]
-    return [*kept, {"jobId": str(job_id), "token": token}][-CLAIMS_KEPT:]
+    return [*kept, {"jobId": str(job_id), "token": token, "epoch": int(epoch)}][-CLAIMS_KEPT:]
 
 
 def stamped_profile(profile: dict | None, profile_id: str, job_id: str, token: str,
-                    now: datetime) -> dict:
+                    now: datetime, epoch: int) -> dict:
     """The profile after a claim: this job's claim entry set to the new token, processing unless completed."""
     base = profile if profile is not None else new_profile_record({"_id": profile_id}, job_id, now)
     status = base.get("status") if base.get("status") == COMPLETED else PROCESSING
     # The single profile-wide token fenced concurrent jobs of one profile out of each other's writes.
     base = {key: value for key, value in base.items() if key != LEGACY_CLAIM_TOKEN}
-    return {**base, "status": status, CLAIMS: with_claim(profile_claims(base), job_id, token),
+    return {**base, "status": status, CLAIMS: with_claim(profile_claims(base), job_id, token, epoch),
             "jobId": str(job_id), "updatedAt": now}
 
 
@@ -274,7 +301,18 @@ def submission(job: dict, profile: dict) -> tuple[dict, dict]:
 # ---------------------------------------------------------------- the interface
 
 class Store(ABC):
-    """Job and profile records. Fenced writes raise ``StaleWrite``; an unreachable store ``StoreError``."""
+    """Job and profile records. Fenced writes raise ``StaleWrite``; an unreachable store ``StoreError``.
+
+    Every lease is stamped and judged on the store's clock (``now()``), never on a worker's own.
+    """
+
+    @abstractmethod
+    def now(self) -> datetime:
+        """The store's clock: what every lease stamp and every lease decision uses."""
+
+    def clock_offset_s(self, local: Clock | None = None) -> float:
+        """How far ``local`` (default: this host's clock) is behind the store's clock, in seconds."""
+        return (self.now() - (local or utc_now)()).total_seconds()
 
     @abstractmethod
     def get_job(self, job_id: str) -> dict | None: ...

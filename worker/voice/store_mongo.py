@@ -11,16 +11,18 @@ Datetimes are written as naive UTC (what BSON means by a datetime) and returned 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pymongo
 import structlog
 from bson import ObjectId
 from pymongo import ReadPreference, ReturnDocument, WriteConcern
-from pymongo.errors import DuplicateKeyError, PyMongoError
+from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
 
 from worker.voice import store as rules
 from worker.voice import store_recovery as recovery
@@ -97,11 +99,84 @@ def translated(op: str) -> Iterator[None]:
         raise StoreError(f"mongo {op} failed: {type(exc).__name__}") from exc
 
 
+# How long a sample of the server's clock is advanced on the monotonic clock before it is taken again.
+SERVER_CLOCK_RESAMPLE_S = 60.0
+
+
+def server_local_time(db: Any) -> datetime | None:
+    """The server's clock from ``hello`` (``isMaster`` before MongoDB 4.4.2), or None if it has none.
+
+    mongomock implements neither command: None, and the store falls back to this host's clock.
+    """
+    client = db.client
+    for command in ("hello", "isMaster"):
+        try:
+            reply = client.admin.command(command)
+        except NotImplementedError:
+            return None
+        except OperationFailure:
+            continue  # an old server that does not know "hello"
+        moment = reply.get("localTime")
+        return rules.to_ms(moment) if isinstance(moment, datetime) else None
+    return None
+
+
+class ServerClock:
+    """The MongoDB server's clock: sampled, corrected by half the round trip, advanced monotonically.
+
+    A lease is stamped and judged on this clock by every worker alike, so a worker whose own wall
+    clock is off neither steals a live lease nor keeps a dead one looking alive. A failed re-sample
+    keeps the last one (monotonic time stays true); with no sample at all the failure propagates.
+    """
+
+    def __init__(self, sample: Callable[[], datetime | None], *, fallback: Clock = rules.utc_now,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 resample_s: float = SERVER_CLOCK_RESAMPLE_S):
+        self._sample, self._fallback, self._monotonic = sample, fallback, monotonic
+        self._resample_s = resample_s
+        self._lock = threading.Lock()
+        self._base: tuple[datetime, float] | None = None  # (server time, monotonic s) of the last sample
+        self._next_sample_s: float | None = None
+        self._warned = False
+
+    def __call__(self) -> datetime:
+        with self._lock:
+            if self._next_sample_s is None or self._monotonic() >= self._next_sample_s:
+                self._take_sample()
+            if self._base is None:
+                return self._fallback()
+            server, at_s = self._base
+            return server + timedelta(seconds=self._monotonic() - at_s)
+
+    def _take_sample(self) -> None:
+        sent_s = self._monotonic()
+        try:
+            server = self._sample()
+        except Exception as exc:
+            if self._base is None:
+                raise
+            # The last sample advanced on the monotonic clock stays good for another period.
+            self._next_sample_s = self._monotonic() + self._resample_s
+            log.warning("store.server_clock_resample_failed", error_type=type(exc).__name__)
+            return
+        received_s = self._monotonic()
+        self._next_sample_s = received_s + self._resample_s
+        if server is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("store.server_clock_unavailable",
+                            note="the server reports no localTime: leases use this host's clock")
+            return
+        self._base = (server + timedelta(seconds=(received_s - sent_s) / 2), received_s)
+
+
 class MongoStore(TransitionStore):
     def __init__(self, db: Any, *, jobs_collection: str = "voiceclonings",
-                 profiles_collection: str = "useraudioprofiles", clock: Clock = rules.utc_now,
+                 profiles_collection: str = "useraudioprofiles", clock: Clock | None = None,
                  client: Any = None):
-        """``client``, when given, is owned by this store and closed by ``close()``."""
+        """``client``, when given, is owned by this store and closed by ``close()``.
+
+        ``clock`` is the store's clock; by default the server's (``ServerClock`` over ``hello``)."""
         majority = WriteConcern("majority")
         # Reads from the primary: a swap decides on what it read, and a lagging secondary would turn
         # into false StaleWrites (lost leases) or retries until StoreError.
@@ -109,7 +184,7 @@ class MongoStore(TransitionStore):
                                                       read_preference=ReadPreference.PRIMARY)
         self._profiles = db[profiles_collection].with_options(write_concern=majority,
                                                               read_preference=ReadPreference.PRIMARY)
-        self._clock = clock
+        self._clock = clock or ServerClock(lambda: server_local_time(db))
         self._client = client
 
     def ensure_indexes(self) -> None:
@@ -125,7 +200,8 @@ class MongoStore(TransitionStore):
     # ------------------------------------------------------------ plumbing
 
     def _now(self) -> datetime:
-        return rules.to_ms(self._clock())
+        with translated("clock"):
+            return rules.to_ms(self._clock())
 
     def _swap_job(self, op: str, job_id: str, allowed, change) -> tuple[dict | None, bool]:
         """Compare-and-swap on ``_rev``: a job changed since the read is read again and decided again."""

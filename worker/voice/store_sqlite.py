@@ -15,7 +15,7 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timezone
 
 import structlog
 
@@ -46,6 +46,9 @@ _SCHEMA = (
     )""",
 )
 
+_SQL_NOW = "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+
 def _epoch_ms(moment: datetime | None) -> int | None:
     return None if moment is None else round(moment.timestamp() * 1000)
 
@@ -75,8 +78,10 @@ CREATE, EXISTING, READ_ONLY = "rwc", "rw", "ro"
 
 
 class SqliteStore(TransitionStore):
-    def __init__(self, path: str, *, clock: Clock = rules.utc_now, busy_timeout_s: float = 10.0,
+    def __init__(self, path: str, *, clock: Clock | None = None, busy_timeout_s: float = 10.0,
                  mode: str = CREATE):
+        """``clock`` replaces SQLite's own clock, for tests only: in production every process on the
+        host reads the one clock SQLite reads, so no worker's Python-level clock can move a lease."""
         if mode not in (CREATE, EXISTING, READ_ONLY):
             raise ValueError(f"unknown sqlite open mode {mode!r}")
         self._clock = clock
@@ -109,7 +114,12 @@ class SqliteStore(TransitionStore):
     # ------------------------------------------------------------ plumbing
 
     def _now(self) -> datetime:
-        return rules.to_ms(self._clock())
+        if self._clock is not None:
+            return rules.to_ms(self._clock())
+        with self._guarded("now") as conn:
+            # The store's clock is SQLite's (the host's), read in the caller's transaction when in one.
+            (text,) = conn.execute(_SQL_NOW).fetchone()
+        return rules.to_ms(datetime.fromisoformat(text).replace(tzinfo=timezone.utc))
 
     @contextmanager
     def _guarded(self, op: str) -> Iterator[sqlite3.Connection]:

@@ -7,7 +7,8 @@ A backend (SQLite, MongoDB) supplies only
     _swap_profile(op, id, allowed, change)
                                 atomically: read the record (None when missing); if
                                 ``allowed(record, now)``, replace it by ``change(record, now)``;
-                                return (the record now, whether it changed)
+                                return (the record now, whether it changed). ``now`` is the
+                                store's clock, never the worker's (``_now``)
 
 plus its queries (``find_stale``, ``find_unenqueued``), ``submit`` and ``close``. Each rule below is
 the pure decision from ``worker.voice.store`` (who may write, what the record becomes) bound to one of
@@ -29,7 +30,7 @@ import structlog
 from worker.voice import store as rules
 from worker.voice import store_recovery as recovery
 from worker.voice.attempt import Attempt
-from worker.core.errors import StaleWrite
+from worker.core.errors import StaleWrite, StoreError
 from worker.voice.store import Claim, Store
 
 log = structlog.get_logger(__name__)
@@ -44,7 +45,11 @@ class TransitionStore(Store):
     # ------------------------------------------------------------ the backend's primitives
 
     @abstractmethod
-    def _now(self) -> datetime: ...
+    def _now(self) -> datetime:
+        """The store's clock (see ``Store.now``), at millisecond precision."""
+
+    def now(self) -> datetime:
+        return self._now()
 
     @abstractmethod
     def _swap_job(self, op: str, job_id: str, allowed: Allowed, change: Change) -> tuple[dict | None, bool]:
@@ -74,28 +79,47 @@ class TransitionStore(Store):
 
     def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
               message_id: str | None = None) -> Claim:
-        job, changed = self._swap_job(
-            "claim", job_id,
-            lambda j, now: rules.claim_refusal(j, now) is None,
-            lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now,
-                                         message_id=message_id))
+        decided_at: list[datetime] = []
+
+        def claimable(job: dict, now: datetime) -> bool:
+            decided_at.append(now)  # the store's clock at the decision, for a refusal's retry hint
+            return rules.claim_refusal(job, now) is None
+
+        try:
+            job, changed = self._swap_job(
+                "claim", job_id, claimable,
+                lambda j, now: rules.claimed(j, owner=owner, token=token, lease_s=lease_s, now=now,
+                                             message_id=message_id))
+        except StoreError:
+            # The swap may have landed before the failure (a reply lost on the way back): let go of
+            # it, fenced on our token (a no-op if it did not land), so no redelivery sees it busy.
+            self._release_quietly(job_id, token)
+            raise
         if job is None:
             return Claim("missing", None)
         cancel = bool(job.get("cancelRequested"))
+        now = decided_at[-1]
         if not changed:
-            return Claim(rules.claim_refusal(job, self._now()) or "held", job, cancel)
+            return Claim(rules.claim_refusal(job, now) or "held", job, cancel, now=now)
         profile_id = str(job["profileId"]) if job.get("profileId") else None
         if profile_id is not None:
-            try:
-                self._swap_profile("claim", profile_id, lambda _p, _now: True,
-                                   lambda p, now: rules.stamped_profile(p, profile_id, str(job_id), token, now))
-            except BaseException:
-                # Whatever failed (the store, or a rule on odd profile data), a claimed job whose
-                # profile is not stamped must not sit leased until its lease runs out: let go of it,
-                # fenced on our token, and report the failure.
-                self._release_quietly(job_id, token)
-                raise
-        return Claim("claimed", job, cancel, Attempt(self, job_id, profile_id, token, lease_s))
+            self._stamp_profile(job_id, profile_id, token, epoch=int(job["attempts"]))
+        return Claim("claimed", job, cancel, Attempt(self, job_id, profile_id, token, lease_s), now=now)
+
+    def _stamp_profile(self, job_id: str, profile_id: str, token: str, *, epoch: int) -> None:
+        """Set this claim's entry on the profile, unless a newer claim of the job (higher epoch) is there."""
+        try:
+            _profile, changed = self._swap_profile(
+                "claim", profile_id, lambda p, _now: rules.may_stamp_claim(p, str(job_id), token, epoch),
+                lambda p, now: rules.stamped_profile(p, profile_id, str(job_id), token, now, epoch))
+            if not changed:
+                raise StaleWrite(f"claim: profile {profile_id} already holds a newer claim of job {job_id}")
+        except BaseException:
+            # Whatever failed (the store, a newer claim, a rule on odd profile data), a claimed job
+            # whose profile is not stamped must not sit leased until its lease runs out: let go of
+            # it, fenced on our token (a no-op once a newer claim replaced it), and report the failure.
+            self._release_quietly(job_id, token)
+            raise
 
     def _release_quietly(self, job_id: str, token: str) -> None:
         try:
