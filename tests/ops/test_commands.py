@@ -233,6 +233,18 @@ def test_cancel_of_a_running_job_says_who_stops_and_when(store, job_id):
                    "heartbeat, within ~15 s (SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS), and the job ends cancelled")
 
 
+def test_cancel_judges_the_running_lease_on_the_stores_clock(store, job_id, monkeypatch):
+    """An operator host whose clock runs 300 s ahead still sees the 60 s lease as live: it is the store's clock that counts."""
+    from datetime import datetime, timedelta, timezone
+
+    from worker.voice import store as rules
+
+    store.claim(job_id, owner="gpu-3:412", token="t", lease_s=60)
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=300))
+    code, out, _ = cancel(store, job_id, heartbeat_s=15.0)
+    assert code == 0 and "the running attempt on gpu-3:412 stops at its next heartbeat" in out
+
+
 def test_cancel_of_a_pending_job_says_no_training_starts(store, job_id):
     """A pending job: cancelled when a worker picks it up, before any training."""
     code, out, _ = cancel(store, job_id)

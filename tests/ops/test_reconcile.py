@@ -69,9 +69,10 @@ def sqs_client(queues):
 
 
 @pytest.fixture
-def reconciler(store, sqs_client, queues, clock):
+def reconciler(store, sqs_client, queues):
+    # No clock given: the reconciler reads the store's (``clock`` above), as in production.
     return Reconciler(store, sqs_client, queues.url, stale_after_s=STALE_S, pending_after_s=PENDING_S,
-                      clock=clock, dlq_hold_s=30, dlq_wait_s=0)
+                      dlq_hold_s=30, dlq_wait_s=0)
 
 
 def new_job(store, n: int, **extra) -> str:
