@@ -181,7 +181,7 @@ COMMANDS = {
             "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT.\n\n"
             "exit codes: 0 stopped on SIGTERM/SIGINT; 1 crashed, or could not start (store or queue\n"
             "unreachable after retries); 2 settings: one line each on stderr (missing region, a queue that\n"
-            "does not exist, a bad pipeline config, ...)",
+            "does not exist, a bad pipeline config, a clock off from the store's, ...)",
             "SQS_QUEUE_URL=https://sqs.eu-west-1.amazonaws.com/123/jobs MONGO_URI=mongodb://db/voice \\\n"
             "    S3_BUCKET=voice-models python -m worker run"),
     "demo": (cmd_demo, False, "run one sample job end to end on a local SQS/S3 server",
