@@ -29,7 +29,7 @@ from tests.reliability.small_fs import SmallFs, small_fs  # noqa: F401  (small_f
 from tests.support import SHIPPED_ARTIFACTS
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.input_policy import InputPolicy
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import VoiceJobHandler, work_root_problem
 from worker.voice.store import ASSET_KEYS
 from worker.voice.store_sqlite import SqliteStore
 
@@ -104,15 +104,20 @@ class DiskRig:
         self.store = SqliteStore(str(tmp_path / "records.db"))
         self.faults: dict[tuple[str, float], Callable[[], None]] = {}
         self.job_id, self.profile_id = "665f1c2e9b1e8a0012ab34cd", "665f1c2e9b1e8a0012ab34ce"
+        self._make_worker = make_worker
+        self.restart()
+
+    def restart(self) -> None:
+        """A new worker process, as an operator's restart gives: nothing remembered from the old one."""
         handler = VoiceJobHandler(
             store=self.store, uploader=ArtifactUploader(self.s3, MODELS), train=self._train,
-            work_root=fs.work_root, s3_prefix="models", worker_id="disk-worker", lease_s=LEASE_S,
+            work_root=self.fs.work_root, s3_prefix="models", worker_id="disk-worker", lease_s=LEASE_S,
             policy=InputPolicy(recordings_bucket=RECORDINGS),
         )
         # No backoff: the retried message is back at once.
-        self.worker, _ = make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=LEASE_S,
-                                     SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=500,
-                                     SQS_RETRY_VISIBILITY_BASE_SECONDS=0)
+        self.worker, _ = self._make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=LEASE_S,
+                                           SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=500,
+                                           SQS_RETRY_VISIBILITY_BASE_SECONDS=0)
 
     def at(self, step: str, percent: float, fault: Callable[[], None]) -> None:
         self.faults[(step, percent)] = fault
@@ -263,10 +268,11 @@ def test_disk_full_during_the_dataset_is_retried_and_leaves_no_metadata(rig):
     rig.assert_completed()
 
 
-def test_disk_full_during_a_stage_is_retried_and_leaves_no_partial_output(rig):
+@pytest.mark.parametrize("leave_bytes", [256 * 1024, 0], ids=["room-for-the-log", "not-a-byte-left"])
+def test_disk_full_during_a_stage_is_retried_and_leaves_no_partial_output(rig, leave_bytes):
     """A stage that runs out of space mid-output leaves neither a manifest nor the partial output."""
-    rig.at(TRAIN, 50.0, lambda: rig.fs.fill(leave_bytes=256 * 1024))
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN)
+    rig.at(TRAIN, 50.0, lambda: rig.fs.fill(leave_bytes=leave_bytes))
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
     assert not (rig.work_dir() / "output" / SHIPPED_ARTIFACTS["fullModel"]).exists()
     rig.fs.drain()
     assert rig.deliver() == "ack"
@@ -313,26 +319,47 @@ def test_a_work_root_turned_read_only_after_training_still_commits(rig):
 # --- gone
 
 
-def test_a_work_root_unmounted_during_a_stage_is_retried(rig):
-    """A work file system that goes away mid-stage is a recorded retryable error; the retry starts afresh."""
+def test_a_work_root_unmounted_during_a_stage_is_retried_and_never_rebuilt_on_the_disk_below(rig):
+    """A work file system that goes away mid-stage fails the attempt, the retries write nothing under
+    the mount point while it is gone, and once it is mounted again the retry completes."""
     rig.at(TRAIN, 50.0, rig.fs.vanish)
     assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN)
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "is gone")
+    assert list(rig.fs.root.iterdir()) == []  # nothing on the disk below the mount point
+    # Mounted again at its place, a tmpfs has the same device and inode numbers: it counts as back.
     rig.fs.mount()
     assert rig.deliver() == "ack"
     rig.assert_completed()
 
 
-def test_a_work_root_removed_during_a_stage_is_retried(rig):
-    """A work root deleted mid-stage is a recorded retryable error; the retry rebuilds everything."""
-    rig.at(TRAIN, 50.0, lambda: shutil.rmtree(rig.fs.work_root))
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN)
+def test_a_work_root_that_comes_back_is_used_again_without_a_restart(rig):
+    """A work root that turns unreadable for a while (here: covered by a read-only layer) and then
+    comes back as the same directory is used again by the same worker."""
+    rig.at("dataset", 0.0, rig.fs.read_only)
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "Read-only file system")
+    rig.fs.writable_again()
     assert rig.deliver() == "ack"
     rig.assert_completed()
 
 
-def test_a_work_root_removed_after_training_is_retried(rig):
-    """Artifacts that vanish between training and upload are a recorded retryable error, then retrained."""
-    rig.at("trained", 100.0, lambda: shutil.rmtree(rig.fs.work_root))
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "missing")
+@pytest.mark.parametrize("when", [(TRAIN, 50.0), ("trained", 100.0)], ids=["during-a-stage", "after-training"])
+def test_a_work_root_removed_mid_job_is_retried_once_the_worker_restarts(rig, when):
+    """A work root deleted mid-job is a recorded retryable error, and so is every retry until the
+    worker restarts: the path may now name another disk."""
+    rig.at(*when, lambda: shutil.rmtree(rig.fs.work_root))
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN if when[0] == TRAIN else "missing")
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "is gone")
+    rig.fs.work_root.mkdir()  # made again by hand: a new directory, so still not the one the worker had
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "another directory")
+    rig.restart()
     assert rig.deliver() == "ack"
     rig.assert_completed()
+
+
+def test_work_root_problem_names_a_gone_or_replaced_root_and_nothing_else():
+    """The work-root rule: fine until first seen and while the same; 'gone' or 'another' otherwise."""
+    assert work_root_problem(None, None) is None
+    assert work_root_problem((1, 2), (1, 2)) is None
+    assert "gone" in work_root_problem((1, 2), None)
+    assert "another directory" in work_root_problem((1, 2), (1, 3))
+    assert "another directory" in work_root_problem((1, 2), (9, 2))
