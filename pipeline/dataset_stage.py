@@ -11,8 +11,9 @@ The two sides talk through two small JSON files in the job's work directory:
     REQUEST  {"recordings": [[audio path, text], ...], "dataset_dir": ..., "limits": {...}}
     RESULT   {"notes": [...]}                     the dataset is complete (exit 0)
              {"bad_recording": "why"}             a recording is unusable: permanent (exit 3)
-             (none: the disk is full)             out of space (exit 4): a retryable StageFailed
-                                                  that says so, since neither file nor log can
+             (none)                               the disk is full (exit 4): a retryable
+                                                  StageFailed that says so, since neither this
+                                                  file nor the log can be written then
 
 Any other exit (a crash, a kill) is a retryable ``StageFailed`` with the log's tail, like a stage.
 A dataset that is already complete is recognised without starting the child.

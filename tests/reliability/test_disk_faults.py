@@ -279,6 +279,16 @@ def test_disk_full_during_a_stage_is_retried_and_leaves_no_partial_output(rig, l
     rig.assert_completed()
 
 
+def test_disk_full_as_a_stage_finishes_leaves_neither_manifest_nor_outputs(rig):
+    """A stage whose exit or manifest cannot be recorded on a full disk counts as failed: its outputs go too."""
+    rig.at(TRAIN, 100.0, lambda: rig.fs.fill(leave_bytes=0))
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
+    assert not (rig.work_dir() / "output" / SHIPPED_ARTIFACTS["fullModel"]).exists()
+    rig.fs.drain()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
 def test_disk_full_after_training_does_not_stop_the_upload(rig):
     """The upload only reads the artifacts: a disk that fills after training still commits the job."""
     rig.at("trained", 100.0, lambda: rig.fs.fill(leave_bytes=0))
