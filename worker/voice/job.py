@@ -14,12 +14,15 @@ Returning tells the loop to delete the message; raising tells it to retry, dead-
 Every write after the claim carries the claim's token, so a worker whose lease was taken over can no
 longer change anything: its writes match no record and raise ``StaleWrite``.
 
-Two rules around that path:
+Three rules around that path:
 
 * Once the commit marker is written, the job's work directory is emptied except its ``logs/``
   (``keep_work_files`` keeps every file). The models are in S3 by then; the profile's
   ``modelPaths`` still name the local files, which no longer exist. A failed removal is logged,
   never a failed job. A crashed attempt keeps its files, so its retry still resumes from them.
+* Job files are written only into the WORK_ROOT this worker's first job found (same device and
+  inode): once it is gone or another directory (an unmount leaves the mount point's own directory
+  on the disk below), every attempt fails retryably, until it is back or the worker restarts.
 * A redelivery of the very message whose attempt failed permanently (the record says ``error``,
   not retryable, names this message id when the failure came from an attempt, and the message was
   received before) goes straight back to the DLQ: no claim, no
