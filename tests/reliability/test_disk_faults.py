@@ -158,8 +158,9 @@ class DiskRig:
     def job(self) -> dict:
         return self.store.get_job(self.job_id)
 
-    def work_dir(self) -> Path:
-        return self.fs.work_root / "production" / "voice-1" / self.job_id
+    def files_named(self, name: str) -> list[Path]:
+        """Every file called ``name`` in the work root, wherever the layout puts it."""
+        return sorted(p for p in self.fs.work_root.rglob(name) if p.is_file())
 
     def assert_completed(self) -> None:
         job, profile = self.job(), self.store.get_profile(self.profile_id)
@@ -251,7 +252,7 @@ def test_disk_full_during_a_download_is_retried_and_leaves_no_partial_download(r
     """A download that runs out of space mid-file is a recorded DownloadError and leaves no file behind."""
     rig.fs.fill(leave_bytes=64 * 1024)
     assert_retryable_failure(rig, rig.deliver(), "DownloadError", "No space left on device")
-    assert list((rig.work_dir() / "downloads").iterdir()) == []
+    assert rig.files_named("*.audio*") == []
     rig.fs.drain()
     assert rig.deliver() == "ack"
     rig.assert_completed()
@@ -261,8 +262,8 @@ def test_disk_full_during_the_dataset_is_retried_and_leaves_no_metadata(rig):
     """A dataset step that runs out of space writes no metadata.csv, and the retry keeps the download."""
     rig.at("dataset", 0.0, lambda: rig.fs.fill(leave_bytes=32 * 1024))
     assert_retryable_failure(rig, rig.deliver(), "StageFailed", "dataset step ran out of disk space")
-    assert not (rig.work_dir() / "dataset" / METADATA_NAME).exists()
-    assert (rig.work_dir() / "downloads" / "00000.audio").read_bytes() == rig.recording
+    assert rig.files_named(METADATA_NAME) == []
+    assert [p.read_bytes() == rig.recording for p in rig.files_named("*.audio")] == [True]
     rig.fs.drain()
     assert rig.deliver() == "ack"
     rig.assert_completed()
@@ -273,7 +274,7 @@ def test_disk_full_during_a_stage_is_retried_and_leaves_no_partial_output(rig, l
     """A stage that runs out of space mid-output leaves neither a manifest nor the partial output."""
     rig.at(TRAIN, 50.0, lambda: rig.fs.fill(leave_bytes=leave_bytes))
     assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
-    assert not (rig.work_dir() / "output" / SHIPPED_ARTIFACTS["fullModel"]).exists()
+    assert rig.files_named("model.pth") == []
     rig.fs.drain()
     assert rig.deliver() == "ack"
     rig.assert_completed()
@@ -283,7 +284,7 @@ def test_disk_full_as_a_stage_finishes_leaves_neither_manifest_nor_outputs(rig):
     """A stage whose exit or manifest cannot be recorded on a full disk counts as failed: its outputs go too."""
     rig.at(TRAIN, 100.0, lambda: rig.fs.fill(leave_bytes=0))
     assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
-    assert not (rig.work_dir() / "output" / SHIPPED_ARTIFACTS["fullModel"]).exists()
+    assert rig.files_named("model.pth") == []
     rig.fs.drain()
     assert rig.deliver() == "ack"
     rig.assert_completed()
