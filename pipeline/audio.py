@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -177,13 +178,29 @@ def _wav_writer(dest: Path) -> Iterator:
             yield write
 
 
+# libsndfile's SFE_SYSTEM: one of its system calls failed, and errno says which way.
+_SFE_SYSTEM = 2
+
+
 @contextmanager
 def _own_file_error(path: Path) -> Iterator[None]:
     """libsndfile reports a failed write (disk full) as RuntimeError: it is our file system's error."""
     try:
         yield
     except RuntimeError as exc:
-        raise OSError(errno.EIO, f"writing failed ({_short(exc)})", str(path)) from exc
+        code = _system_errno(exc)
+        if code is None:
+            raise OSError(errno.EIO, f"writing failed ({_short(exc)})", str(path)) from exc
+        raise OSError(code, os.strerror(code), str(path)) from exc
+
+
+def _system_errno(exc: RuntimeError) -> int | None:
+    """The errno behind libsndfile's bare "System error." (ENOSPC, EROFS ...), or None when unknown."""
+    if getattr(exc, "code", None) != _SFE_SYSTEM:
+        return None
+    ffi = getattr(sf, "_ffi", None)  # cffi keeps the errno of the thread's last C call
+    code = getattr(ffi, "errno", 0)
+    return code if isinstance(code, int) and code > 0 else None
 
 
 def _short(exc: BaseException) -> str:

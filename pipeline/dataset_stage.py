@@ -11,6 +11,9 @@ The two sides talk through two small JSON files in the job's work directory:
     REQUEST  {"recordings": [[audio path, text], ...], "dataset_dir": ..., "limits": {...}}
     RESULT   {"notes": [...]}                     the dataset is complete (exit 0)
              {"bad_recording": "why"}             a recording is unusable: permanent (exit 3)
+             (none)                               the disk is full (exit 4): a retryable
+                                                  StageFailed that says so, since neither this
+                                                  file nor the log can be written then
 
 Any other exit (a crash, a kill) is a retryable ``StageFailed`` with the log's tail, like a stage.
 A dataset that is already complete is recognised without starting the child.
@@ -18,6 +21,7 @@ A dataset that is already complete is recognised without starting the child.
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +39,8 @@ from worker.core.stop import StopSignal
 
 STEP = "dataset"
 EXIT_BAD_RECORDING = 3
+EXIT_DISK_FULL = 4
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 REQUEST_NAME = "dataset-request.json"
 RESULT_NAME = "dataset-result.json"
 
@@ -70,6 +76,9 @@ def run_dataset_stage(
     outcome = _read_result(result)
     if code == EXIT_BAD_RECORDING and "bad_recording" in outcome:
         raise BadRecording(str(outcome["bad_recording"]))
+    if code == EXIT_DISK_FULL:
+        raise StageFailed(f"the dataset step ran out of disk space (No space left on device) writing "
+                          f"{dataset_dir.name}/; see {log_path.name}")
     if code != 0 or "notes" not in outcome:
         raise StageFailed(f"the dataset step {how_it_ended(code)}; last lines of {log_path.name}:\n"
                           f"{redact_text(tail_lines(log_path))}")
@@ -101,6 +110,12 @@ def main(argv: list[str]) -> int:
         print(f"BadRecording: {exc}", flush=True)
         atomic_write_bytes(result_path, json.dumps({"bad_recording": str(exc)}).encode())
         return EXIT_BAD_RECORDING
+    except OSError as exc:
+        if exc.errno not in DISK_FULL_ERRNOS:
+            raise
+        # The result file and the log are on the full disk too: the exit code is what gets through.
+        print(f"disk full: {exc}", flush=True)
+        return EXIT_DISK_FULL
     for note in built.notes:
         print(note, flush=True)
     atomic_write_bytes(result_path, json.dumps({"notes": list(built.notes)}).encode())

@@ -41,7 +41,13 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` so that ``path`` holds either its old content or all of ``data``, never a part."""
     with replaced_atomically(Path(path)) as temp:
-        temp.write_bytes(data)
+        try:
+            temp.write_bytes(data)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            # A failed write (a full disk) names no file; the job's error should say which one.
+            raise OSError(exc.errno, exc.strerror, Path(path).name) from exc
 
 
 def remove_stale_temps(directory: Path) -> None:

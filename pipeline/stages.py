@@ -16,7 +16,9 @@ Why it is shaped this way:
 - A failed stage is reported only after its output is in the log, with the log's tail redacted
   (``worker.core.redact.redact_text``): the message goes to the job record, DLQ attributes, logs and Sentry.
 - A stage whose manifest verifies is not run again; otherwise its declared outputs (and, unless it
-  is resumable, its checkpoint directory) are removed first, so nothing half-written survives.
+  is resumable, its checkpoint directory) are removed first, so nothing half-written survives. A run
+  that fails (any exit but a verified success, a stop, a full disk) has its declared outputs removed
+  too: a file under a declared name exists only beside the manifest that vouches for it.
 """
 
 from __future__ import annotations
@@ -162,7 +164,17 @@ def run_stage(
     stop.raise_if_set()
     log.info("stage.preparing", stage=stage.name, why=problem)
     prepare_rerun(stage, ctx)
+    try:
+        return _run_prepared(stage, ctx, manifest, stop, progress, grace_s, poll_interval_s, clock)
+    except BaseException:
+        # Whatever the stage wrote in place may be a part (disk full, killed mid-write): no file under
+        # a declared name without its manifest, and the space goes back for the retry.
+        discard_outputs(stage, ctx)
+        raise
 
+
+def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: StopSignal, progress: Progress,
+                  grace_s: float, poll_interval_s: float, clock: Callable[[], float]) -> StageResult:
     argv = render_argv(stage.argv, ctx.placeholder_values(stage))
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
     with log_file:
@@ -194,6 +206,16 @@ def prepare_rerun(stage: StageSpec, ctx: StageContext) -> None:
         _remove(checkpoints)
     checkpoints.mkdir(parents=True, exist_ok=True)
     ctx.output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def discard_outputs(stage: StageSpec, ctx: StageContext) -> None:
+    """Remove a failed run's declared outputs, as far as the file system lets us (it may be read-only
+    or gone: the retry's ``prepare_rerun`` removes them then, and without a manifest none is trusted)."""
+    for rel in stage.outputs:
+        try:
+            _remove(ctx.output_dir / rel)
+        except OSError as exc:
+            log.warning("stage.output_not_removed", stage=stage.name, output=rel, error=exc.strerror or str(exc))
 
 
 def run_supervised(

@@ -13,7 +13,8 @@
     │   ├── UnexpectedError    a bug or an unforeseen library error inside the job: retried, reported
     │   ├── LeaseLost          our claim on the message or the record is gone: commit nothing, delete nothing
     │   ├── DownloadError      a recording could not be fetched this time (timeout, 5xx, network)
-    │   └── StageFailed        a pipeline stage exited with a code not declared permanent
+    │   └── StageFailed        a pipeline stage exited with a code not declared permanent, or the job's
+    │                          work files could not be written (disk full, read-only, WORK_ROOT gone)
     ├── PermanentError         retrying cannot help: record it, move the body to the DLQ, then delete
     │   ├── InvalidMessage     body not JSON or not the schema; one line per violation
     │   ├── BadRecording       a recording is gone, too large, or not decodable audio

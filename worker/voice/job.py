@@ -14,12 +14,15 @@ Returning tells the loop to delete the message; raising tells it to retry, dead-
 Every write after the claim carries the claim's token, so a worker whose lease was taken over can no
 longer change anything: its writes match no record and raise ``StaleWrite``.
 
-Two rules around that path:
+Three rules around that path:
 
 * Once the commit marker is written, the job's work directory is emptied except its ``logs/``
   (``keep_work_files`` keeps every file). The models are in S3 by then; the profile's
   ``modelPaths`` still name the local files, which no longer exist. A failed removal is logged,
   never a failed job. A crashed attempt keeps its files, so its retry still resumes from them.
+* Job files are written only into the WORK_ROOT this worker's first job found (same device and
+  inode): once it is gone or another directory (an unmount leaves the mount point's own directory
+  on the disk below), every attempt fails retryably, until it is back or the worker restarts.
 * A redelivery of the very message whose attempt failed permanently (the record says ``error``,
   not retryable, names this message id when the failure came from an attempt, and the message was
   received before) goes straight back to the DLQ: no claim, no
@@ -31,8 +34,10 @@ Two rules around that path:
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +51,7 @@ from worker.core.errors import (
     JobBusy,
     LeaseLost,
     PermanentError,
+    StageFailed,
     StaleWrite,
     Stopped,
     TimeLimitExceeded,
@@ -97,6 +103,24 @@ def work_dir_for(work_root: Path, job: Job) -> Path:
     if root not in path.parents:
         raise InvalidMessage(f"work directory {path} escapes WORK_ROOT")
     return path
+
+
+def directory_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the directory at ``path`` (links followed), or None when there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
+
+
+def work_root_problem(first: tuple[int, int] | None, now: tuple[int, int] | None) -> str | None:
+    """Why WORK_ROOT is no longer the directory the worker first worked in, or None while it is."""
+    if first is None or now == first:
+        return None
+    if now is None:
+        return "is gone (removed, or its file system unmounted)"
+    return "is another directory than the one this worker started with (unmounted, remounted or replaced)"
 
 
 def recorded_failure(record: dict | None, message: Message) -> AlreadyFailed | None:
@@ -162,6 +186,8 @@ class VoiceJobHandler:
         self._lease_s = lease_s
         self._crash = crash_points.reached
         self._metrics = metrics
+        # WORK_ROOT's (device, inode) as the first job found it (``_check_work_root``).
+        self._work_root_identity: tuple[int, int] | None = None
 
     def __call__(self, message: Message, lease: Lease) -> str:
         try:
@@ -265,6 +291,7 @@ class VoiceJobHandler:
         return "duplicate"
 
     def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, attempt: Attempt) -> dict[str, Path]:
+        self._check_work_root()
         work_dir = work_dir_for(self._work_root, job)
         reused = reusable_paths(profile, work_dir / OUTPUT_DIR)
         if reused is not None:
@@ -301,6 +328,24 @@ class VoiceJobHandler:
         store_lease.end()
         attempt.complete()                                                       # 5 commit marker
         self._crash("after_job_completed")
+
+    def _check_work_root(self) -> None:
+        """Job files go only into the WORK_ROOT this worker first worked in.
+
+        After an unmount the path names the directory under the mount point (or nothing, and the
+        pipeline would create it): another disk, one no other host sees and none meant to fill up.
+        """
+        if self._work_root_identity is None:
+            try:
+                self._work_root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StageFailed(f"cannot create WORK_ROOT {self._work_root}: {exc.strerror or exc}") from exc
+            self._work_root_identity = directory_identity(self._work_root)
+            return
+        problem = work_root_problem(self._work_root_identity, directory_identity(self._work_root))
+        if problem is not None:
+            raise StageFailed(f"WORK_ROOT {self._work_root} {problem}: no job files are written there until "
+                              "it is back; a new file system there is used after a restart of the worker")
 
     def _remove_work_files(self, job: Job) -> None:
         """After the commit: the job's files are in S3, so only its logs stay on this host's disk."""

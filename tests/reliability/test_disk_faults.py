@@ -1,0 +1,375 @@
+"""Disk faults on a real (small) file system: full, read-only, gone, in every step of a job.
+
+Each case runs one job through the real loop, handler, download, dataset child and stage runner on a
+tmpfs the test mounts (``small_fs``), with moto for S3 and SQS and a SQLite store kept off the faulty
+disk. A fault must end the attempt in a recorded retryable error, leave nothing under a final name
+that a retry would trust (``half_written``), and once the disk is whole again the retry completes.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+import soundfile as sf
+from structlog.testing import capture_logs
+
+from pipeline.config import PipelineConfig, load_pipeline_config
+from pipeline.dataset import METADATA_NAME, WAVS_DIR_NAME, split_metadata_line
+from pipeline.downloads import DownloadSettings
+from pipeline.downloads import fetch as download
+from pipeline.manifest import TEMP_MARKER, manifest_path, manifest_problem
+from pipeline.run import run_pipeline
+from tests.reliability.small_fs import SmallFs, small_fs  # noqa: F401  (small_fs is a fixture)
+from tests.support import SHIPPED_ARTIFACTS
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.input_policy import InputPolicy
+from worker.voice.job import VoiceJobHandler, work_root_problem
+from worker.voice.store import ASSET_KEYS
+from worker.voice.store_sqlite import SqliteStore
+
+RECORDINGS = "recordings"
+MODELS = "models"
+LEASE_S = 10
+MODEL_BYTES = 1024 * 1024  # the stage's big output: a quarter of the disk
+TRAIN = "train"
+
+# A stand-in trainer: reads its dataset, says PROGRESS 50 and waits for the test's go (the moment a
+# fault goes in), reads its dataset again (training), then writes its outputs in place, as trainers do.
+_STAGE_SCRIPT = """
+import pathlib, sys, time
+dataset, out, go = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+model_bytes, rels = int(sys.argv[4]), sys.argv[5:]
+
+def read_dataset():
+    for row in (dataset / "metadata.csv").read_text().splitlines():
+        (dataset / "wavs" / (row.split("|")[0] + ".wav")).read_bytes()
+
+read_dataset()
+print("PROGRESS 50", flush=True)
+deadline = time.monotonic() + 60
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+read_dataset()
+for rel in rels:
+    path = out / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        if rel.endswith("model.pth"):
+            for _ in range(model_bytes // 65536):
+                handle.write(b"m" * 65536)
+        else:
+            handle.write(("artifact " + rel).encode())
+print("PROGRESS 100", flush=True)
+"""
+
+
+def write_pipeline(directory: Path, go: Path) -> PipelineConfig:
+    script = directory / "stage.py"
+    script.write_text(_STAGE_SCRIPT)
+    rels = list(SHIPPED_ARTIFACTS.values())
+    argv = ["{python}", str(script), "{dataset_dir}", "{output_dir}", str(go), str(MODEL_BYTES), *rels]
+    toml = "[artifacts]\n" + "".join(f'{k} = "{v}"\n' for k, v in SHIPPED_ARTIFACTS.items())
+    toml += (f'[[stages]]\nname = "{TRAIN}"\nargv = [{", ".join(f"{a!r}" for a in argv)}]\n'
+             f"outputs = [{', '.join(f'{r!r}' for r in rels)}]\n")
+    (directory / "pipeline.toml").write_text(toml.replace("'", '"'))
+    return load_pipeline_config(directory / "pipeline.toml")
+
+
+def recording_bytes(directory: Path) -> bytes:
+    """Two seconds of 44.1 kHz stereo (~350 KB): the dataset turns it into ~88 KB of 22.05 kHz mono."""
+    t = np.arange(2 * 44_100) / 44_100
+    wave = 0.3 * np.sin(2 * np.pi * 220 * t)
+    path = directory / "clip.wav"
+    sf.write(path, np.stack([wave, wave * 0.5], axis=1), 44_100, subtype="PCM_16")
+    return path.read_bytes()
+
+
+class DiskRig:
+    """One job on the small disk through the real worker; ``at(step, percent, fault)`` injects a fault."""
+
+    def __init__(self, fs: SmallFs, tmp_path: Path, queues, make_worker):
+        self.fs, self.queues = fs, queues
+        self.go = tmp_path / "go"
+        self.config = write_pipeline(tmp_path, self.go)
+        self.s3 = boto3.client("s3", region_name="us-east-1")
+        self.s3.create_bucket(Bucket=RECORDINGS)
+        self.s3.create_bucket(Bucket=MODELS)
+        self.recording = recording_bytes(tmp_path)
+        self.store = SqliteStore(str(tmp_path / "records.db"))
+        self.faults: dict[tuple[str, float], Callable[[], None]] = {}
+        self.job_id, self.profile_id = "665f1c2e9b1e8a0012ab34cd", "665f1c2e9b1e8a0012ab34ce"
+        self._make_worker = make_worker
+        self.restart()
+
+    def restart(self) -> None:
+        """A new worker process, as an operator's restart gives: nothing remembered from the old one."""
+        handler = VoiceJobHandler(
+            store=self.store, uploader=ArtifactUploader(self.s3, MODELS), train=self._train,
+            work_root=self.fs.work_root, s3_prefix="models", worker_id="disk-worker", lease_s=LEASE_S,
+            policy=InputPolicy(recordings_bucket=RECORDINGS),
+        )
+        # No backoff: the retried message is back at once.
+        self.worker, _ = self._make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=LEASE_S,
+                                           SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=500,
+                                           SQS_RETRY_VISIBILITY_BASE_SECONDS=0)
+
+    def at(self, step: str, percent: float, fault: Callable[[], None]) -> None:
+        self.faults[(step, percent)] = fault
+
+    def _train(self, job, work_dir: Path, stop, progress):
+        fetch = functools.partial(download, settings=DownloadSettings(), s3_client=self.s3, stop=stop)
+
+        def report(step: str, percent: float) -> None:
+            fault = self.faults.pop((step, percent), None)
+            if fault is not None:
+                fault()
+            if (step, percent) == (TRAIN, 50.0):
+                self.go.touch()
+            progress(step, percent)
+
+        self.go.unlink(missing_ok=True)
+        paths = run_pipeline(job, work_dir, stop, config=self.config, fetch=fetch, progress=report, grace_s=2)
+        fault = self.faults.pop(("trained", 100.0), None)
+        if fault is not None:
+            fault()
+        return paths
+
+    def submit(self) -> None:
+        key = f"recordings/{self.profile_id}/clip.wav"
+        self.s3.put_object(Bucket=RECORDINGS, Key=key, Body=self.recording)
+        self.store.submit({"_id": self.job_id, "profileId": self.profile_id, "environment": "production"},
+                          {"_id": self.profile_id})
+        self.queues.send(_body(self.job_id, self.profile_id, f"s3://{RECORDINGS}/{key}"))
+
+    def deliver(self) -> str:
+        """Receive and work the job's message once; the loop's action."""
+        for _ in range(50):
+            action = self.worker.run_once()
+            if action is not None:
+                return action
+        raise AssertionError("the message never came back")
+
+    def job(self) -> dict:
+        return self.store.get_job(self.job_id)
+
+    def files_named(self, name: str) -> list[Path]:
+        """Every file called ``name`` in the work root, wherever the layout puts it."""
+        return sorted(p for p in self.fs.work_root.rglob(name) if p.is_file())
+
+    def assert_completed(self) -> None:
+        job, profile = self.job(), self.store.get_profile(self.profile_id)
+        assert job["status"] == "completed", job.get("error")
+        assert profile["status"] == "completed"
+        model = self.s3.get_object(Bucket=MODELS, Key=profile["s3Paths"]["fullModel"].split("/", 3)[3])
+        assert model["Body"].read() == b"m" * MODEL_BYTES
+        for key in ASSET_KEYS:
+            assert profile["s3Paths"][key].startswith(f"s3://{MODELS}/models/production/")
+
+
+def _body(job_id: str, profile_id: str, url: str) -> str:
+    import json
+
+    return json.dumps({
+        "_doc": {"_id": job_id}, "jobId": job_id, "profileId": profile_id, "environment": "production",
+        "metadata": {"directoryName": "voice-1", "language": "en"},
+        "input": [{"recordingUrl": url, "originalText": "Hello there, this is my voice."}],
+    })
+
+
+def half_written(work_root: Path, config: PipelineConfig, recording: bytes) -> list[str]:
+    """Every file under a final name that a retry would trust but that is not whole; [] when none.
+
+    A download is trusted by its name, a dataset by its metadata.csv, a stage's outputs by its manifest;
+    a temp file left behind is not trusted, but it holds the space a retry needs.
+    """
+    problems = []
+    if not work_root.is_dir():
+        return problems
+    for path in sorted(p for p in work_root.rglob("*") if p.is_file()):
+        shown = path.relative_to(work_root)
+        if path.name.endswith(".part") or TEMP_MARKER in path.name:
+            problems.append(f"{shown}: a temp file left behind")
+        if path.parent.name == "downloads" and path.suffix == ".audio" and path.read_bytes() != recording:
+            problems.append(f"{shown}: a partial download under its final name")
+        if path.name == METADATA_NAME:
+            problems += [f"{shown}: {p}" for p in _dataset_problems(path.parent)]
+    for output in sorted(p for p in work_root.rglob("output") if p.is_dir()):
+        for stage in config.stages:
+            manifest = manifest_path(output, stage.name)
+            problem = manifest_problem(manifest, output, stage.name, stage.fingerprint, stage.outputs)
+            if manifest.exists() and problem is not None:
+                problems.append(f"{manifest.relative_to(work_root)}: {problem}")
+            if problem is not None:
+                present = [rel for rel in stage.outputs if (output / rel).exists()]
+                if present:
+                    problems.append(f"{output.relative_to(work_root)}: outputs {present} of stage "
+                                    f"{stage.name} without a manifest that vouches for them")
+    return problems
+
+
+def _dataset_problems(dataset: Path) -> list[str]:
+    problems = []
+    for line in (dataset / METADATA_NAME).read_text(encoding="utf-8").splitlines():
+        wav = dataset / WAVS_DIR_NAME / f"{split_metadata_line(line)[0]}.wav"
+        try:
+            samples, rate_hz = sf.read(wav)
+        except Exception as exc:  # noqa: BLE001 - any way it fails to decode is the finding
+            problems.append(f"{wav.name} does not decode ({type(exc).__name__})")
+            continue
+        if rate_hz != 22_050 or len(samples) == 0:
+            problems.append(f"{wav.name} is not a whole 22.05 kHz recording")
+    return problems
+
+
+@pytest.fixture
+def rig(small_fs, tmp_path, queues, make_worker):
+    rig = DiskRig(small_fs, tmp_path, queues, make_worker)
+    rig.submit()
+    yield rig
+    rig.store.close()
+
+
+def assert_retryable_failure(rig: DiskRig, action: str, error_type: str, words: str) -> dict:
+    job = rig.job()
+    assert (action, job["status"]) == ("retry", "error"), job.get("error")
+    assert job["error"]["retryable"] is True
+    assert job["error"]["type"] == error_type, job["error"]
+    assert words in job["error"]["message"], job["error"]["message"]
+    assert half_written(rig.fs.work_root, rig.config, rig.recording) == []
+    return job["error"]
+
+
+# --- disk full
+
+
+def test_disk_full_during_a_download_is_retried_and_leaves_no_partial_download(rig):
+    """A download that runs out of space mid-file is a recorded DownloadError and leaves no file behind."""
+    rig.fs.fill(leave_bytes=64 * 1024)
+    assert_retryable_failure(rig, rig.deliver(), "DownloadError", "No space left on device")
+    assert rig.files_named("*.audio*") == []
+    rig.fs.drain()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+def test_disk_full_during_the_dataset_is_retried_and_leaves_no_metadata(rig):
+    """A dataset step that runs out of space writes no metadata.csv, and the retry keeps the download."""
+    rig.at("dataset", 0.0, lambda: rig.fs.fill(leave_bytes=32 * 1024))
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "dataset step ran out of disk space")
+    assert rig.files_named(METADATA_NAME) == []
+    assert [p.read_bytes() == rig.recording for p in rig.files_named("*.audio")] == [True]
+    rig.fs.drain()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+@pytest.mark.parametrize("leave_bytes", [256 * 1024, 0], ids=["room-for-the-log", "not-a-byte-left"])
+def test_disk_full_during_a_stage_is_retried_and_leaves_no_partial_output(rig, leave_bytes):
+    """A stage that runs out of space mid-output leaves neither a manifest nor the partial output."""
+    rig.at(TRAIN, 50.0, lambda: rig.fs.fill(leave_bytes=leave_bytes))
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
+    assert rig.files_named("model.pth") == []
+    rig.fs.drain()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+def test_disk_full_as_a_stage_finishes_leaves_neither_manifest_nor_outputs(rig):
+    """A stage whose exit or manifest cannot be recorded on a full disk counts as failed: its outputs go too."""
+    rig.at(TRAIN, 100.0, lambda: rig.fs.fill(leave_bytes=0))
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
+    assert rig.files_named("model.pth") == []
+    rig.fs.drain()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+def test_disk_full_after_training_does_not_stop_the_upload(rig):
+    """The upload only reads the artifacts: a disk that fills after training still commits the job."""
+    rig.at("trained", 100.0, lambda: rig.fs.fill(leave_bytes=0))
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+# --- read-only
+
+
+@pytest.mark.parametrize(("step", "error_type"), [("download", "DownloadError"), ("dataset", "StageFailed")])
+def test_a_work_root_turned_read_only_before_a_step_is_retried(rig, step, error_type):
+    """A work root that turns read-only between steps is a recorded retryable error, not a crash, and
+    the same worker carries on once it is writable again."""
+    rig.at(step, 0.0, rig.fs.read_only)
+    assert_retryable_failure(rig, rig.deliver(), error_type, "Read-only file system")
+    rig.fs.writable_again()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+def test_a_work_root_turned_read_only_during_a_stage_is_retried(rig):
+    """A stage whose outputs cannot be created on a read-only work root fails retryably, no manifest written."""
+    rig.at(TRAIN, 50.0, rig.fs.read_only)
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN)
+    rig.fs.writable_again()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+def test_a_work_root_turned_read_only_after_training_still_commits(rig):
+    """Uploads only read; the clean-up after the commit fails on a read-only root and is only logged."""
+    rig.at("trained", 100.0, rig.fs.read_only)
+    with capture_logs() as logs:
+        assert rig.deliver() == "ack"
+    rig.assert_completed()
+    assert "job.work_files_not_removed" in [entry["event"] for entry in logs]
+
+
+# --- gone
+
+
+def test_a_work_root_unmounted_during_a_stage_is_retried_and_never_rebuilt_on_the_disk_below(rig):
+    """A work file system that goes away mid-stage fails the attempt, the retries write nothing under
+    the mount point while it is gone, and once it is mounted again the retry completes."""
+    rig.at(TRAIN, 50.0, rig.fs.vanish)
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN)
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "is gone")
+    assert list(rig.fs.root.iterdir()) == []  # nothing on the disk below the mount point
+    # Mounted again at its place, a tmpfs has the same device and inode numbers: it counts as back.
+    rig.fs.mount()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+@pytest.mark.parametrize("when", [(TRAIN, 50.0), ("trained", 100.0)], ids=["during-a-stage", "after-training"])
+def test_a_work_root_removed_mid_job_is_retried_once_the_worker_restarts(rig, when):
+    """A work root deleted mid-job is a recorded retryable error, and so is every retry until the
+    worker restarts: the path may now name another disk."""
+    rig.at(*when, lambda: shutil.rmtree(rig.fs.work_root))
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN if when[0] == TRAIN else "missing")
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "is gone")
+    rig.fs.work_root.mkdir()  # made again by hand: a new directory, so still not the one the worker had
+    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "another directory")
+    rig.restart()
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+
+
+def test_work_root_problem_names_a_gone_or_replaced_root_and_nothing_else():
+    """The work-root rule: fine until first seen and while the same; 'gone' or 'another' otherwise."""
+    assert work_root_problem(None, None) is None
+    assert work_root_problem((1, 2), (1, 2)) is None
+    assert "gone" in work_root_problem((1, 2), None)
+    assert "another directory" in work_root_problem((1, 2), (1, 3))
+    assert "another directory" in work_root_problem((1, 2), (9, 2))
+
+
+def test_the_small_disk_refuses_to_run_without_root(tmp_path, monkeypatch):
+    """Without root the disk-fault tests fail with a line saying why, never a silent skip."""
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(pytest.fail.Exception, match="need root"):
+        SmallFs(tmp_path / "fs", 1024 * 1024).mount()
