@@ -21,12 +21,14 @@ Two rules around that path:
   ``modelPaths`` still name the local files, which no longer exist. A failed removal is logged,
   never a failed job. A crashed attempt keeps its files, so its retry still resumes from them.
 * A redelivery of the very message whose attempt failed permanently (the record says ``error``,
-  not retryable, names this message id when the failure came from an attempt, and the message was
-  received before) goes straight back to the DLQ: no claim, no
-  work, no write. That is the message whose delete failed after it was dead-lettered. A new message
+  not retryable, names this message id, and the message was received before) goes straight back to
+  the DLQ: no claim, no work, no write. That is the message whose delete failed after it was dead-lettered. A new message
   for the job (a DLQ redrive's copy, a resubmit) is worked on as before, and so is any message
   once the reconciler has recorded the job's dead letter (that record means the DLQ copy exists,
   so whatever arrives next is an operator's redrive).
+* A message that does not parse or validate changes no record: its jobId is only a claim, and
+  another message (the job's own) must not inherit its failure. It is dead-lettered with its own
+  reason. So is a valid message whose profileId is not the job record's.
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ def recorded_failure(record: dict | None, message: Message) -> AlreadyFailed | N
         return None
     if "deadLetter" in error or message.receive_count < 2:
         return None
-    if error.get("messageId") not in (None, message.message_id):
-        return None  # a new message for the job (a resubmit): worked on
+    if error.get("messageId") != message.message_id:
+        # Another message for the job (a resubmit), or an error no message met (recorded before any
+        # claim): this message has not failed, so it is worked on.
+        return None
     return AlreadyFailed(str(error.get("type") or "PermanentError"), str(error.get("message") or ""))
 
 
@@ -166,10 +170,11 @@ class VoiceJobHandler:
     def __call__(self, message: Message, lease: Lease) -> str:
         try:
             job = parse_job(message.body, self._policy)
-        except InvalidMessage as exc:
-            hinted = job_id_hint(message.body)
-            if hinted:
-                self._record_error(hinted, None, exc)
+        except InvalidMessage:
+            # The body's jobId is only a claim: writing this failure on that job would make the job's
+            # own valid message look already failed. The DLQ copy carries the reason; no record write.
+            log.warning("job.invalid_message", named_job_id=job_id_hint(message.body),
+                        note="dead-lettered with its own reason; no job record changed")
             raise
         structlog.contextvars.bind_contextvars(job_id=job.job_id)
         try:
@@ -339,7 +344,7 @@ class VoiceJobHandler:
         except WorkerError as release_exc:
             log.warning("job.release_failed", error=str(release_exc))
 
-    def _record_error(self, job_id: str, token: str | None, exc: WorkerError) -> None:
+    def _record_error(self, job_id: str, token: str, exc: WorkerError) -> None:
         """Record the failure on the job; a failure to record never hides the original error."""
         try:
             self._store.record_error(job_id, token=token, error_type=exc.error_type,
