@@ -214,9 +214,11 @@ COMMANDS = {
     "cancel": (cmd_cancel, True, "request a job's cancellation",
                "A running attempt stops at its next heartbeat (SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS) and the\n"
                "job ends cancelled; a pending job ends cancelled when a worker receives it, before any\n"
-               "training. Says which applies. Never creates a STORE_URL file.\n\n"
+               "training. Says which applies; once the running attempt has begun committing its results\n"
+               "it is too late, and nothing is requested. Never creates a STORE_URL file.\n\n"
                + _exits("0 cancel requested; 1 store failure; 3 no such job; 4 nothing to cancel (completed, "
-                        "cancelled, or failed permanently)", store_file=True),
+                        "cancelled, or failed permanently); 5 too late: the job is committing",
+                        store_file=True),
                "python -m worker cancel 665f1c2e9b1e8a0012ab34cd"),
     "doctor": (cmd_doctor, True, "check credentials, queue, DLQ, bucket, store and pipeline config",
                "One PASS/FAIL line per check. Opens a STORE_URL file read-only and never creates one.\n\n"

@@ -22,10 +22,11 @@ from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.core.health import liveness_problem
 from worker.core.logs import scrub
 from worker.settings import Settings
-from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live, utc_now
+from worker.voice.store import (ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, committing, lease_live,
+                                 utc_now)
 from worker.voice.submit import prepare, submit_prepared
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
@@ -120,23 +121,29 @@ def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | Non
             print("", file=out)
 
 
-def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[bool, str]:
-    """(whether a cancel request can still change anything, what happens next) for this job."""
+def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[int, str]:
+    """(EXIT_OK when a cancel request can still change anything, else why not as an exit code; what
+    happens next) for this job."""
     job_id, status = job["_id"], job.get("status")
     if status in FINAL_STATUSES:
-        return False, f"job {job_id} is already {status}: nothing to cancel"
+        return EXIT_NOTHING_TO_DO, f"job {job_id} is already {status}: nothing to cancel"
     error = job.get("error") or {}
     if status == ERROR and not error.get("retryable"):
-        return False, f"job {job_id} already failed permanently ({error.get('type')}): nothing to cancel"
+        return EXIT_NOTHING_TO_DO, (f"job {job_id} already failed permanently ({error.get('type')}): "
+                                    "nothing to cancel")
+    if committing(job, now):
+        return EXIT_TOO_LATE, (f"job {job_id} is committing on {job['lease'].get('owner')} (since "
+                               f"{job['progress'].get('updatedAt')}): too late to cancel; it ends "
+                               "completed unless the commit fails")
     if status == PROCESSING and lease_live(job, now):
-        return True, (f"cancel requested for job {job_id}: the running attempt on {job['lease'].get('owner')} "
+        return EXIT_OK, (f"cancel requested for job {job_id}: the running attempt on {job['lease'].get('owner')} "
                       f"stops at its next heartbeat, within ~{math.ceil(heartbeat_s)} s "
                       "(SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS), and the job ends cancelled")
     if status == PENDING:
-        return True, (f"job {job_id} is pending: it will be cancelled when a worker picks it up "
+        return EXIT_OK, (f"job {job_id} is pending: it will be cancelled when a worker picks it up "
                       "(no training will start)")
     # A retryable error, or processing with a lapsed lease: SQS delivers the message again.
-    return True, (f"job {job_id} has no running attempt ({status}, waiting to be retried): it will be "
+    return EXIT_OK, (f"job {job_id} has no running attempt ({status}, waiting to be retried): it will be "
                   "cancelled when a worker next receives it (no training will start)")
 
 
@@ -148,13 +155,16 @@ def cmd_cancel(store: Store, job_id: str, *, heartbeat_s: float, out: TextIO | N
     if job is None:
         print(f"no job {job_id}", file=err)
         return EXIT_NOT_FOUND
-    useful, text = cancel_outcome(job, heartbeat_s, now())
-    # request_cancel re-checks inside the store: a job that finished since the read is not touched.
-    if not useful or not store.request_cancel(job_id):
-        if useful:  # it became final between the read and the request
-            text = f"job {job_id} is already {(store.get_job(job_id) or {}).get('status')}: nothing to cancel"
+    code, text = cancel_outcome(job, heartbeat_s, now())
+    # request_cancel re-checks inside the store: a job that finished, or began committing, since the
+    # read is not touched. Read it again to say which.
+    if code == EXIT_OK and not store.request_cancel(job_id):
+        code, text = cancel_outcome(store.get_job(job_id) or job, heartbeat_s, now())
+        if code == EXIT_OK:
+            code, text = EXIT_NOTHING_TO_DO, f"job {job_id}: the store refused the request: nothing to cancel"
+    if code != EXIT_OK:
         print(text, file=err)
-        return EXIT_NOTHING_TO_DO
+        return code
     print(text, file=out)
     return EXIT_OK
 

@@ -2,7 +2,8 @@
 
     parse -> completion check -> claim (fenced lease) -> train -> persist in commit order -> return
 
-Persisting, in this order, each step only after the previous one succeeded:
+Persisting, in this order, each step only after the previous one succeeded (first the progress
+stage ``COMMITTING`` is written, after which the store refuses cancel requests):
 
     1 verify the five local files        (exist, non-empty)
     2 upload all five to S3              (deterministic keys; a matching object is reused)
@@ -62,7 +63,8 @@ from worker.core.metrics import NULL_METRICS, Metrics
 from worker.core.queue import Message
 from worker.core.stop import StopSignal
 from worker.voice.attempt import Attempt, ProgressReporter, StoreLease
-from worker.voice.store import ASSET_KEYS, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
+from worker.voice.store import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete,
+                                 utc_now)
 
 log = structlog.get_logger(__name__)
 
@@ -278,6 +280,15 @@ class VoiceJobHandler:
     def _persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
                  store_lease: StoreLease) -> None:
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
+        lease.stop.raise_if_set()
+        # Progress stage COMMITTING (a fenced write): from here on the store refuses cancel requests
+        # and `cancel` says it is too late. The renewal after it reads a request that landed before,
+        # so a cancel is either honoured here or refused, never accepted and then ignored.
+        try:
+            attempt.progress(COMMITTING, 100.0)
+        except StaleWrite as exc:
+            raise LeaseLost(f"committing stage refused: {exc}") from exc
+        store_lease.renew()
         lease.stop.raise_if_set()
         verify_local(paths)                                                      # 1
         output_dir = work_dir_for(self._work_root, job) / OUTPUT_DIR
