@@ -350,3 +350,32 @@ def test_a_committing_stage_left_by_an_earlier_attempt_does_not_block_a_cancel(t
     assert code == 0 and "stops at its next heartbeat" in out
     assert store.get_job(job_id)["cancelRequested"] is True
     store.close()
+
+
+def test_status_shows_record_strings_without_control_sequences_or_forged_lines(store, job_id):
+    """An error text holding escapes and a forged line prints clean, its extra lines indented under the error."""
+    forged = f"job {job_id}: completed"
+    store.claim(job_id, owner="w1\x1b]0;owned\x07", token="t", lease_s=60)
+    assert store.release_lease(job_id, "t")
+    # The reconciler copies a DLQ message's ErrorMessage attribute, which anyone who can send set.
+    store.record_dead_letter(job_id, dead_letter={
+        "messageId": "dlq-1", "receiveCount": 5, "errorType": "Stage\x1b[2JFailed",
+        "errorMessage": f"real failure\r{forged}\n\x1b[2J\x9b1mtail line\x85"}, worker="reconciler")
+    assert "\x1b" in store.get_job(job_id)["error"]["message"], "the record is meant to hold the raw text"
+    out = io.StringIO()
+    assert cmd_status(store, job_id, as_json=False, out=out) == 0
+    text = out.getvalue()
+    assert not any(ch in text for ch in "\x1b\x07\r\x9b\x85"), repr(text)
+    assert forged in text and "tail line" in text and "StageFailed" in text
+    assert not any(line.startswith(forged) for line in text.splitlines()), text
+    assert all(line.startswith(("job ", "profile ", "  ")) for line in text.splitlines()), text
+
+
+def test_dlq_list_prints_one_clean_line_per_message():
+    """A DLQ message's attributes cannot clear the screen or add lines to `dlq list`."""
+    from worker.ops.commands import render_letter
+
+    line = render_letter({"messageId": "m\x1b[2J", "jobId": "j", "receiveCount": 1, "ageSeconds": 60,
+                          "errorType": "InvalidMessage", "errorMessage": "bad\r\njob j: completed\x1b]0;x\x07"})
+    assert "\n" not in line and not any(ch in line for ch in "\x1b\x07\r")
+    assert line.endswith("InvalidMessage: bad job j: completed")

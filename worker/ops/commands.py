@@ -21,6 +21,7 @@ from worker.core.errors import InvalidMessage, WorkerError
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.core.health import liveness_problem
 from worker.core.logs import scrub
+from worker.core.redact import strip_control
 from worker.settings import Settings
 from worker.voice.store import (ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, committing, lease_live,
                                  utc_now)
@@ -77,29 +78,42 @@ def status_document(store: Store, job_id: str) -> dict | None:
     return {"job": _jsonable(job), "profile": _jsonable(profile)}
 
 
+def one_line(value: Any) -> str:
+    """A record value as one line of terminal text: whoever wrote it cannot clear, retitle or add lines."""
+    return strip_control(str(value), keep_lines=False)
+
+
+def indented_lines(value: Any, indent: str) -> str:
+    """A multi-line record value (a stage's log tail) with every line after the first indented, so
+    none of its lines can pass for one of ours at the start of a line."""
+    return f"\n{indent}".join(strip_control(str(value)).split("\n"))
+
+
 def render_status(doc: dict) -> str:
     job, profile = doc["job"], doc["profile"] or {}
-    lines = [f"job {job['_id']}: {job.get('status')}  (attempts: {job.get('attempts', 0)})"]
+    o = one_line
+    lines = [f"job {o(job['_id'])}: {o(job.get('status'))}  (attempts: {o(job.get('attempts', 0))})"]
     if job.get("progress"):
         p = job["progress"]
-        lines.append(f"  progress   {p.get('stage')} {p.get('percent', 0):.0f} %  (at {p.get('updatedAt')})")
+        lines.append(f"  progress   {o(p.get('stage'))} {p.get('percent', 0):.0f} %  (at {o(p.get('updatedAt'))})")
     if job.get("lease"):
-        lines.append(f"  lease      held by {job['lease'].get('owner')} until {job['lease'].get('expiresAt')}")
+        lines.append(f"  lease      held by {o(job['lease'].get('owner'))} until {o(job['lease'].get('expiresAt'))}")
     if job.get("cancelRequested") and job.get("status") != "cancelled":
         lines.append("  cancel     requested")
     if job.get("error"):
         e = job["error"]
         kind = "retryable" if e.get("retryable") else "permanent"
-        lines.append(f"  error      {e.get('type')} ({kind}): {e.get('message')}")
+        lines.append(f"  error      {o(e.get('type'))} ({kind}): {indented_lines(e.get('message'), ' ' * 13 + '| ')}")
     for h in job.get("history") or []:
-        lines.append(f"  attempt    {h.get('start')} -> {h.get('end') or '…'}  {h.get('outcome')}  on {h.get('worker')}")
+        lines.append(f"  attempt    {o(h.get('start'))} -> {o(h.get('end') or '…')}  {o(h.get('outcome'))}  "
+                     f"on {o(h.get('worker'))}")
     if job.get("completedAt"):
-        lines.append(f"  completed  {job['completedAt']}")
-    lines.append(f"profile {profile.get('_id', job.get('profileId'))}: {profile.get('status', 'missing')}")
+        lines.append(f"  completed  {o(job['completedAt'])}")
+    lines.append(f"profile {o(profile.get('_id', job.get('profileId')))}: {o(profile.get('status', 'missing'))}")
     for key, path in (profile.get("modelPaths") or {}).items():
-        lines.append(f"  {key:<18} {path}")
+        lines.append(f"  {o(key):<18} {o(path)}")
     for key, uri in (profile.get("s3Paths") or {}).items():
-        lines.append(f"  {key:<18} {uri}")
+        lines.append(f"  {o(key):<18} {o(uri)}")
     return "\n".join(lines)
 
 
@@ -191,9 +205,11 @@ def format_age(age_s: float | None) -> str:
 
 
 def render_letter(summary: dict) -> str:
-    error = (f"{summary['errorType']}: {summary['errorMessage'] or '-'}" if summary["errorType"]
+    # One line per message, whatever the attributes hold: anyone who can send to the queue set them.
+    o = one_line
+    error = (f"{o(summary['errorType'])}: {o(summary['errorMessage'] or '-')}" if summary["errorType"]
              else "(moved by SQS's redrive policy: no error attributes)")
-    return (f"{summary['messageId']}  job {summary['jobId'] or '-'}  receives {summary['receiveCount']}  "
+    return (f"{o(summary['messageId'])}  job {o(summary['jobId'] or '-')}  receives {o(summary['receiveCount'])}  "
             f"age {format_age(summary['ageSeconds'])}  {error}")
 
 
