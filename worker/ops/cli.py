@@ -12,6 +12,7 @@ import structlog
 from worker.ops.commands import EXIT_INTERRUPTED
 from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
+from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
 from worker.settings import Settings, daemon_problems, load_settings, missing
 
@@ -43,6 +44,10 @@ def _client(service: str, settings: Settings):
 
 
 def cmd_run(settings: Settings, _args) -> int:
+    # First of all: a stage runs as our user, and must not read our credentials from /proc/<pid>/environ.
+    if why_not := make_undumpable():
+        log.warning("worker.dumpable", reason=why_not,
+                    note="processes of this user can read the worker's environment")
     problems = daemon_problems(settings)
     if problems:
         return _fail(problems)
