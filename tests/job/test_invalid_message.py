@@ -44,7 +44,7 @@ def test_no_malformed_body_writes_to_the_store(handler, store, recorder, body):
 
 
 def test_a_message_for_another_profile_does_not_fail_the_job(handler, store, raw_store, recorder, train):
-    """A valid body whose profileId is not the job record's is refused unrecorded; the job's own message still completes."""
+    """A body naming another profile than the job record's is refused unrecorded; the job's own message completes."""
     with pytest.raises(InvalidMessage, match="belongs to profile"):
         deliver(handler, 1, message_id="m-stray", body=message_body(profile_id=OTHER_PROFILE_ID))
     assert recorder.calls == [] and train.runs == 0

@@ -24,7 +24,7 @@ print("PermissionError" if "PermissionError" in child.stderr else child.stdout.s
 
 
 def test_a_child_of_the_same_user_cannot_read_an_undumpable_processs_environment():
-    """After make_undumpable a same-user child gets PermissionError on /proc/<parent>/environ; without it, it reads it."""
+    """Once undumpable, a same-user child gets PermissionError on /proc/<parent>/environ; before, it reads it."""
     assert run_unprivileged(READ_PARENT, "dumpable") == "read"  # the probe itself can tell the difference
     assert run_unprivileged(READ_PARENT, "undumpable") == "PermissionError"
 

@@ -13,14 +13,14 @@ other shapes too; ``redact_secrets`` masks the well-known ones: userinfo in a UR
 (``mongodb+srv://user:pass@`` becomes ``mongodb+srv://***@``), AWS access key ids, bearer tokens,
 and the value of any ``name=value`` / ``name: value`` whose name says secret, password, credential,
 token, signature or api/access/private key. ``redact_text`` does both, for text that leaves the
-worker (a failed stage's message), after ``strip_control``.
+worker (a failed stage's message), after ``strip_control``. It masks shapes, not the worker's own
+secret values: stages never receive those (``pipeline.stage_env``), so a stage cannot print them,
+and a list of them here would be one more place that holds them.
 
 Text from a stage also reaches terminals (``status``, console logs, ``dlq list``), so
 ``strip_control`` drops what a terminal would act on instead of showing: escape sequences (clear the
 screen, retitle the window, recolour), C0 and C1 control characters, and a carriage return, which
-would move the cursor back to overwrite a line with a forged one (it becomes a line break instead). It masks shapes, not the worker's own secret values: stages never
-receive those (``pipeline.stage_env``), so a stage cannot print them, and a list of them here would
-be one more place that holds them.
+would move the cursor back to overwrite a line with a forged one (it becomes a line break instead).
 """
 
 from __future__ import annotations

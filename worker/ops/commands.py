@@ -95,21 +95,25 @@ def render_status(doc: dict) -> str:
     lines = [f"job {o(job['_id'])}: {o(job.get('status'))}  (attempts: {o(job.get('attempts', 0))})"]
     if job.get("progress"):
         p = job["progress"]
-        lines.append(f"  progress   {o(p.get('stage'))} {p.get('percent', 0):.0f} %  (at {o(p.get('updatedAt'))})")
+        lines.append(f"  progress   {o(p.get('stage'))} {p.get('percent', 0):.0f} %  "
+                     f"(at {o(p.get('updatedAt'))})")
     if job.get("lease"):
-        lines.append(f"  lease      held by {o(job['lease'].get('owner'))} until {o(job['lease'].get('expiresAt'))}")
+        held = job["lease"]
+        lines.append(f"  lease      held by {o(held.get('owner'))} until {o(held.get('expiresAt'))}")
     if job.get("cancelRequested") and job.get("status") != "cancelled":
         lines.append("  cancel     requested")
     if job.get("error"):
         e = job["error"]
         kind = "retryable" if e.get("retryable") else "permanent"
-        lines.append(f"  error      {o(e.get('type'))} ({kind}): {indented_lines(e.get('message'), ' ' * 13 + '| ')}")
+        message = indented_lines(e.get("message"), " " * 13 + "| ")
+        lines.append(f"  error      {o(e.get('type'))} ({kind}): {message}")
     for h in job.get("history") or []:
         lines.append(f"  attempt    {o(h.get('start'))} -> {o(h.get('end') or '…')}  {o(h.get('outcome'))}  "
                      f"on {o(h.get('worker'))}")
     if job.get("completedAt"):
         lines.append(f"  completed  {o(job['completedAt'])}")
-    lines.append(f"profile {o(profile.get('_id', job.get('profileId')))}: {o(profile.get('status', 'missing'))}")
+    profile_id, profile_status = profile.get("_id", job.get("profileId")), profile.get("status", "missing")
+    lines.append(f"profile {o(profile_id)}: {o(profile_status)}")
     for key, path in (profile.get("modelPaths") or {}).items():
         lines.append(f"  {o(key):<18} {o(path)}")
     for key, uri in (profile.get("s3Paths") or {}).items():
@@ -209,8 +213,8 @@ def render_letter(summary: dict) -> str:
     o = one_line
     error = (f"{o(summary['errorType'])}: {o(summary['errorMessage'] or '-')}" if summary["errorType"]
              else "(moved by SQS's redrive policy: no error attributes)")
-    return (f"{o(summary['messageId'])}  job {o(summary['jobId'] or '-')}  receives {o(summary['receiveCount'])}  "
-            f"age {format_age(summary['ageSeconds'])}  {error}")
+    return (f"{o(summary['messageId'])}  job {o(summary['jobId'] or '-')}  "
+            f"receives {o(summary['receiveCount'])}  age {format_age(summary['ageSeconds'])}  {error}")
 
 
 def cmd_dlq_list(dlq: DeadLetterQueue, *, as_json: bool, max_messages: int = 1000,

@@ -23,8 +23,9 @@ Two rules around that path:
   never a failed job. A crashed attempt keeps its files, so its retry still resumes from them.
 * A redelivery of the very message whose attempt failed permanently (the record says ``error``,
   not retryable, names this message id, and the message was received before) goes straight back to
-  the DLQ: no claim, no work, no write. That is the message whose delete failed after it was dead-lettered. A new message
-  for the job (a DLQ redrive's copy, a resubmit) is worked on as before, and so is any message
+  the DLQ: no claim, no work, no write. That is the message whose delete failed after it was
+  dead-lettered. A new message for the job (a DLQ redrive's copy, a resubmit), or any message when
+  the error names none (recorded before any claim), is worked on as before, and so is any message
   once the reconciler has recorded the job's dead letter (that record means the DLQ copy exists,
   so whatever arrives next is an operator's redrive).
 * A message that does not parse or validate changes no record: its jobId is only a claim, and

@@ -111,7 +111,7 @@ def may_record_error(job: dict, token: str | None, now: datetime) -> bool:
 
 
 def committing(job: dict, now: datetime) -> bool:
-    """A live attempt has begun persisting (its marker is newer than its claim): a cancel is too late."""
+    """A live attempt has begun persisting (its COMMITTING stage is newer than its claim): too late to cancel."""
     progress, started = job.get("progress") or {}, job.get("startedAt")
     return (job.get("status") == PROCESSING and lease_live(job, now) and progress.get("stage") == COMMITTING
             and started is not None and progress.get("updatedAt") is not None
