@@ -101,3 +101,30 @@ def attempt_through(proxy, result):
     if attempt is None:
         return result
     return dataclasses.replace(result, attempt=dataclasses.replace(attempt, store=proxy))
+
+
+UNPRIVILEGED_UID = 65534  # nobody
+# Readable by any user, unlike an interpreter under /root; probes import only the standard library.
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def run_unprivileged(code: str, *args: str, timeout_s: float = 60) -> str:
+    """Run ``code`` (with the repository on sys.path) as a user without CAP_SYS_PTRACE; its stdout.
+
+    Root reads any process's /proc entries whatever its dumpable flag says, so under root the probe
+    drops to ``nobody``; any other user is unprivileged already.
+    """
+    import os
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[1])
+    as_root = os.geteuid() == 0
+    drop = {"user": UNPRIVILEGED_UID, "group": UNPRIVILEGED_UID, "extra_groups": []} if as_root else {}
+    python = SYSTEM_PYTHON if as_root else sys.executable
+    prelude = f"import sys; sys.path.insert(0, {repo!r})\n"
+    proc = subprocess.run([python, "-c", prelude + code, *args], capture_output=True, text=True, cwd="/",
+                          env={"PATH": "/usr/bin:/bin", "WORKER_SECRET": "hunter2"}, timeout=timeout_s,
+                          **drop)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()

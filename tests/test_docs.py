@@ -29,6 +29,8 @@ NOT_SETTINGS = frozenset({
     "HF_HOME", "TORCH_HOME", "PYTORCH_CUDA_ALLOC_CONF", "HF_TOKEN", "VIRTUAL_ENV",
     "CONNECTION_STRING",
     "JOB_ID",
+    # Kernel and AWS names in the trainer-isolation notes.
+    "PR_SET_DUMPABLE", "CAP_SYS_PTRACE", "ECS_AWSVPC_BLOCK_IMDS", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
 }) | frozenset(BUILTIN_NAMES)
 
 # Subcommands the docs describe that are being added to worker/ops/cli.py in a parallel change.

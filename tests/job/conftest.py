@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import mongomock
 import pytest
 
 from tests.support import SHIPPED_ARTIFACTS, attempt_through
+from worker.core.lease import Lease, Shutdown
+from worker.core.queue import Message, Queue
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.job import VoiceJobHandler
 from worker.voice.store_mongo import MongoStore
@@ -33,6 +36,15 @@ def message_body(job_id: str = JOB_ID, profile_id: str = PROFILE_ID, **extra) ->
         "input": [{"recordingUrl": "https://media.example.com/rec/1.wav", "originalText": "Hello there."}],
         **extra,
     })
+
+
+def deliver(handler, receive_count: int, message_id: str = "m-1", body: str | None = None):
+    """Call the handler directly with one message received ``receive_count`` times."""
+    message = Message(message_id, "-", message_body() if body is None else body, receive_count,
+                      time.monotonic())
+    lease = Lease(Queue(None, "q"), message, visibility_timeout_s=60, interval_s=10, time_limit_s=600,
+                  shutdown=Shutdown(), shutdown_grace_s=1)
+    return handler(message, lease)
 
 
 class OffsetClock:

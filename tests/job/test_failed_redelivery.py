@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import time
 
-from tests.job.conftest import JOB_ID, PROFILE_ID, message_body
+from tests.job.conftest import JOB_ID, PROFILE_ID, deliver, message_body
 from tests.support import client_error
 from worker.core.errors import BadRecording
 from worker.voice.job import AlreadyFailed
-from worker.core.lease import Lease, Shutdown
-from worker.core.queue import Message, Queue
 from worker.voice.store import is_complete
 
 
@@ -18,17 +16,11 @@ def bad_recording(job, work_dir, stop, progress):
     raise BadRecording("input[0] is not decodable audio")
 
 
-def deliver(handler, receive_count: int, message_id: str = "m-1"):
-    """Call the handler directly with one message received ``receive_count`` times."""
-    message = Message(message_id, "-", message_body(), receive_count, time.monotonic())
-    lease = Lease(Queue(None, "q"), message, visibility_timeout_s=60, interval_s=10, time_limit_s=600,
-                  shutdown=Shutdown(), shutdown_grace_s=1)
-    return handler(message, lease)
-
-
-def record_permanent_error(raw_store) -> None:
-    assert raw_store.record_error(JOB_ID, token=None, error_type="BadRecording",
-                                  message="input[0] is not decodable audio", retryable=False)
+def record_permanent_error(raw_store, message_id: str = "m-1") -> None:
+    """The record an attempt of message ``message_id`` leaves when it fails permanently."""
+    claim = raw_store.claim(JOB_ID, owner="w-1", token="t-1", lease_s=60, message_id=message_id)
+    assert claim.attempt.fail("BadRecording", "input[0] is not decodable audio", retryable=False)
+    assert raw_store.get_job(JOB_ID)["error"]["messageId"] == message_id
 
 
 def test_redelivery_after_a_failed_delete_is_dead_lettered_again_without_work(

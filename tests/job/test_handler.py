@@ -161,18 +161,6 @@ def test_failure_to_record_an_error_does_not_hide_it(queues, make_worker, handle
     assert worker.run_once() == "dead_letter"
 
 
-def test_invalid_message_is_dead_lettered_and_recorded_when_identifiable(queues, make_worker, handler, raw_store):
-    """A malformed message with a usable jobId gets its validation error on the job record and goes to the DLQ."""
-    worker, _ = make_worker(handler)
-    queues.send(message_body(input=[]))
-    assert worker.run_once() == "dead_letter"
-    job = raw_store.get_job(JOB_ID)
-    assert job["status"] == "error" and job["error"]["type"] == "InvalidMessage"
-    assert "input" in job["error"]["message"]
-    [dead] = queues.receive_now(queues.dlq_url)
-    assert "input" in dead["MessageAttributes"]["ErrorMessage"]["StringValue"]
-
-
 def test_cancel_requested_before_the_claim_ends_cancelled(queues, make_worker, handler, raw_store, train):
     """A job whose cancel was requested before it started ends cancelled, with no work, and is deleted."""
     assert raw_store.request_cancel(JOB_ID)

@@ -3,7 +3,7 @@
 import pytest
 
 from worker.core.logs import scrub
-from worker.core.redact import redact_secrets, redact_text, redact_url
+from worker.core.redact import redact_secrets, redact_text, redact_url, strip_control
 
 
 @pytest.mark.parametrize("url,shown", [
@@ -71,3 +71,31 @@ def test_a_recorded_error_and_a_dead_letter_never_carry_a_credential():
     attributes = dead_letter_attributes(Message("m", "-", "{}", 3, 0.0), UnexpectedError(text), "q")
     for stored in (record["error"]["message"], attributes["ErrorMessage"]["StringValue"]):
         assert "hunter2" not in stored and "db.internal" in stored
+
+
+ESCAPES = "\x1b[2J\x1b[H" + "\x1b]0;owned\x07" + "boom" + "\x9b31m" + "\x1b]2;t\x1b\\" + "\x85"
+
+
+@pytest.mark.parametrize("text,shown", [
+    ("a\x1b[2Jb", "ab"),                                   # clear the screen
+    ("x\x1b]0;retitled\x07y", "xy"),                       # OSC retitle, BEL-terminated
+    ("x\x1b]2;retitled\x1b\\y", "xy"),                     # OSC retitle, ST-terminated
+    ("stage failed\rjob 1: completed", "stage failed\njob 1: completed"),  # a CR-forged line
+    ("c1\x9b2Jcsi and \x85nel", "c1csi and nel"),          # C1 CSI and a C1 control
+    ("keep\ttabs\nand lines", "keep\ttabs\nand lines"),
+    ("bell\x07 nul\x00 del\x7f \u202eflip", "bell nul del flip"),
+])
+def test_strip_control_drops_what_a_terminal_would_act_on(text, shown):
+    """Escape sequences, C0/C1 controls and bidi overrides go; tabs and newlines stay; a CR becomes a newline."""
+    assert strip_control(text) == shown
+
+
+def test_strip_control_on_one_line_joins_everything():
+    """With keep_lines false a stage's text becomes a single line: no CR or newline can start a forged one."""
+    assert strip_control("a\r\nb\rc\td", keep_lines=False) == "a b c d"
+
+
+def test_recorded_messages_logs_and_scrubbed_text_carry_no_control_characters():
+    """redact_text (records, DLQ attributes) and scrub (logs, Sentry, dlq list) both strip them."""
+    for shown in (redact_text(ESCAPES), scrub(ESCAPES)):
+        assert shown == "boom"

@@ -131,3 +131,16 @@ def test_urls_nested_in_lists_and_dicts_are_scrubbed_too(json_logs):
         "a.wav: https://h.example/a.wav?X-Amz-Signature=SECRET123"], paths={"m": "mongodb://u:SECRET456@db/x"})
     text = json_logs.getvalue()
     assert "SECRET123" not in text and "SECRET456" not in text and "h.example/a.wav" in text
+
+
+def test_console_logs_carry_no_terminal_control_sequences(json_logs):
+    """A stage's escape sequences in a logged traceback, which the console renderer writes as it is, are dropped."""
+    stream = io.StringIO()
+    configure_logging("INFO", "console", stream=stream)
+    try:
+        raise RuntimeError("stage x failed:\n\x1b[2J\x1b]0;owned\x07boom\rforged\x9b1m")
+    except RuntimeError as exc:
+        structlog.get_logger("t").error("worker.unexpected", exc_info=exc)
+    line = stream.getvalue()
+    assert not any(ch in line for ch in "\x1b\x07\r\x9b"), repr(line)
+    assert "boom" in line and "forged" in line

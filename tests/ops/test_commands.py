@@ -7,6 +7,7 @@ import io
 import json
 import os
 import time
+from datetime import datetime, timedelta, timezone
 
 import boto3
 import pytest
@@ -16,7 +17,7 @@ from tests.support import create_queues
 from worker.ops.commands import cmd_cancel, cmd_health, cmd_status, cmd_submit
 from worker.ops.doctor import report, run_checks
 from worker.settings import load_settings
-from worker.voice.store import open_store
+from worker.voice.store import COMMITTING, open_store
 from worker.voice.store_sqlite import SqliteStore
 
 PAYLOAD = {
@@ -315,3 +316,78 @@ def test_the_submit_command_refuses_what_the_worker_would_refuse(queues, tmp_pat
     assert own in message["Body"]
     with SqliteStore(str(db)) as store:
         assert store.get_job(json.loads(out)["jobId"])["status"] == "pending"
+
+
+def test_cancel_of_a_committing_job_is_too_late_and_exits_5(store, job_id):
+    """A live attempt whose progress says committing: "too late", exit 5, and no cancel is requested."""
+    store.claim(job_id, owner="gpu-3:412", token="t", lease_s=60)
+    store.set_progress(job_id, "t", COMMITTING, 100)
+    code, out, err = cancel(store, job_id)
+    assert (code, out) == (5, "") and "too late to cancel" in err and "gpu-3:412" in err
+    assert store.get_job(job_id)["cancelRequested"] is False
+
+
+def test_a_commit_that_began_after_cancels_read_is_refused_by_the_store(store, job_id):
+    """The store itself refuses the request once committing began, so a stale read cannot accept a cancel."""
+    store.claim(job_id, owner="w1", token="t", lease_s=60)
+    before = store.get_job(job_id)
+    store.set_progress(job_id, "t", COMMITTING, 100)
+
+    class StaleFirstRead:
+        reads = 0
+
+        def get_job(self, wanted):
+            self.reads += 1
+            return before if self.reads == 1 else store.get_job(wanted)
+
+        def request_cancel(self, wanted):
+            return store.request_cancel(wanted)
+
+    code, _, err = cancel(StaleFirstRead(), job_id)
+    assert code == 5 and "too late" in err
+    assert store.get_job(job_id)["cancelRequested"] is False
+
+
+def test_a_committing_stage_left_by_an_earlier_attempt_does_not_block_a_cancel(tmp_path, queues):
+    """Only the running attempt's own committing stage counts: after a re-claim the cancel is requested."""
+    start = datetime.now(timezone.utc)
+    moments = iter(start + timedelta(seconds=s) for s in range(100))
+    store = SqliteStore(str(tmp_path / "clocked.db"), clock=lambda: next(moments))
+    job_id = json.loads(submit(store, queues, PAYLOAD)[1])["jobId"]
+    store.claim(job_id, owner="w1", token="t1", lease_s=600)
+    store.set_progress(job_id, "t1", COMMITTING, 100)
+    assert store.release_lease(job_id, "t1")
+    store.claim(job_id, owner="w2", token="t2", lease_s=600)
+    code, out, _ = cancel(store, job_id)
+    assert code == 0 and "stops at its next heartbeat" in out
+    assert store.get_job(job_id)["cancelRequested"] is True
+    store.close()
+
+
+def test_status_shows_record_strings_without_control_sequences_or_forged_lines(store, job_id):
+    """An error text holding escapes and a forged line prints clean, its extra lines indented under the error."""
+    forged = f"job {job_id}: completed"
+    store.claim(job_id, owner="w1\x1b]0;owned\x07", token="t", lease_s=60)
+    assert store.release_lease(job_id, "t")
+    # The reconciler copies a DLQ message's ErrorMessage attribute, which anyone who can send set.
+    store.record_dead_letter(job_id, dead_letter={
+        "messageId": "dlq-1", "receiveCount": 5, "errorType": "Stage\x1b[2JFailed",
+        "errorMessage": f"real failure\r{forged}\n\x1b[2J\x9b1mtail line\x85"}, worker="reconciler")
+    assert "\x1b" in store.get_job(job_id)["error"]["message"], "the record is meant to hold the raw text"
+    out = io.StringIO()
+    assert cmd_status(store, job_id, as_json=False, out=out) == 0
+    text = out.getvalue()
+    assert not any(ch in text for ch in "\x1b\x07\r\x9b\x85"), repr(text)
+    assert forged in text and "tail line" in text and "StageFailed" in text
+    assert not any(line.startswith(forged) for line in text.splitlines()), text
+    assert all(line.startswith(("job ", "profile ", "  ")) for line in text.splitlines()), text
+
+
+def test_dlq_list_prints_one_clean_line_per_message():
+    """A DLQ message's attributes cannot clear the screen or add lines to `dlq list`."""
+    from worker.ops.commands import render_letter
+
+    line = render_letter({"messageId": "m\x1b[2J", "jobId": "j", "receiveCount": 1, "ageSeconds": 60,
+                          "errorType": "InvalidMessage", "errorMessage": "bad\r\njob j: completed\x1b]0;x\x07"})
+    assert "\n" not in line and not any(ch in line for ch in "\x1b\x07\r")
+    assert line.endswith("InvalidMessage: bad job j: completed")

@@ -13,6 +13,7 @@ import pytest
 from pipeline.config import StageSpec
 from pipeline.stages import OutputReader, StageContext, run_stage
 from tests.pipeline.test_stages import process_alive
+from tests.support import run_unprivileged
 from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
 
@@ -123,3 +124,31 @@ def test_output_reader_finishes_while_a_writer_still_holds_the_pipe(tmp_path):
         assert updates.get_nowait() == 5.0 and pipe.closed
     finally:
         os.close(write_fd)
+
+
+# As an undumpable worker would: start a process in its own session carrying the run's token, and
+# look for it by that token alone (not the group, not the pipe).
+FIND_BY_TOKEN_WHILE_UNDUMPABLE = """
+import os, subprocess, time
+from pipeline.proctree import TOKEN_NAME, StageTree
+from worker.core.hardening import make_undumpable
+assert make_undumpable() is None
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True,
+                         env={TOKEN_NAME: "run-1"}, stdout=subprocess.DEVNULL)
+try:
+    for _ in range(200):  # until the child has exec'd and its environ holds the token
+        if child.pid in StageTree(pgid=os.getpgrp(), token="run-1").members():
+            print("found")
+            break
+        time.sleep(0.05)
+    else:
+        print("not found")
+finally:
+    child.kill()
+    child.wait()
+"""
+
+
+def test_an_undumpable_worker_still_finds_its_stage_by_the_environment_token():
+    """A stage re-gains dumpable at exec, so an unprivileged, undumpable worker still reads its environ."""
+    assert run_unprivileged(FIND_BY_TOKEN_WHILE_UNDUMPABLE) == "found"

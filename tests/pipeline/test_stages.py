@@ -308,3 +308,17 @@ def test_parse_progress_and_log_names():
     assert parse_progress(b"PROGRESS\n") is None
     now = datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=UTC)
     assert log_file_name(now, "train_full") == "20240506T070809.123456Z-train_full.log"
+
+
+def test_a_failed_stages_message_carries_no_terminal_control_sequences(tmp_path, ctx):
+    """Screen clears, retitles, C1 controls and CR-forged lines a stage prints never reach its error message."""
+    body = ("import sys\n"
+            "sys.stderr.write('\\x1b[2J\\x1b]0;owned\\x07real failure\\rjob 1: completed\\n')\n"
+            "sys.stderr.write('\\u009b31mred\\u0085\\n')\n"
+            "sys.exit(1)\n")
+    stage = StageSpec(name="noisy", argv=("{python}", script(tmp_path, "noisy", body)), outputs=("x",))
+    with pytest.raises(StageFailed) as caught:
+        run_stage(stage, ctx, StopSignal(), no_progress)
+    message = str(caught.value)
+    assert not any(ch in message for ch in "\x1b\x07\r\x9b\x85"), repr(message)
+    assert "real failure\njob 1: completed\nred" in message

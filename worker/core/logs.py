@@ -3,6 +3,8 @@
 A last line of defence scrubs URL query strings, fragments and userinfo from every string value, since
 presigned URLs carry credentials, and masks other credential shapes (``worker.core.redact.redact_secrets``:
 userinfo in any scheme's URL, AWS key ids, ``password=...``); message bodies are never logged at all.
+Terminal escape sequences and control characters (a stage's stderr in an error) are dropped too
+(``worker.core.redact.strip_control``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from typing import Any
 
 import structlog
 
-from worker.core.redact import redact_secrets
+from worker.core.redact import redact_secrets, strip_control
 
 _URL = re.compile(r"\b((?:https?|s3)://)(?:[^\s/@?#]*@)?([^\s?#]*)(?:\?[^\s#]*)?(?:#\S*)?", re.I)
 
 
 def scrub(text: str) -> str:
-    """``text`` with every http(s)/s3 URL cut down to scheme://host/path and secret shapes masked."""
-    return redact_secrets(_URL.sub(lambda m: m.group(1) + m.group(2), text))
+    """``text`` with every http(s)/s3 URL cut down to scheme://host/path and secret shapes masked, and
+    no terminal control sequence (console logs and command output reach terminals)."""
+    return redact_secrets(_URL.sub(lambda m: m.group(1) + m.group(2), strip_control(text)))
 
 
 # Deep enough for any log field or Sentry event; a bound keeps a cyclic structure from recursing forever.

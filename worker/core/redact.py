@@ -13,9 +13,14 @@ other shapes too; ``redact_secrets`` masks the well-known ones: userinfo in a UR
 (``mongodb+srv://user:pass@`` becomes ``mongodb+srv://***@``), AWS access key ids, bearer tokens,
 and the value of any ``name=value`` / ``name: value`` whose name says secret, password, credential,
 token, signature or api/access/private key. ``redact_text`` does both, for text that leaves the
-worker (a failed stage's message). It masks shapes, not the worker's own secret values: stages never
-receive those (``pipeline.stage_env``), so a stage cannot print them, and a list of them here would
-be one more place that holds them.
+worker (a failed stage's message), after ``strip_control``. It masks shapes, not the worker's own
+secret values: stages never receive those (``pipeline.stage_env``), so a stage cannot print them,
+and a list of them here would be one more place that holds them.
+
+Text from a stage also reaches terminals (``status``, console logs, ``dlq list``), so
+``strip_control`` drops what a terminal would act on instead of showing: escape sequences (clear the
+screen, retitle the window, recolour), C0 and C1 control characters, and a carriage return, which
+would move the cursor back to overwrite a line with a forged one (it becomes a line break instead).
 """
 
 from __future__ import annotations
@@ -38,6 +43,32 @@ _ASSIGNMENT = re.compile(
     r"|[\w.-]*(?:token|signature|(?:api|access|private|session|auth|signing)[_-]?key))"
     r"(?![\w.-])([\"']?\s*[:=]\s*[\"']?)([^\s\"'&,;]+)"
 )
+
+
+# CSI sequences (ESC [ or the C1 CSI, up to a final byte); OSC, DCS, SOS, PM and APC strings up to
+# their terminator (BEL or ST; unterminated: the rest, as a terminal would swallow it); any other
+# escape (ESC c, ESC 7, ESC ( B).
+_ESCAPE_SEQUENCE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+    r"|\x1b[ -/]*[0-~]?"
+)
+# C0 but tab and newline, DEL, C1, and the bidirectional overrides that reorder what a line shows.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CARRIAGE_RETURN = re.compile(r"\r\n?")
+
+
+def strip_control(text: str, *, keep_lines: bool = True) -> str:
+    """``text`` as a terminal would show it, minus anything a terminal would act on. Never raises.
+
+    Escape sequences and control characters are dropped; a carriage return becomes a line break.
+    With ``keep_lines`` false, line breaks and tabs become spaces too: one line, whatever it held.
+    """
+    try:
+        text = _CONTROL.sub("", _CARRIAGE_RETURN.sub("\n", _ESCAPE_SEQUENCE.sub("", str(text))))
+        return text if keep_lines else text.replace("\n", " ").replace("\t", " ")
+    except Exception:  # noqa: BLE001 - like redaction, never the thing that fails
+        return "<text withheld: control characters>"
 
 
 def redact_url(url: str) -> str:
@@ -111,5 +142,6 @@ def redact_secrets(text: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """Free text made safe to store and report: URLs cut to scheme://host/path, secrets masked."""
-    return redact_secrets(redact_urls_in_text(text))
+    """Free text made safe to store and report: no control characters, URLs cut to
+    scheme://host/path, secrets masked. Stripped first, so an escape cannot split a secret's shape."""
+    return redact_secrets(redact_urls_in_text(strip_control(text)))

@@ -12,6 +12,7 @@ import structlog
 from worker.ops.commands import EXIT_INTERRUPTED
 from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
+from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
 from worker.settings import Settings, daemon_problems, load_settings, missing
 
@@ -43,6 +44,10 @@ def _client(service: str, settings: Settings):
 
 
 def cmd_run(settings: Settings, _args) -> int:
+    # First of all: a stage runs as our user, and must not read our credentials from /proc/<pid>/environ.
+    if why_not := make_undumpable():
+        log.warning("worker.dumpable", reason=why_not,
+                    note="processes of this user can read the worker's environment")
     problems = daemon_problems(settings)
     if problems:
         return _fail(problems)
@@ -214,9 +219,11 @@ COMMANDS = {
     "cancel": (cmd_cancel, True, "request a job's cancellation",
                "A running attempt stops at its next heartbeat (SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS) and the\n"
                "job ends cancelled; a pending job ends cancelled when a worker receives it, before any\n"
-               "training. Says which applies. Never creates a STORE_URL file.\n\n"
+               "training. Says which applies; once the running attempt has begun committing its results\n"
+               "it is too late, and nothing is requested. Never creates a STORE_URL file.\n\n"
                + _exits("0 cancel requested; 1 store failure; 3 no such job; 4 nothing to cancel (completed, "
-                        "cancelled, or failed permanently)", store_file=True),
+                        "cancelled, or failed permanently); 5 too late: the job is committing",
+                        store_file=True),
                "python -m worker cancel 665f1c2e9b1e8a0012ab34cd"),
     "doctor": (cmd_doctor, True, "check credentials, queue, DLQ, bucket, store and pipeline config",
                "One PASS/FAIL line per check. Opens a STORE_URL file read-only and never creates one.\n\n"

@@ -21,11 +21,12 @@ from worker.core.errors import InvalidMessage, WorkerError
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.core.health import liveness_problem
 from worker.core.logs import scrub
+from worker.core.redact import strip_control
 from worker.settings import Settings
-from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, lease_live
+from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, committing, lease_live
 from worker.voice.submit import prepare, submit_prepared
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
@@ -76,29 +77,46 @@ def status_document(store: Store, job_id: str) -> dict | None:
     return {"job": _jsonable(job), "profile": _jsonable(profile)}
 
 
+def one_line(value: Any) -> str:
+    """A record value as one line of terminal text: whoever wrote it cannot clear, retitle or add lines."""
+    return strip_control(str(value), keep_lines=False)
+
+
+def indented_lines(value: Any, indent: str) -> str:
+    """A multi-line record value (a stage's log tail) with every line after the first indented, so
+    none of its lines can pass for one of ours at the start of a line."""
+    return f"\n{indent}".join(strip_control(str(value)).split("\n"))
+
+
 def render_status(doc: dict) -> str:
     job, profile = doc["job"], doc["profile"] or {}
-    lines = [f"job {job['_id']}: {job.get('status')}  (attempts: {job.get('attempts', 0)})"]
+    o = one_line
+    lines = [f"job {o(job['_id'])}: {o(job.get('status'))}  (attempts: {o(job.get('attempts', 0))})"]
     if job.get("progress"):
         p = job["progress"]
-        lines.append(f"  progress   {p.get('stage')} {p.get('percent', 0):.0f} %  (at {p.get('updatedAt')})")
+        lines.append(f"  progress   {o(p.get('stage'))} {p.get('percent', 0):.0f} %  "
+                     f"(at {o(p.get('updatedAt'))})")
     if job.get("lease"):
-        lines.append(f"  lease      held by {job['lease'].get('owner')} until {job['lease'].get('expiresAt')}")
+        held = job["lease"]
+        lines.append(f"  lease      held by {o(held.get('owner'))} until {o(held.get('expiresAt'))}")
     if job.get("cancelRequested") and job.get("status") != "cancelled":
         lines.append("  cancel     requested")
     if job.get("error"):
         e = job["error"]
         kind = "retryable" if e.get("retryable") else "permanent"
-        lines.append(f"  error      {e.get('type')} ({kind}): {e.get('message')}")
+        message = indented_lines(e.get("message"), " " * 13 + "| ")
+        lines.append(f"  error      {o(e.get('type'))} ({kind}): {message}")
     for h in job.get("history") or []:
-        lines.append(f"  attempt    {h.get('start')} -> {h.get('end') or '…'}  {h.get('outcome')}  on {h.get('worker')}")
+        lines.append(f"  attempt    {o(h.get('start'))} -> {o(h.get('end') or '…')}  {o(h.get('outcome'))}  "
+                     f"on {o(h.get('worker'))}")
     if job.get("completedAt"):
-        lines.append(f"  completed  {job['completedAt']}")
-    lines.append(f"profile {profile.get('_id', job.get('profileId'))}: {profile.get('status', 'missing')}")
+        lines.append(f"  completed  {o(job['completedAt'])}")
+    profile_id, profile_status = profile.get("_id", job.get("profileId")), profile.get("status", "missing")
+    lines.append(f"profile {o(profile_id)}: {o(profile_status)}")
     for key, path in (profile.get("modelPaths") or {}).items():
-        lines.append(f"  {key:<18} {path}")
+        lines.append(f"  {o(key):<18} {o(path)}")
     for key, uri in (profile.get("s3Paths") or {}).items():
-        lines.append(f"  {key:<18} {uri}")
+        lines.append(f"  {o(key):<18} {o(uri)}")
     return "\n".join(lines)
 
 
@@ -120,23 +138,29 @@ def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | Non
             print("", file=out)
 
 
-def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[bool, str]:
-    """(whether a cancel request can still change anything, what happens next) for this job."""
+def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[int, str]:
+    """(EXIT_OK when a cancel request can still change anything, else why not as an exit code; what
+    happens next) for this job."""
     job_id, status = job["_id"], job.get("status")
     if status in FINAL_STATUSES:
-        return False, f"job {job_id} is already {status}: nothing to cancel"
+        return EXIT_NOTHING_TO_DO, f"job {job_id} is already {status}: nothing to cancel"
     error = job.get("error") or {}
     if status == ERROR and not error.get("retryable"):
-        return False, f"job {job_id} already failed permanently ({error.get('type')}): nothing to cancel"
+        return EXIT_NOTHING_TO_DO, (f"job {job_id} already failed permanently ({error.get('type')}): "
+                                    "nothing to cancel")
+    if committing(job, now):
+        return EXIT_TOO_LATE, (f"job {job_id} is committing on {job['lease'].get('owner')} (since "
+                               f"{job['progress'].get('updatedAt')}): too late to cancel; it ends "
+                               "completed unless the commit fails")
     if status == PROCESSING and lease_live(job, now):
-        return True, (f"cancel requested for job {job_id}: the running attempt on {job['lease'].get('owner')} "
+        return EXIT_OK, (f"cancel requested for job {job_id}: the running attempt on {job['lease'].get('owner')} "
                       f"stops at its next heartbeat, within ~{math.ceil(heartbeat_s)} s "
                       "(SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS), and the job ends cancelled")
     if status == PENDING:
-        return True, (f"job {job_id} is pending: it will be cancelled when a worker picks it up "
+        return EXIT_OK, (f"job {job_id} is pending: it will be cancelled when a worker picks it up "
                       "(no training will start)")
     # A retryable error, or processing with a lapsed lease: SQS delivers the message again.
-    return True, (f"job {job_id} has no running attempt ({status}, waiting to be retried): it will be "
+    return EXIT_OK, (f"job {job_id} has no running attempt ({status}, waiting to be retried): it will be "
                   "cancelled when a worker next receives it (no training will start)")
 
 
@@ -149,13 +173,17 @@ def cmd_cancel(store: Store, job_id: str, *, heartbeat_s: float, out: TextIO | N
         print(f"no job {job_id}", file=err)
         return EXIT_NOT_FOUND
     # The store's clock by default: it stamped the lease this decides on.
-    useful, text = cancel_outcome(job, heartbeat_s, (now or store.now)())
-    # request_cancel re-checks inside the store: a job that finished since the read is not touched.
-    if not useful or not store.request_cancel(job_id):
-        if useful:  # it became final between the read and the request
-            text = f"job {job_id} is already {(store.get_job(job_id) or {}).get('status')}: nothing to cancel"
+    clock = now or store.now
+    code, text = cancel_outcome(job, heartbeat_s, clock())
+    # request_cancel re-checks inside the store: a job that finished, or began committing, since the
+    # read is not touched. Read it again to say which.
+    if code == EXIT_OK and not store.request_cancel(job_id):
+        code, text = cancel_outcome(store.get_job(job_id) or job, heartbeat_s, clock())
+        if code == EXIT_OK:
+            code, text = EXIT_NOTHING_TO_DO, f"job {job_id}: the store refused the request: nothing to cancel"
+    if code != EXIT_OK:
         print(text, file=err)
-        return EXIT_NOTHING_TO_DO
+        return code
     print(text, file=out)
     return EXIT_OK
 
@@ -182,10 +210,12 @@ def format_age(age_s: float | None) -> str:
 
 
 def render_letter(summary: dict) -> str:
-    error = (f"{summary['errorType']}: {summary['errorMessage'] or '-'}" if summary["errorType"]
+    # One line per message, whatever the attributes hold: anyone who can send to the queue set them.
+    o = one_line
+    error = (f"{o(summary['errorType'])}: {o(summary['errorMessage'] or '-')}" if summary["errorType"]
              else "(moved by SQS's redrive policy: no error attributes)")
-    return (f"{summary['messageId']}  job {summary['jobId'] or '-'}  receives {summary['receiveCount']}  "
-            f"age {format_age(summary['ageSeconds'])}  {error}")
+    return (f"{o(summary['messageId'])}  job {o(summary['jobId'] or '-')}  "
+            f"receives {o(summary['receiveCount'])}  age {format_age(summary['ageSeconds'])}  {error}")
 
 
 def cmd_dlq_list(dlq: DeadLetterQueue, *, as_json: bool, max_messages: int = 1000,

@@ -2,7 +2,8 @@
 
     parse -> completion check -> claim (fenced lease) -> train -> persist in commit order -> return
 
-Persisting, in this order, each step only after the previous one succeeded:
+Persisting, in this order, each step only after the previous one succeeded (first the progress
+stage ``COMMITTING`` is written, after which the store refuses cancel requests):
 
     1 verify the five local files        (exist, non-empty)
     2 upload all five to S3              (deterministic keys; a matching object is reused)
@@ -24,12 +25,15 @@ Three rules around that path:
   inode): once it is gone or another directory (an unmount leaves the mount point's own directory
   on the disk below), every attempt fails retryably, until it is back or the worker restarts.
 * A redelivery of the very message whose attempt failed permanently (the record says ``error``,
-  not retryable, names this message id when the failure came from an attempt, and the message was
-  received before) goes straight back to the DLQ: no claim, no
-  work, no write. That is the message whose delete failed after it was dead-lettered. A new message
-  for the job (a DLQ redrive's copy, a resubmit) is worked on as before, and so is any message
+  not retryable, names this message id, and the message was received before) goes straight back to
+  the DLQ: no claim, no work, no write. That is the message whose delete failed after it was
+  dead-lettered. A new message for the job (a DLQ redrive's copy, a resubmit), or any message when
+  the error names none (recorded before any claim), is worked on as before, and so is any message
   once the reconciler has recorded the job's dead letter (that record means the DLQ copy exists,
   so whatever arrives next is an operator's redrive).
+* A message that does not parse or validate changes no record: its jobId is only a claim, and
+  another message (the job's own) must not inherit its failure. It is dead-lettered with its own
+  reason. So is a valid message whose profileId is not the job record's.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ from worker.core.metrics import NULL_METRICS, Metrics
 from worker.core.queue import Message
 from worker.core.stop import StopSignal
 from worker.voice.attempt import Attempt, ProgressReporter, StoreLease
-from worker.voice.store import ASSET_KEYS, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete, utc_now
+from worker.voice.store import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete,
+                                 utc_now)
 
 log = structlog.get_logger(__name__)
 
@@ -130,8 +135,10 @@ def recorded_failure(record: dict | None, message: Message) -> AlreadyFailed | N
         return None
     if "deadLetter" in error or message.receive_count < 2:
         return None
-    if error.get("messageId") not in (None, message.message_id):
-        return None  # a new message for the job (a resubmit): worked on
+    if error.get("messageId") != message.message_id:
+        # Another message for the job (a resubmit), or an error no message met (recorded before any
+        # claim): this message has not failed, so it is worked on.
+        return None
     return AlreadyFailed(str(error.get("type") or "PermanentError"), str(error.get("message") or ""))
 
 
@@ -192,10 +199,11 @@ class VoiceJobHandler:
     def __call__(self, message: Message, lease: Lease) -> str:
         try:
             job = parse_job(message.body, self._policy)
-        except InvalidMessage as exc:
-            hinted = job_id_hint(message.body)
-            if hinted:
-                self._record_error(hinted, None, exc)
+        except InvalidMessage:
+            # The body's jobId is only a claim: writing this failure on that job would make the job's
+            # own valid message look already failed. The DLQ copy carries the reason; no record write.
+            log.warning("job.invalid_message", named_job_id=job_id_hint(message.body),
+                        note="dead-lettered with its own reason; no job record changed")
             raise
         structlog.contextvars.bind_contextvars(job_id=job.job_id)
         try:
@@ -304,6 +312,15 @@ class VoiceJobHandler:
                  store_lease: StoreLease) -> None:
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         lease.stop.raise_if_set()
+        # Progress stage COMMITTING (a fenced write): from here on the store refuses cancel requests
+        # and `cancel` says it is too late. The renewal after it reads a request that landed before,
+        # so a cancel is either honoured here or refused, never accepted and then ignored.
+        try:
+            attempt.progress(COMMITTING, 100.0)
+        except StaleWrite as exc:
+            raise LeaseLost(f"committing stage refused: {exc}") from exc
+        store_lease.renew()
+        lease.stop.raise_if_set()
         verify_local(paths)                                                      # 1
         output_dir = work_dir_for(self._work_root, job) / OUTPUT_DIR
         keys = {
@@ -394,7 +411,7 @@ class VoiceJobHandler:
         except WorkerError as release_exc:
             log.warning("job.release_failed", error=str(release_exc))
 
-    def _record_error(self, job_id: str, token: str | None, exc: WorkerError) -> None:
+    def _record_error(self, job_id: str, token: str, exc: WorkerError) -> None:
         """Record the failure on the job; a failure to record never hides the original error."""
         try:
             self._store.record_error(job_id, token=token, error_type=exc.error_type,

@@ -37,6 +37,8 @@ CLAIMS, LEGACY_CLAIM_TOKEN = "claims", "claimToken"
 # Distinct jobs whose claims a profile keeps: a job is fenced out only after this many other jobs of
 # its profile were claimed since its own claim, far beyond any real re-train overlap.
 CLAIMS_KEPT = 20
+# The progress stage an attempt writes (fenced) just before it persists; no stage can be named so.
+COMMITTING = "(committing)"
 
 Clock = Callable[[], datetime]
 
@@ -110,8 +112,17 @@ def may_record_error(job: dict, token: str | None, now: datetime) -> bool:
     return not lease_live(job, now)
 
 
-def may_request_cancel(job: dict) -> bool:
-    return job.get("status") not in FINAL_STATUSES
+def committing(job: dict, now: datetime) -> bool:
+    """A live attempt has begun persisting (its COMMITTING stage is newer than its claim): too late to cancel."""
+    progress, started = job.get("progress") or {}, job.get("startedAt")
+    return (job.get("status") == PROCESSING and lease_live(job, now) and progress.get("stage") == COMMITTING
+            and started is not None and progress.get("updatedAt") is not None
+            and progress["updatedAt"] >= started)
+
+
+def may_request_cancel(job: dict, now: datetime) -> bool:
+    # Refused once committing: the attempt no longer reads the flag, so accepting it would be a lie.
+    return job.get("status") not in FINAL_STATUSES and not committing(job, now)
 
 
 def close_attempt(history: list, outcome: str, now: datetime, token: str | None = None) -> list:

@@ -162,7 +162,7 @@ class TransitionStore(Store):
                               lambda j, now: rules.released(j, token, now))[1]
 
     def request_cancel(self, job_id: str) -> bool:
-        return self._swap_job("request_cancel", job_id, lambda j, _now: rules.may_request_cancel(j),
+        return self._swap_job("request_cancel", job_id, lambda j, now: rules.may_request_cancel(j, now),
                               lambda j, _now: rules.cancel_requested(j))[1]
 
     # ------------------------------------------------------------ the reconciler's operations

@@ -1,0 +1,52 @@
+"""Once an attempt begins committing, a cancel is refused as too late; one that landed before is honoured."""
+
+from __future__ import annotations
+
+import io
+
+from tests.job.conftest import JOB_ID, PROFILE_ID, deliver
+from worker.ops.commands import EXIT_TOO_LATE, cmd_cancel
+from worker.voice.store import COMMITTING, is_complete
+
+
+def test_a_cancel_during_the_commit_is_too_late_and_the_job_completes(handler, store, raw_store):
+    """A cancel issued while the paths are written exits 5 without requesting anything, and the job completes."""
+    answers = []
+
+    def cancel_now():
+        err = io.StringIO()
+        answers.append((cmd_cancel(raw_store, JOB_ID, heartbeat_s=10, out=io.StringIO(), err=err),
+                        err.getvalue()))
+
+    store.faults["write_paths"] = cancel_now
+    assert deliver(handler, receive_count=1) == "completed"
+    [(code, text)] = answers
+    assert code == EXIT_TOO_LATE and "too late to cancel" in text
+    job = raw_store.get_job(JOB_ID)
+    assert job["cancelRequested"] is False
+    assert is_complete(job, raw_store.get_profile(PROFILE_ID))
+
+
+def test_a_cancel_that_landed_just_before_the_commit_is_honoured(handler, raw_store, recorder, train):
+    """A cancel requested after the last heartbeat but before the committing stage stops the job before any upload."""
+    def cancel_at_the_end(job, work_dir, stop, progress):
+        assert raw_store.request_cancel(JOB_ID)
+
+    train.during = cancel_at_the_end
+    assert deliver(handler, receive_count=1) == "cancelled"
+    assert raw_store.get_job(JOB_ID)["status"] == "cancelled"
+    assert not [c for c in recorder.calls if c.startswith("s3.")], "a cancelled job uploaded its models"
+
+
+def test_the_committing_stage_is_written_before_the_first_upload(handler, raw_store, monkeypatch):
+    """When the uploads begin, the job record already says the attempt is committing."""
+    seen = []
+    upload_all = handler._uploader.upload_all
+
+    def upload_and_look(paths, keys):
+        seen.append(raw_store.get_job(JOB_ID)["progress"]["stage"])
+        return upload_all(paths, keys)
+
+    monkeypatch.setattr(handler._uploader, "upload_all", upload_and_look)
+    assert deliver(handler, receive_count=1) == "completed"
+    assert seen == [COMMITTING]
