@@ -343,6 +343,9 @@ def test_a_commit_that_began_after_cancels_read_is_refused_by_the_store(store, j
         def request_cancel(self, wanted):
             return store.request_cancel(wanted)
 
+        def now(self):
+            return store.now()
+
     code, _, err = cancel(StaleFirstRead(), job_id)
     assert code == 5 and "too late" in err
     assert store.get_job(job_id)["cancelRequested"] is False
