@@ -120,3 +120,46 @@ def test_a_failed_cleanup_never_fails_the_committed_job(queues, make_worker, han
     assert worker.run_once() == "ack"
     assert raw_store.get_job(JOB_ID)["status"] == "completed"
     assert client.ops()[-1] == "delete_message"
+
+
+def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, make_worker, store, s3, train,
+                                                                     recorder, tmp_path):
+    """The heartbeat losing the lease while a part is in flight: the next part is never sent, the upload is
+    aborted, and nothing is written to the store."""
+    import os
+    import time
+
+    from worker.voice.job import VoiceJobHandler
+
+    def big_full_model(job, work_dir, stop, progress):
+        paths = train(job, work_dir, stop, progress)
+        paths["fullModel"].write_bytes(os.urandom(11 * 1024 * 1024))
+        return paths
+
+    uploader = ArtifactUploader(s3, BUCKET, multipart_threshold_bytes=5 * 1024 * 1024,
+                                multipart_chunk_bytes=5 * 1024 * 1024, max_concurrency=1)
+    inner = VoiceJobHandler(store=store, uploader=uploader, train=big_full_model, work_root=tmp_path / "work",
+                            s3_prefix="models", worker_id="test-worker", lease_s=30)
+    leases = []
+
+    def handler(message, lease):
+        leases.append(lease)
+        return inner(message, lease)
+
+    def lose_the_lease_during_the_first_part(**_kwargs):
+        if recorder.calls.count("s3.UploadPart") == 1:
+            client.faults["change_message_visibility"] = lambda kw: client_error("ReceiptHandleIsInvalid")
+            for _ in range(1000):  # until the heartbeat has noticed (bounded, not timed)
+                if leases[0].lost:
+                    break
+                time.sleep(0.01)
+            assert leases[0].lost
+
+    s3.meta.events.register("before-call.s3.UploadPart", lose_the_lease_during_the_first_part)
+    worker, client = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "abandon"
+    assert recorder.calls.count("s3.UploadPart") == 1
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+    assert not keys_in_bucket(s3)
+    assert "store.write_paths" not in recorder.calls
