@@ -163,3 +163,19 @@ def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, ma
     assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
     assert not keys_in_bucket(s3)
     assert "store.write_paths" not in recorder.calls
+
+
+def test_a_store_outage_during_the_uploads_is_left_to_the_local_lease_deadline(queues, make_worker, store, s3,
+                                                                              train, raw_store, tmp_path):
+    """A renewal before an upload that cannot reach the store does not fail the job while the record lease
+    is still far from lapsing: the uploads go on and the job commits."""
+    from worker.core.errors import StoreError
+    from worker.voice.job import VoiceJobHandler
+
+    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
+                              work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker", lease_s=30)
+    store.faults["renew_lease"] = lambda: StoreError("store unreachable")
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    assert raw_store.get_job(JOB_ID)["status"] == "completed"

@@ -130,6 +130,8 @@ def stale_leftovers(written: Iterable[str], job: Mapping | None, referenced: Ite
 
 @dataclass(frozen=True)
 class Stored:
+    """Where one artifact is, and whether this upload created the object."""
+
     uri: str
     key: str
     written: bool  # False: an object already holding these bytes was reused

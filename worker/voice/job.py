@@ -16,7 +16,7 @@ Returning tells the loop to delete the message; raising tells it to retry, dead-
 Every write after the claim carries the claim's token, so a worker whose lease was taken over can no
 longer change anything: its writes match no record and raise ``StaleWrite``.
 
-Two rules around that path:
+Three rules around that path:
 
 * An attempt that learns it lost the job after uploading deletes what it wrote only once the job is
   committed and the committed paths do not name it (same bytes, same key: it may be the committed
