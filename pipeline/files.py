@@ -1,10 +1,15 @@
-"""File helpers shared by the pipeline and the uploader: whole-file hashing and directory fsync."""
+"""File helpers shared by the pipeline and the uploader: whole-file hashing, directory fsync, and the
+one rule for reading and removing declared outputs (regular files, no symlink on the way)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 HASH_CHUNK_BYTES = 1 << 20
 
@@ -14,13 +19,8 @@ def sha256_and_size(path: Path) -> tuple[str, int]:
 
     The size is what was hashed, so the pair describes one and the same content.
     """
-    digest = hashlib.sha256()
-    size = 0
     with open(path, "rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
+        return sha256_and_size_of(handle)
 
 
 def file_sha256(path: Path) -> str:
@@ -47,3 +47,167 @@ def fsync_dir(directory: Path, *, strict: bool = False) -> None:
             raise
     finally:
         os.close(fd)
+
+
+# --- declared outputs: regular files inside the output directory, reached without a symlink
+#
+# A stage can make any path under its output directory a symbolic link, to a directory or a file
+# anywhere on the host. Checking a path (``is_file``, ``stat``) follows such links, and an ``lstat``
+# of the last component alone does not see a link earlier in the path: ``output/full -> /etc`` makes
+# ``output/full/passwd`` look like a trained model. So every reader of an output opens it here, one
+# component at a time relative to the directory before it, refusing a link at each step; what was
+# checked is the open descriptor, so nothing swapped in after the check is what gets read.
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO a stage left behind must not block the worker; a regular file ignores it.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+class OutputRefused(Exception):
+    """A declared output that is not a non-empty regular file reached without a symlink; the message says why."""
+
+
+def output_parts(relative_path: str) -> list[str]:
+    """The components of a declared output's path relative to the output dir; ValueError if it could leave it."""
+    if not relative_path or relative_path.startswith("/") or "\\" in relative_path:
+        raise ValueError(f"output path must be relative to the output dir: {relative_path!r}")
+    parts = [part for part in relative_path.split("/") if part not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"output path must stay under the output directory: {relative_path!r}")
+    return parts
+
+
+def relative_output(output_dir: Path, path: Path) -> str:
+    """``path`` relative to ``output_dir`` as a POSIX string, compared lexically (no link is resolved)."""
+    return Path(os.path.normpath(path)).relative_to(os.path.normpath(output_dir)).as_posix()
+
+
+def _open_dir(name: str | Path, dir_fd: int | None, shown: str) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise OutputRefused(f"missing ({shown} does not exist)") from None
+    except OSError as exc:
+        raise OutputRefused(_component_problem(name, dir_fd, shown, exc)) from None
+
+
+def _component_problem(name: str | Path, dir_fd: int | None, shown: str, exc: OSError) -> str:
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        info = None
+    if info is not None and stat.S_ISLNK(info.st_mode):
+        return f"reached through a symbolic link ({shown})"
+    if info is not None and not stat.S_ISDIR(info.st_mode):
+        return f"missing ({shown} is not a directory)"
+    return f"unreadable ({exc.strerror or type(exc).__name__})"
+
+
+def open_output(output_dir: Path, relative_path: str) -> int:
+    """A read-only descriptor of the declared output, or ``OutputRefused`` saying why not.
+
+    The output directory itself and every component below it must be a real directory (no symlink),
+    and the file a non-empty regular file. The caller closes the descriptor.
+    """
+    parts = output_parts(relative_path)
+    fd = _open_dir(output_dir, None, Path(output_dir).name or str(output_dir))
+    try:
+        for depth, part in enumerate(parts[:-1], start=1):
+            next_fd = _open_dir(part, fd, "/".join(parts[:depth]))
+            os.close(fd)
+            fd = next_fd
+        try:
+            file_fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            raise OutputRefused("missing") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OutputRefused("not a regular file (a symbolic link)") from None
+            raise OutputRefused(f"unreadable ({exc.strerror or type(exc).__name__})") from None
+    finally:
+        os.close(fd)
+    try:
+        info = os.fstat(file_fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OutputRefused("not a regular file")
+        if info.st_size == 0:
+            raise OutputRefused("empty")
+        os.set_blocking(file_fd, True)
+    except BaseException:
+        os.close(file_fd)
+        raise
+    return file_fd
+
+
+def output_problem(output_dir: Path, relative_path: str) -> str | None:
+    """Why a declared output is not acceptable (see ``open_output``), or None when it is."""
+    try:
+        os.close(open_output(output_dir, relative_path))
+    except OutputRefused as exc:
+        return str(exc)
+    return None
+
+
+def output_sha256_and_size(output_dir: Path, relative_path: str) -> tuple[str, int]:
+    """(hex SHA-256, size) of a declared output, read through ``open_output``; ``OutputRefused`` if refused."""
+    with os.fdopen(open_output(output_dir, relative_path), "rb") as handle:
+        return sha256_and_size_of(handle)
+
+
+def sha256_and_size_of(handle: BinaryIO) -> tuple[str, int]:
+    """(hex SHA-256, size in bytes) of what is left to read from an open file, in bounded chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := handle.read(HASH_CHUNK_BYTES):
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def remove_output(output_dir: Path, relative_path: str) -> None:
+    """Remove a declared output, never through a link: a symlink met on the way is itself removed.
+
+    The walk opens each directory relative to the one before it without following links; a
+    component that is a link (to a directory or anything else) is unlinked and the walk ends there,
+    since what lies beyond it is not the job's. A real directory at the end is removed with
+    ``shutil.rmtree`` (fd-based, it does not follow links either). A symlinked output directory is
+    left alone: nothing below it is read as an output (``open_output`` refuses it).
+    """
+    parts = output_parts(relative_path)
+    try:
+        fd = os.open(output_dir, _DIR_FLAGS)
+    except OSError:
+        return
+    try:
+        for part in parts[:-1]:
+            try:
+                next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return
+            except OSError:
+                if _is_link(part, fd):
+                    os.unlink(part, dir_fd=fd)
+                return  # a link (now removed) or a file where a directory should be
+            os.close(fd)
+            fd = next_fd
+        _remove_entry(parts[-1], fd)
+    finally:
+        os.close(fd)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _remove_entry(name: str, dir_fd: int) -> None:
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.config import MANIFEST_DIR_NAME
-from pipeline.files import file_sha256, fsync_dir
+from pipeline.files import OutputRefused, fsync_dir, open_output, output_sha256_and_size, sha256_and_size_of
 
 MANIFEST_VERSION = 1
 TEMP_MARKER = ".tmp-"
@@ -63,8 +63,9 @@ def describe_outputs(output_dir: Path, outputs: Iterable[str]) -> dict[str, dict
     """Relative path -> {size, sha256} for each output, as recorded in a manifest."""
     described = {}
     for rel in outputs:
-        path = output_dir / rel
-        described[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        # Read the way the uploader reads it: a symlink anywhere on the path is refused, not hashed.
+        sha256_hex, size = output_sha256_and_size(output_dir, rel)
+        described[rel] = {"size": size, "sha256": sha256_hex}
     return described
 
 
@@ -106,12 +107,16 @@ def manifest_problem(
         return "manifest lists different outputs"
     for rel in outputs:
         entry = recorded[rel]
-        target = output_dir / rel
-        if not isinstance(entry, dict) or not target.is_file():
+        if not isinstance(entry, dict):
             return f"output {rel} is missing"
-        size = target.stat().st_size
-        if size == 0 or entry.get("size") != size:
+        try:
+            fd = open_output(output_dir, rel)
+        except OutputRefused as exc:
+            return f"output {rel} is {exc}"
+        with os.fdopen(fd, "rb") as handle:
+            sha256_hex, size = sha256_and_size_of(handle)
+        if entry.get("size") != size:
             return f"output {rel} changed size"
-        if entry.get("sha256") != file_sha256(target):
+        if entry.get("sha256") != sha256_hex:
             return f"output {rel} changed content"
     return None

@@ -42,6 +42,7 @@ from typing import IO
 import structlog
 
 from pipeline.config import StageSpec, render_argv
+from pipeline.files import output_problem, remove_output
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.proctree import TOKEN_NAME, StageTree, end_tree
 from pipeline.proctree import live_processes  # noqa: F401 - tests/reliability read /proc through it
@@ -185,11 +186,12 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
         _log_line(log_file, f"stage {stage.name} exited with code {code}")
     if code != 0:
         raise exit_error(stage, code, log_path.name, tail_lines(log_path))
-    missing = [rel for rel in stage.outputs if not _non_empty_file(ctx.output_dir / rel)]
-    if missing:
+    problems = [f"{rel} ({problem})" for rel in stage.outputs
+                if (problem := output_problem(ctx.output_dir, rel))]
+    if problems:
         raise StageFailed(
-            f"stage {stage.name} exited 0 but these outputs are missing or empty: "
-            f"{', '.join(missing)}; see {log_path.name}"
+            f"stage {stage.name} exited 0 but these outputs are not regular non-empty files inside "
+            f"the output directory: {', '.join(problems)}; see {log_path.name}"
         )
     write_manifest(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
     log.info("stage.completed", stage=stage.name, log=log_path.name)
@@ -198,9 +200,10 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
 
 def prepare_rerun(stage: StageSpec, ctx: StageContext) -> None:
     """Remove what an earlier, unverified attempt left, keeping a resumable stage's checkpoints."""
-    manifest_path(ctx.output_dir, stage.name).unlink(missing_ok=True)
+    manifest = manifest_path(ctx.output_dir, stage.name)
+    remove_output(ctx.output_dir, manifest.relative_to(ctx.output_dir).as_posix())
     for rel in stage.outputs:
-        _remove(ctx.output_dir / rel)
+        remove_output(ctx.output_dir, rel)  # a link on the way is removed, never followed
     checkpoints = ctx.checkpoint_dir(stage)
     if not stage.resumable:
         _remove(checkpoints)
@@ -213,7 +216,7 @@ def discard_outputs(stage: StageSpec, ctx: StageContext) -> None:
     or gone: the retry's ``prepare_rerun`` removes them then, and without a manifest none is trusted)."""
     for rel in stage.outputs:
         try:
-            _remove(ctx.output_dir / rel)
+            remove_output(ctx.output_dir, rel)  # a link on the way is removed, never followed
         except OSError as exc:
             log.warning("stage.output_not_removed", stage=stage.name, output=rel, error=exc.strerror or str(exc))
 
@@ -361,10 +364,6 @@ def _log_line(log_file: IO[bytes], text: str) -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     log_file.write(f"[runner {stamp}] {text}\n".encode())
     log_file.flush()
-
-
-def _non_empty_file(path: Path) -> bool:
-    return path.is_file() and path.stat().st_size > 0
 
 
 def _remove(path: Path) -> None:

@@ -24,9 +24,8 @@ ALLOWED = {
                  "sqs:GetQueueAttributes", "sqs:GetQueueUrl"},
     "DeadLetterQueue": {"sqs:SendMessage", "sqs:GetQueueUrl", "sqs:GetQueueAttributes",
                         "sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility"},
-    "ModelObjects": {"s3:PutObject", "s3:GetObject", "s3:AbortMultipartUpload",
+    "ModelObjects": {"s3:PutObject", "s3:GetObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
                      "s3:ListMultipartUploadParts"},
-    "DoctorProbe": {"s3:DeleteObject"},
     "ModelListing": {"s3:ListBucket"},
     "Recordings": {"s3:GetObject"},
 }
@@ -34,7 +33,6 @@ RESOURCES = {
     "JobQueue": f"arn:aws:sqs:{REGION}:{ACCOUNT}:voice-worker-jobs",
     "DeadLetterQueue": f"arn:aws:sqs:{REGION}:{ACCOUNT}:voice-worker-jobs-dlq",
     "ModelObjects": f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/*",
-    "DoctorProbe": f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/.doctor/*",
     "ModelListing": f"arn:aws:s3:::{MODEL_BUCKET}",
     "Recordings": "arn:aws:s3:::voice-recordings/recordings/*",
 }
@@ -96,6 +94,14 @@ def test_list_bucket_is_limited_to_the_model_prefix(statements):
     """ListBucket (so HeadObject of a missing key answers 404, not 403) only lists the model prefix."""
     (listing,) = [s for s in statements if s["Sid"] == "ModelListing"]
     assert listing["Condition"] == {"StringLike": {"s3:prefix": ["models/v1/*"]}}
+
+
+def test_the_worker_may_delete_an_unreferenced_artifact_under_its_prefix_only(statements):
+    """The cleanup after a commit deletes objects under the model prefix; nothing outside it."""
+    key = f"models/v1/production/p1/j1/{'ab' * 32}/full/model.pth"
+    assert _grants(statements, "s3:DeleteObject", f"arn:aws:s3:::{MODEL_BUCKET}/{key}")
+    assert not _grants(statements, "s3:DeleteObject", f"arn:aws:s3:::{MODEL_BUCKET}/other/{key}")
+    assert not _grants(statements, "s3:DeleteObject", "arn:aws:s3:::voice-recordings/recordings/p1/x.wav")
 
 
 def test_cloudformation_and_json_policies_are_the_same():

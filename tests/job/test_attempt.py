@@ -82,3 +82,22 @@ def test_no_renewal_after_the_end():
     lease.end()
     lease.renew()
     assert store.calls == 0
+
+
+def test_the_local_lease_check_passes_while_renewals_keep_the_record_lease_ahead():
+    """ensure_live (the check before each upload part) passes from a renewal until one margin before the lease ends."""
+    lease, store, clock, _ = make()
+    clock.now += 200
+    lease.ensure_live()
+    lease.renew()
+    clock.now += 239  # 61 s of the renewed lease left, more than the 60 s margin
+    lease.ensure_live()
+
+
+def test_the_local_lease_check_fails_once_the_record_lease_may_lapse():
+    """Without a successful renewal, ensure_live raises LeaseLost one margin before the record lease ends."""
+    lease, store, clock, _ = make()
+    store.fail_with = StoreError("down")
+    clock.now += 240
+    with pytest.raises(LeaseLost):
+        lease.ensure_live()

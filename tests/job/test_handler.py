@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from datetime import timedelta
@@ -23,7 +24,9 @@ def test_completes_a_job_in_commit_order(queues, make_worker, handler, recorder,
         "store.write_paths", "store.mark_profile_completed", "store.mark_job_completed"]
     job, profile = raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID)
     assert is_complete(job, profile)
-    assert profile["s3Paths"]["fullModel"] == f"s3://{BUCKET}/models/production/{PROFILE_ID}/{JOB_ID}/full/model.pth"
+    full_model = hashlib.sha256(f"fullModel of {JOB_ID}\n".encode() * 10).hexdigest()
+    assert profile["s3Paths"]["fullModel"] == (
+        f"s3://{BUCKET}/models/production/{PROFILE_ID}/{JOB_ID}/{full_model}/full/model.pth")
     for key in ASSET_KEYS:
         bucket, _, obj_key = profile["s3Paths"][key].removeprefix("s3://").partition("/")
         body = s3.get_object(Bucket=bucket, Key=obj_key)["Body"].read()

@@ -1,12 +1,23 @@
-"""The shared file helpers: whole-file hashing and directory fsync."""
+"""The shared file helpers: whole-file hashing, directory fsync, and reading and removing declared outputs
+without following links."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 
 import pytest
 
-from pipeline.files import HASH_CHUNK_BYTES, file_sha256, fsync_dir, sha256_and_size
+from pipeline.files import (
+    HASH_CHUNK_BYTES,
+    file_sha256,
+    fsync_dir,
+    output_problem,
+    output_sha256_and_size,
+    remove_output,
+    sha256_and_size,
+)
 
 
 def test_hash_and_size_cover_every_chunk(tmp_path):
@@ -25,3 +36,93 @@ def test_fsync_dir_is_best_effort_unless_strict(tmp_path):
     fsync_dir(missing)
     with pytest.raises(OSError):
         fsync_dir(missing, strict=True)
+
+
+# ---------------------------------------------------------------- declared outputs
+
+
+def _output(tmp_path):
+    out = tmp_path / "output"
+    (out / "full").mkdir(parents=True)
+    (out / "full/model.pth").write_bytes(b"weights")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.pth").write_bytes(b"host file")
+    return out, outside
+
+
+def test_a_regular_file_inside_the_output_dir_is_an_output(tmp_path):
+    """A non-empty regular file reached through real directories opens and hashes."""
+    out, _ = _output(tmp_path)
+    assert output_problem(out, "full/model.pth") is None
+    assert output_sha256_and_size(out, "full/model.pth") == (hashlib.sha256(b"weights").hexdigest(), 7)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (lambda out, outside: (out / "full/model.pth").unlink(), "missing"),
+    (lambda out, outside: (out / "full/model.pth").write_bytes(b""), "empty"),
+    (lambda out, outside: ((out / "full/model.pth").unlink(), (out / "full/model.pth").mkdir()),
+     "not a regular file"),
+    (lambda out, outside: ((out / "full/model.pth").unlink(), os.mkfifo(out / "full/model.pth")),
+     "not a regular file"),
+    (lambda out, outside: ((out / "full/model.pth").unlink(),
+                           (out / "full/model.pth").symlink_to(outside / "model.pth")),
+     "not a regular file (a symbolic link)"),
+    (lambda out, outside: (shutil.rmtree(out / "full"), (out / "full").symlink_to(outside)),
+     "reached through a symbolic link (full)"),
+    (lambda out, outside: (shutil.rmtree(out / "full"), (out / "full").write_bytes(b"x")),
+     "missing (full is not a directory)"),
+], ids=["missing", "empty", "directory", "fifo", "linked-file", "linked-directory", "file-as-directory"])
+def test_anything_but_a_regular_file_reached_without_a_link_is_refused(tmp_path, change, why):
+    """Missing, empty, a directory, a FIFO (without blocking), a link, or a link on the way: each refused."""
+    out, outside = _output(tmp_path)
+    change(out, outside)
+    assert output_problem(out, "full/model.pth") == why
+
+
+def test_a_linked_output_directory_is_refused(tmp_path):
+    """The output directory itself may not be a link either."""
+    out, _ = _output(tmp_path)
+    link = tmp_path / "linked-output"
+    link.symlink_to(out, target_is_directory=True)
+    assert "symbolic link" in output_problem(link, "full/model.pth")
+
+
+@pytest.mark.parametrize("rel", ["", ".", "/etc/passwd", "../x", "full/../../x", "a\\b"])
+def test_an_output_path_that_could_leave_the_output_dir_is_a_value_error(tmp_path, rel):
+    """Absolute, climbing or empty declared paths never reach the file system."""
+    with pytest.raises(ValueError):
+        output_problem(tmp_path, rel)
+
+
+def test_removing_an_output_behind_a_linked_directory_removes_only_the_link(tmp_path):
+    """full -> outside: removing full/model.pth unlinks the link and leaves the outside file."""
+    out, outside = _output(tmp_path)
+    shutil.rmtree(out / "full")
+    (out / "full").symlink_to(outside, target_is_directory=True)
+    remove_output(out, "full/model.pth")
+    assert not os.path.lexists(out / "full")
+    assert (outside / "model.pth").read_bytes() == b"host file"
+
+
+def test_removing_a_linked_output_removes_the_link_not_its_target(tmp_path):
+    """A declared output that is a link (to a file or a directory) is unlinked; the target stays."""
+    out, outside = _output(tmp_path)
+    (out / "full/model.pth").unlink()
+    (out / "full/model.pth").symlink_to(outside, target_is_directory=True)
+    remove_output(out, "full/model.pth")
+    assert not os.path.lexists(out / "full/model.pth")
+    assert (outside / "model.pth").read_bytes() == b"host file"
+
+
+def test_removing_outputs_takes_real_files_and_directories_and_ignores_what_is_absent(tmp_path):
+    """A regular file is unlinked, a real directory removed whole, a missing one is no error."""
+    out, _ = _output(tmp_path)
+    remove_output(out, "full/model.pth")
+    assert not (out / "full/model.pth").exists()
+    (out / "full/nested").mkdir()
+    (out / "full/nested/x").write_bytes(b"x")
+    remove_output(out, "full")
+    assert not (out / "full").exists()
+    remove_output(out, "full/model.pth")
+    remove_output(tmp_path / "no-output-dir", "full/model.pth")

@@ -60,6 +60,45 @@ def test_damage_voids_the_manifest(written, damage, why):
     assert problem is not None and why in problem
 
 
+def _link_dir_to_a_copy(out, tmp_path):
+    copy = tmp_path / "outside-copy"
+    (out / "full").rename(copy)
+    (out / "full").symlink_to(copy, target_is_directory=True)
+
+
+def _link_file_to_a_copy(out, tmp_path):
+    copy = tmp_path / "outside-model.pth"
+    (out / "full/model.pth").rename(copy)
+    (out / "full/model.pth").symlink_to(copy)
+
+
+@pytest.mark.parametrize(("relink", "why"), [
+    (_link_dir_to_a_copy, "reached through a symbolic link (full)"),
+    (_link_file_to_a_copy, "not a regular file (a symbolic link)"),
+], ids=["linked-directory", "linked-file"])
+def test_a_link_to_identical_bytes_voids_the_manifest(written, tmp_path, relink, why):
+    """Outputs swapped for links to the very same bytes elsewhere are not the stage's outputs any more."""
+    out, path = written
+    relink(out, tmp_path)
+    problem = manifest_problem(path, out, "train_full", "fp1", OUTPUTS)
+    assert problem is not None and why in problem
+
+
+def test_a_manifest_is_never_written_for_outputs_behind_a_link(tmp_path):
+    """Describing outputs reads them without following links: a linked directory is refused, not hashed."""
+    from pipeline.files import OutputRefused
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.pth").write_bytes(b"host file")
+    out = tmp_path / "output"
+    out.mkdir()
+    (out / "full").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(OutputRefused):
+        write_manifest(manifest_path(out, "s"), out, "s", "fp", ("full/model.pth",))
+    assert not manifest_path(out, "s").exists()
+
+
 def test_a_different_stage_definition_voids_the_manifest(written):
     """A manifest from another fingerprint or another output list does not count."""
     out, path = written

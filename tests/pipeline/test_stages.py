@@ -292,6 +292,58 @@ def test_exit_zero_without_declared_outputs_fails_without_manifest(tmp_path, ctx
     assert not manifest_path(ctx.output_dir, "write").exists()
 
 
+# Makes output/full a link to a directory outside the job (holding the declared file), or links the
+# declared file itself, or (mode "ok") writes it for real; exits 0 every time.
+LINKER = """
+import os, sys
+out, outside, mode = sys.argv[1:4]
+os.makedirs(out, exist_ok=True)
+if mode == "link-dir":
+    os.symlink(outside, os.path.join(out, "full"))
+elif mode == "link-file":
+    os.makedirs(os.path.join(out, "full"), exist_ok=True)
+    os.symlink(os.path.join(outside, "model.pth"), os.path.join(out, "full", "model.pth"))
+else:
+    os.makedirs(os.path.join(out, "full"), exist_ok=True)
+    open(os.path.join(out, "full", "model.pth"), "wb").write(b"trained")
+"""
+
+
+def linker_stage(tmp_path, outside, mode) -> StageSpec:
+    return StageSpec(name="link", argv=("{python}", script(tmp_path, "linker", LINKER), "{output_dir}",
+                                        str(outside), mode), outputs=("full/model.pth",))
+
+
+@pytest.fixture
+def outside(tmp_path_factory) -> Path:
+    """A directory outside the job's work root holding a file named like the declared output."""
+    directory = tmp_path_factory.mktemp("outside-the-work-root")
+    (directory / "model.pth").write_bytes(b"not the job's")
+    return directory
+
+
+def test_an_output_reached_through_a_linked_directory_fails_and_the_rerun_spares_the_target(
+        tmp_path, ctx, outside):
+    """output/full -> a directory outside: the stage fails (retryable, no manifest); the rerun removes the
+    link itself, never the files it points to."""
+    with pytest.raises(StageFailed, match=r"full/model.pth \(reached through a symbolic link \(full\)\)") as info:
+        run_stage(linker_stage(tmp_path, outside, "link-dir"), ctx, StopSignal(), no_progress)
+    assert info.value.retryable
+    assert not manifest_path(ctx.output_dir, "link").exists()
+    run_stage(linker_stage(tmp_path, outside, "ok"), ctx, StopSignal(), no_progress)
+    assert (outside / "model.pth").read_bytes() == b"not the job's"
+    assert not (ctx.output_dir / "full").is_symlink()
+    assert (ctx.output_dir / "full/model.pth").read_bytes() == b"trained"
+
+
+def test_a_declared_output_that_is_itself_a_link_fails_the_stage(tmp_path, ctx, outside):
+    """A symlinked final component is refused like any link; the rerun removes the link, not its target."""
+    with pytest.raises(StageFailed, match="a symbolic link"):
+        run_stage(linker_stage(tmp_path, outside, "link-file"), ctx, StopSignal(), no_progress)
+    run_stage(linker_stage(tmp_path, outside, "ok"), ctx, StopSignal(), no_progress)
+    assert (outside / "model.pth").read_bytes() == b"not the job's"
+
+
 def test_missing_program_is_a_retryable_stage_failure(tmp_path, ctx):
     """A command that cannot start raises StageFailed instead of a raw OSError."""
     stage = StageSpec(name="ghost", argv=(str(tmp_path / "no-such-program"),), outputs=("x",))

@@ -151,6 +151,14 @@ class StoreLease:
         if cancel_requested and self._stop.set(Stopped.CANCELLED, "cancelRequested on the job record"):
             log.info("job.cancel_noticed")
 
+    def ensure_live(self) -> None:
+        """Raise ``LeaseLost`` once the record lease may be about to lapse, judged on the local clock
+        from the last successful renewal (with the margin): a check cheap enough for every upload part."""
+        # Capped at half the lease: a margin as long as the lease (a misconfigured test) would stop
+        # every upload, although a renewal has just succeeded.
+        if self._clock() + min(self._margin_s, self._lease_s / 2) >= self._expires_at_s:
+            raise LeaseLost("record lease past its local deadline without a successful renewal")
+
     def end(self) -> None:
         with self._lock:
             self._active = False

@@ -5,11 +5,13 @@
 Persisting, in this order, each step only after the previous one succeeded (first the progress
 stage ``COMMITTING`` is written, after which the store refuses cancel requests):
 
-    1 verify the five local files        (exist, non-empty)
-    2 upload all five to S3              (deterministic keys; a matching object is reused)
+    1 verify the five local files        (regular, non-empty, no symlink on the way)
+    2 upload all five to S3              (content-addressed keys, never replacing an object; a matching
+                                          object is reused; the claim proven before each object and part)
     3 write local and S3 paths           (fenced on our claim token)
     4 mark the profile completed         (fenced)
     5 mark the job completed             (fenced: the commit marker)
+    then delete the objects under the job's key prefix that the committed paths do not name
 
 Returning tells the loop to delete the message; raising tells it to retry, dead-letter or release.
 Every write after the claim carries the claim's token, so a worker whose lease was taken over can no
@@ -17,6 +19,9 @@ longer change anything: its writes match no record and raise ``StaleWrite``.
 
 Three rules around that path:
 
+* An attempt that learns it lost the job after uploading deletes what it wrote only once the job is
+  committed and the committed paths do not name it (same bytes, same key: it may be the committed
+  object). Both cleanups are best effort; a failure is logged, never a failed job.
 * Once the commit marker is written, the job's work directory is emptied except its ``logs/``
   (``keep_work_files`` keeps every file). The models are in S3 by then; the profile's
   ``modelPaths`` still name the local files, which no longer exist. A failed removal is logged,
@@ -48,7 +53,14 @@ from pathlib import Path
 
 import structlog
 
-from worker.voice.artifacts import ArtifactUploader, artifact_key, verify_local
+from worker.voice.artifacts import (
+    ArtifactUploader,
+    artifact_key,
+    job_key_prefix,
+    stale_leftovers,
+    unreferenced,
+    verify_local,
+)
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.errors import (
     InvalidMessage,
@@ -169,7 +181,7 @@ def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | 
     if not all(output_dir in p.parents for p in paths.values()):
         return None
     try:
-        verify_local(paths)
+        verify_local(output_dir, paths)
     except WorkerError:
         return None
     return paths
@@ -254,7 +266,7 @@ class VoiceJobHandler:
             return "cancelled"
         try:
             paths = self._artifacts(job, profile, lease.stop, attempt)
-            self._persist(job, attempt, paths, lease, store_lease)
+            s3_paths = self._persist(job, attempt, paths, lease, store_lease)
         except Stopped as exc:
             store_lease.end()
             return self._stopped(attempt, exc)
@@ -275,6 +287,7 @@ class VoiceJobHandler:
             error = unexpected(exc)
             self._record_error(job.job_id, token, error)
             raise error from exc
+        self._remove_unreferenced_objects(job, s3_paths)
         self._remove_work_files(job)
         log.info("job.completed")
         return "completed"
@@ -309,7 +322,7 @@ class VoiceJobHandler:
         return self._train(job, work_dir, stop, progress)
 
     def _persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
-                 store_lease: StoreLease) -> None:
+                 store_lease: StoreLease) -> dict[str, str]:
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         lease.stop.raise_if_set()
         # Progress stage COMMITTING (a fenced write): from here on the store refuses cancel requests
@@ -321,18 +334,40 @@ class VoiceJobHandler:
             raise LeaseLost(f"committing stage refused: {exc}") from exc
         store_lease.renew()
         lease.stop.raise_if_set()
-        verify_local(paths)                                                      # 1
         output_dir = work_dir_for(self._work_root, job) / OUTPUT_DIR
-        keys = {
-            name: artifact_key(self._s3_prefix, job.environment, job.profile_id, job.job_id,
-                               path.relative_to(output_dir).as_posix())
-            for name, path in paths.items()
-        }
-        # S3 writes are not fenced: prove the claim is still ours (and renew it for the uploads'
-        # duration) right before them, so a worker that lost the job cannot overwrite its objects.
-        store_lease.renew()
-        self._check_lease(lease)
-        s3_paths = self._uploader.upload_all(paths, keys)                         # 2
+        verify_local(output_dir, paths)                                          # 1
+        written: list[str] = []
+        try:
+            return self._commit(job, attempt, paths, lease, store_lease, output_dir, written)
+        except (LeaseLost, StaleWrite):
+            self._remove_stale_uploads(job, written)
+            raise
+        except Stopped as exc:
+            if exc.reason == Stopped.LEASE_LOST:
+                self._remove_stale_uploads(job, written)
+            raise
+
+    def _commit(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
+                store_lease: StoreLease, output_dir: Path, written: list[str]) -> dict[str, str]:
+        def key_for(sha256_hex: str, relative_path: str) -> str:
+            return artifact_key(self._s3_prefix, job.environment, job.profile_id, job.job_id, sha256_hex,
+                                relative_path)
+
+        def proof() -> None:
+            # S3 is outside the store's fence: before each object, renew the claim (the proof that it
+            # is still ours); a store that cannot be reached leaves the local deadline to decide.
+            try:
+                store_lease.renew()
+            except StoreError as exc:
+                log.warning("job.lease_renewal_failed", error=str(exc), when="before an upload")
+            part_proof()
+
+        def part_proof() -> None:
+            self._check_lease(lease)
+            store_lease.ensure_live()
+
+        s3_paths = self._uploader.upload_all(output_dir, paths, key_for, proof=proof,   # 2
+                                             part_proof=part_proof, written=written)
         self._crash("after_upload")
         self._check_lease(lease)
         model_paths = {name: str(path) for name, path in paths.items()}
@@ -345,6 +380,39 @@ class VoiceJobHandler:
         store_lease.end()
         attempt.complete()                                                       # 5 commit marker
         self._crash("after_job_completed")
+        return s3_paths
+
+    def _remove_unreferenced_objects(self, job: Job, s3_paths: dict[str, str]) -> None:
+        """After the commit: objects under the job's prefix that the committed paths do not name are a
+        stale or failed attempt's; delete them (best effort: the job is committed whatever happens)."""
+        prefix = job_key_prefix(self._s3_prefix, job.environment, job.profile_id, job.job_id)
+        referenced = [self._uploader.key_of(uri) for uri in s3_paths.values()]
+        try:
+            doomed = unreferenced(self._uploader.list_keys(prefix), filter(None, referenced))
+            for key in doomed:
+                self._uploader.delete(key)
+        except Exception as exc:  # noqa: BLE001 - the job is committed: nothing here may fail it
+            log.warning("artifacts.cleanup_failed", error=str(exc))
+            return
+        if doomed:
+            log.info("artifacts.unreferenced_removed", count=len(doomed), keys=doomed[:5])
+
+    def _remove_stale_uploads(self, job: Job, written: list[str]) -> None:
+        """We lost the job after writing objects: delete those the committed job does not name."""
+        if not written:
+            return
+        try:
+            record, profile = self._store.get_job(job.job_id), self._store.get_profile(job.profile_id)
+            committed = ((profile or {}).get("s3Paths") or {}).values()
+            referenced = filter(None, (self._uploader.key_of(uri) for uri in committed))
+            doomed = stale_leftovers(written, record, referenced)
+            for key in doomed:
+                self._uploader.delete(key)
+        except Exception as exc:  # noqa: BLE001 - we are already failing with the lost lease
+            log.warning("artifacts.stale_cleanup_failed", error=str(exc), written=len(written))
+            return
+        log.info("artifacts.stale_uploads", written=len(written), removed=len(doomed),
+                 kept="referenced by the committed profile or the job is not committed yet")
 
     def _check_work_root(self) -> None:
         """Job files go only into the WORK_ROOT this worker first worked in.
