@@ -43,9 +43,9 @@ def test_the_committing_stage_is_written_before_the_first_upload(handler, raw_st
     seen = []
     upload_all = handler._uploader.upload_all
 
-    def upload_and_look(paths, keys):
+    def upload_and_look(*args, **kwargs):
         seen.append(raw_store.get_job(JOB_ID)["progress"]["stage"])
-        return upload_all(paths, keys)
+        return upload_all(*args, **kwargs)
 
     monkeypatch.setattr(handler._uploader, "upload_all", upload_and_look)
     assert deliver(handler, receive_count=1) == "completed"

@@ -69,6 +69,7 @@ from worker.core.errors import (
     PermanentError,
     StageFailed,
     StaleWrite,
+    StoreError,
     Stopped,
     TimeLimitExceeded,
     UnexpectedError,
