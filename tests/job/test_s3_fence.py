@@ -174,7 +174,15 @@ def test_a_store_outage_during_the_uploads_is_left_to_the_local_lease_deadline(q
 
     handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
                               work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker", lease_s=30)
-    store.faults["renew_lease"] = lambda: StoreError("store unreachable")
+    renewals = []
+
+    def unreachable_after_the_committing_renewal():
+        # The renewal right after the committing stage must land (it reads a cancel that came before);
+        # the outage starts with the proofs before the uploads.
+        renewals.append(1)
+        return StoreError("store unreachable") if len(renewals) > 1 else None
+
+    store.faults["renew_lease"] = unreachable_after_the_committing_renewal
     worker, _ = make_worker(handler)
     queues.send(message_body())
     assert worker.run_once() == "ack"
