@@ -252,15 +252,25 @@ def run_supervised(
         lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
 
 
-def _end_survivors(stage: StageSpec, job_id: str, log_file: IO[bytes], grace_s: float) -> None:
+def end_survivors(job_id: str, grace_s: float, step: str | None = None) -> set[int]:
+    """End the job's processes still alive on this host; ``StageFailed`` when some will not end."""
     try:
         ended = end_job_survivors(job_id, grace_s)
     except OSError as exc:
-        _log_line(log_file, f"stage {stage.name} not started: {exc}")
-        raise StageFailed(f"stage {stage.name} not started: {exc}") from exc
+        raise StageFailed(f"{step or 'the job'} not started: {exc}") from exc
     if ended:
-        log.warning("stage.survivor_ended", stage=stage.name, pids=sorted(ended),
+        log.warning("stage.survivor_ended", stage=step, pids=sorted(ended),
                     note="processes of an earlier attempt of this job were still running on this host")
+    return ended
+
+
+def _end_survivors(stage: StageSpec, job_id: str, log_file: IO[bytes], grace_s: float) -> None:
+    try:
+        ended = end_survivors(job_id, grace_s, f"stage {stage.name}")
+    except StageFailed as exc:
+        _log_line(log_file, str(exc))
+        raise
+    if ended:
         _log_line(log_file, f"ended processes {sorted(ended)} left by an earlier attempt of this job")
 
 
