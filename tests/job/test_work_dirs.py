@@ -100,3 +100,44 @@ def test_artifact_rels_work_for_attempt_outputs_and_published_files(tmp_path):
     rels = artifact_rels({"a": output / "full" / "model.pth", "b": models / "ab12" / "light" / "model.onnx"},
                          output, models)
     assert rels == {"a": "full/model.pth", "b": "light/model.onnx"}
+
+
+def test_a_file_published_by_someone_else_between_check_and_link_is_not_replaced(tmp_path, monkeypatch):
+    """When another attempt wins the race to the final name with other bytes, ours never overwrites it."""
+    import worker.voice.publish as publish
+
+    source = tmp_path / "model.pth"
+    source.write_bytes(b"ours")
+    models = tmp_path / "models"
+    from pipeline.files import sha256_and_size
+
+    final = published_path(models, sha256_and_size(source)[0], "full/model.pth")
+    checks = iter([False])
+    real_check = publish._same_file_there
+
+    def racing_check(path, sha, size):
+        first = next(checks, None)
+        if first is False:  # the name is free at the check; then the other attempt writes it
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"theirs")
+            return False
+        return real_check(path, sha, size)
+
+    monkeypatch.setattr(publish, "_same_file_there", racing_check)
+    with pytest.raises(StorageError, match="never replaced"):
+        publish_file(source, "full/model.pth", models)
+    assert final.read_bytes() == b"theirs"
+    assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
+
+
+def test_the_cleanup_never_removes_a_models_root_inside_the_work_dir(tmp_path):
+    """Scratch removal skips an entry that is MODELS_ROOT (or holds it), whatever the settings chose."""
+    from worker.voice.job import remove_work_files
+
+    work = tmp_path / "job"
+    (work / "attempts" / "0001-aaaaaaaa" / "output").mkdir(parents=True)
+    (work / "published" / "f").mkdir(parents=True)
+    (work / "published" / "f" / "model.pth").write_bytes(b"m")
+    assert remove_work_files(work, work / "published" / "f") == []
+    assert (work / "published" / "f" / "model.pth").read_bytes() == b"m"
+    assert not (work / "attempts").exists()
