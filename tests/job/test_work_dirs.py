@@ -141,3 +141,18 @@ def test_the_cleanup_never_removes_a_models_root_inside_the_work_dir(tmp_path):
     assert remove_work_files(work, work / "published" / "f") == []
     assert (work / "published" / "f" / "model.pth").read_bytes() == b"m"
     assert not (work / "attempts").exists()
+
+
+def test_a_failed_publish_writes_no_model_paths(queues, make_worker, handler, raw_store, monkeypatch):
+    """Publishing comes before the profile's paths: when it fails, no modelPaths name missing files."""
+    import worker.voice.job as job_module
+
+    def full_disk(*_args, **_kwargs):
+        raise StorageError("publishing the models failed at model.pth: No space left on device")
+
+    monkeypatch.setattr(job_module, "publish_all", full_disk)
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "retry"
+    assert not raw_store.get_profile(PROFILE_ID).get("modelPaths")
+    assert raw_store.get_job(JOB_ID)["error"]["type"] == "StorageError"
