@@ -17,9 +17,10 @@ statuses that ``subprocess.Popen`` objects elsewhere wait for. The stage keeper
 (``pipeline.stage_keeper``), a process of its own between the worker and the stage, is the subreaper
 instead; the deployments also run under an init (docker --init, ECS initProcessEnabled).
 
-Every stage process also carries its job's id (``JOB_NAME``): a worker that is about to start a step
-of a job first ends whatever process of that job is still alive on the host (``end_job_survivors``),
-such as the trainer of a worker that was stopped (SIGSTOP) or whose keeper could not outlive it.
+Every stage process also carries its job's id (``JOB_NAME``) and its attempt (``ATTEMPT_NAME``): a
+worker that is about to start a step of a job first ends whatever process of an older attempt of that
+job is still alive on the host (``end_job_survivors``), such as the trainer of a worker that was
+stopped (SIGSTOP) or whose keeper could not outlive it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN_NAME = "VOICE_WORKER_STAGE_RUN"
 JOB_NAME = "VOICE_WORKER_JOB"
+ATTEMPT_NAME = "VOICE_WORKER_ATTEMPT"
 _POLL_S = 0.05
 # SIGKILL cannot be ignored; a few rounds catch children forked between a scan and its signals.
 _KILL_ROUNDS = 20
@@ -113,6 +115,16 @@ def has_env_entry(proc_root: Path, pid: int, entry: bytes) -> bool:
         return False
 
 
+def env_value(proc_root: Path, pid: int, name: str) -> str | None:
+    """The value of ``name`` in process ``pid``'s environment, or None."""
+    prefix = f"{name}=".encode()
+    try:
+        entries = (proc_root / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((e[len(prefix):].decode(errors="replace") for e in entries if e.startswith(prefix)), None)
+
+
 def job_processes(job_id: str, proc_root: Path = Path("/proc")) -> set[int]:
     """Live processes on this host that carry ``job_id`` in their environment; never this one."""
     me, entry = os.getpid(), f"{JOB_NAME}={job_id}".encode()
@@ -120,13 +132,16 @@ def job_processes(job_id: str, proc_root: Path = Path("/proc")) -> set[int]:
 
 
 def end_job_survivors(job_id: str, grace_s: float, proc_root: Path = Path("/proc"),
-                      give_up_s: float = 10.0) -> set[int]:
+                      give_up_s: float = 10.0, spare: Callable[[int], bool] = lambda _pid: False) -> set[int]:
     """End every live process of ``job_id`` (SIGTERM, SIGKILL after the grace) and wait until all are gone.
 
     Returns the pids found; raises ``OSError`` naming those still alive ``give_up_s`` after the
     first SIGKILL (a process stuck in uninterruptible sleep): better no new attempt than two.
     """
-    found = job_processes(job_id, proc_root)
+    def find() -> set[int]:
+        return {pid for pid in job_processes(job_id, proc_root) if not spare(pid)}
+
+    found = find()
     if not found:
         return found
     for pid in found:
@@ -134,10 +149,10 @@ def end_job_survivors(job_id: str, grace_s: float, proc_root: Path = Path("/proc
         # A stopped survivor (its worker was SIGSTOPped) acts on the SIGTERM only once continued.
         _send(lambda pid=pid: os.kill(pid, signal.SIGCONT))
     deadline = time.monotonic() + max(0.0, grace_s)
-    left = job_processes(job_id, proc_root)
+    left = find()
     while left and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        left = job_processes(job_id, proc_root)
+        left = find()
     give_up = time.monotonic() + give_up_s
     while left:
         for pid in left:
@@ -145,7 +160,7 @@ def end_job_survivors(job_id: str, grace_s: float, proc_root: Path = Path("/proc
         if time.monotonic() >= give_up:
             raise OSError(f"processes {sorted(left)} of an earlier attempt of job {job_id} did not end")
         time.sleep(_POLL_S)
-        left = job_processes(job_id, proc_root)
+        left = find()
     return found
 
 

@@ -33,6 +33,12 @@ from pipeline.files import HASH_CHUNK_BYTES, fsync_dir
 from pipeline.manifest import TEMP_MARKER, atomic_write_bytes, manifest_path, read_manifest
 
 
+def attempt_order(name: str) -> tuple[int, str]:
+    """Sort key of an attempt directory name (``<attempt number>-<token prefix>``): by number."""
+    number, _, rest = name.partition("-")
+    return (int(number), rest) if number.isdigit() else (-1, name)
+
+
 class CopyMismatch(Exception):
     """The source no longer holds what the manifest recorded."""
 

@@ -26,8 +26,8 @@ from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
-from pipeline.proctree import JOB_NAME
-from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs
+from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
+from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
 from pipeline.stages import DEFAULT_GRACE_S, StageContext, end_survivors, open_step_log, run_stage
 from worker.core.errors import BadRecording, DownloadError, StageFailed
@@ -85,12 +85,6 @@ def is_attempt_dir(work_dir: Path) -> bool:
     return work_dir.parent.name == ATTEMPTS_DIR
 
 
-def attempt_order(name: str) -> tuple[int, str]:
-    """Sort key of an attempt directory name (``<attempt number>-<token prefix>``): by number."""
-    number, _, rest = name.partition("-")
-    return (int(number), rest) if number.isdigit() else (-1, name)
-
-
 def earlier_attempts(work_dir: Path) -> list[Path]:
     """The job's other attempt directories, newest first; none for a lone job directory."""
     if not is_attempt_dir(work_dir) or not work_dir.parent.is_dir():
@@ -146,10 +140,12 @@ def _run(
     for directory in dirs.values():
         directory.mkdir(parents=True, exist_ok=True)
     env = stage_environment(os.environ) if stage_env is None else stage_env
-    # Every stage process carries the job's id, so a later attempt on this host can find and end it.
-    env = {**env, JOB_NAME: job.job_id}
+    # Every stage process carries the job's id and attempt, so a later attempt on this host can find
+    # and end it (and a stale one learns that a newer attempt is running).
+    attempt = work_dir.name if is_attempt_dir(work_dir) else ""
+    env = {**env, JOB_NAME: job.job_id, ATTEMPT_NAME: attempt}
     # Before anything is copied from an earlier attempt: none of its processes may still be writing.
-    end_survivors(job.job_id, grace_s)
+    end_survivors(job.job_id, grace_s, attempt=attempt)
     earlier = earlier_attempts(work_dir)
 
     stop.raise_if_set()

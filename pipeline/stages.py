@@ -47,7 +47,17 @@ import structlog
 
 from pipeline.config import StageSpec, render_argv
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
-from pipeline.proctree import JOB_NAME, TOKEN_NAME, StageTree, end_job_survivors, end_tree
+from pipeline.proctree import (
+    ATTEMPT_NAME,
+    JOB_NAME,
+    TOKEN_NAME,
+    StageTree,
+    end_job_survivors,
+    end_tree,
+    env_value,
+    job_processes,
+)
+from pipeline.reuse import attempt_order
 from pipeline.stage_keeper import FAILED, STARTED, keeper_argv
 from pipeline.proctree import live_processes  # noqa: F401 - tests/reliability read /proc through it
 from pipeline.stage_env import stage_environment
@@ -226,7 +236,7 @@ def run_supervised(
     updates: queue.SimpleQueue[float] = queue.SimpleQueue()
     token = uuid.uuid4().hex
     if env.get(JOB_NAME):
-        _end_survivors(stage, env[JOB_NAME], log_file, grace_s)
+        _end_survivors(stage, env, log_file, grace_s)
     # The worker's end of the lifeline is not inheritable: only the keeper's end leaves this process.
     lifeline, keeper_end = socket.socketpair()
     try:
@@ -252,10 +262,22 @@ def run_supervised(
         lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
 
 
-def end_survivors(job_id: str, grace_s: float, step: str | None = None) -> set[int]:
-    """End the job's processes still alive on this host; ``StageFailed`` when some will not end."""
+def end_survivors(job_id: str, grace_s: float, step: str | None = None, attempt: str = "") -> set[int]:
+    """End the job's processes still alive on this host; ``StageFailed`` when some will not end.
+
+    A process of a newer attempt than ``attempt`` is never ended: its presence means this attempt is
+    the stale one, and it stops here instead (``StageFailed``; its fenced writes are refused anyway).
+    """
+    def newer(pid: int) -> bool:
+        return bool(attempt) and is_newer_attempt(env_value(Path("/proc"), pid, ATTEMPT_NAME), attempt)
+
+    running = sorted(pid for pid in job_processes(job_id) if newer(pid))
+    if running:
+        raise StageFailed(f"{step or 'the job'} not started: a newer attempt of this job runs on this "
+                          f"host (processes {running}); this attempt is stale")
     try:
-        ended = end_job_survivors(job_id, grace_s)
+        # Spared here too: a newer attempt's process that appeared after the check above.
+        ended = end_job_survivors(job_id, grace_s, spare=newer)
     except OSError as exc:
         raise StageFailed(f"{step or 'the job'} not started: {exc}") from exc
     if ended:
@@ -264,9 +286,14 @@ def end_survivors(job_id: str, grace_s: float, step: str | None = None) -> set[i
     return ended
 
 
-def _end_survivors(stage: StageSpec, job_id: str, log_file: IO[bytes], grace_s: float) -> None:
+def is_newer_attempt(theirs: str | None, ours: str) -> bool:
+    """Whether a process's attempt name is a later attempt than ours (unknown: not newer)."""
+    return bool(theirs) and attempt_order(theirs) > attempt_order(ours)
+
+
+def _end_survivors(stage: StageSpec, env: Mapping[str, str], log_file: IO[bytes], grace_s: float) -> None:
     try:
-        ended = end_survivors(job_id, grace_s, f"stage {stage.name}")
+        ended = end_survivors(env[JOB_NAME], grace_s, f"stage {stage.name}", env.get(ATTEMPT_NAME, ""))
     except StageFailed as exc:
         _log_line(log_file, str(exc))
         raise

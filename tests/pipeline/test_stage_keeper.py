@@ -151,3 +151,26 @@ def test_keeper_argv_and_wait_statuses_parse():
         parse_argv(["12", "5", "1.5", "a"])
     assert exit_status_code(3 << 8) == (3, None)
     assert exit_status_code(int(signal.SIGTERM)) == (None, int(signal.SIGTERM))
+
+
+def test_a_stale_attempt_never_ends_a_newer_attempts_process(tmp_path):
+    """A process of a later attempt of the job makes this attempt's stage refuse to start, and it lives on."""
+    from pipeline.proctree import ATTEMPT_NAME
+
+    newer = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); import time; time.sleep(120)"],
+                             env={**os.environ, JOB_NAME: "job-n", ATTEMPT_NAME: "0010-bbbbbbbb"},
+                             stdout=subprocess.PIPE)
+    try:
+        assert newer.stdout.readline() == b"ready\n"
+        ctx = StageContext(dataset_dir=tmp_path / "ds", output_dir=tmp_path / "out", checkpoints_root=tmp_path / "ck",
+                           log_dir=tmp_path / "logs", job_id="job-n", language="en",
+                           env={"PATH": os.environ["PATH"], ATTEMPT_NAME: "0009-aaaaaaaa"})
+        stage = StageSpec(name="stale", argv=("{python}", "-c", "open('{output_dir}/o', 'w').write('x')"),
+                          outputs=("o",))
+        with pytest.raises(StageFailed, match="newer attempt"):
+            run_stage(stage, ctx, StopSignal(), lambda name, pct: None, grace_s=0.3)
+        assert newer.poll() is None
+        assert not (ctx.output_dir / "o").exists()
+    finally:
+        newer.kill()
+        newer.wait()
