@@ -25,7 +25,7 @@ SAMPLE_JOB = REPO / "samples" / "job.json"
 # below), a fragment of the secret-name rule, and the JOB_ID placeholder of command examples.
 NOT_SETTINGS = frozenset({
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-    "VOICE_WORKER_STAGE_RUN", "VOICE_WORKER_JOB", "PR_SET_PDEATHSIG",
+    "VOICE_WORKER_STAGE_RUN", "VOICE_WORKER_JOB", "VOICE_WORKER_ATTEMPT", "PR_SET_PDEATHSIG",
     "HF_HOME", "TORCH_HOME", "PYTORCH_CUDA_ALLOC_CONF", "HF_TOKEN", "VIRTUAL_ENV",
     "CONNECTION_STRING",
     "JOB_ID",
