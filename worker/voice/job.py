@@ -286,9 +286,10 @@ class VoiceJobHandler:
             attempt.cancel()
             log.info("job.cancelled", when="at claim")
             return "cancelled"
-        attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
-                                      int((claim.job or {}).get("attempts") or 0), attempt.token)
         try:
+            # Inside the try: a work dir that escapes WORK_ROOT is this attempt's recorded failure.
+            attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
+                                          int((claim.job or {}).get("attempts") or 0), attempt.token)
             paths = self._artifacts(job, profile, lease.stop, attempt, attempt_dir)
             self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
         except Stopped as exc:
