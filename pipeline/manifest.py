@@ -92,19 +92,10 @@ def manifest_problem(
     path: Path, output_dir: Path, stage_name: str, fingerprint: str, outputs: Sequence[str]
 ) -> str | None:
     """Why the manifest does not vouch for the outputs on disk, or None when it does."""
-    try:
-        manifest = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return "no manifest"
-    except (OSError, ValueError) as exc:
-        return f"manifest unreadable ({type(exc).__name__})"
-    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
-        return "manifest has an unknown format"
-    if manifest.get("stage") != stage_name or manifest.get("fingerprint") != fingerprint:
-        return "manifest was written for a different stage definition"
-    recorded = manifest.get("outputs")
-    if not isinstance(recorded, dict) or set(recorded) != set(outputs):
-        return "manifest lists different outputs"
+    manifest, problem = read_manifest(path, stage_name, fingerprint, outputs)
+    if problem is not None:
+        return problem
+    recorded = manifest["outputs"]
     for rel in outputs:
         entry = recorded[rel]
         if not isinstance(entry, dict):
@@ -120,3 +111,26 @@ def manifest_problem(
         if entry.get("sha256") != sha256_hex:
             return f"output {rel} changed content"
     return None
+
+
+def read_manifest(
+    path: Path, stage_name: str, fingerprint: str, outputs: Sequence[str]
+) -> tuple[dict, None] | tuple[None, str]:
+    """(the manifest, None) when it is one for this stage definition, else (None, why not).
+
+    Only the manifest itself is checked here, not the files it lists (``manifest_problem`` does both).
+    """
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None, "no manifest"
+    except (OSError, ValueError) as exc:
+        return None, f"manifest unreadable ({type(exc).__name__})"
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+        return None, "manifest has an unknown format"
+    if manifest.get("stage") != stage_name or manifest.get("fingerprint") != fingerprint:
+        return None, "manifest was written for a different stage definition"
+    recorded = manifest.get("outputs")
+    if not isinstance(recorded, dict) or set(recorded) != set(outputs):
+        return None, "manifest lists different outputs"
+    return manifest, None

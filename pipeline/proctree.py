@@ -13,8 +13,14 @@ So a stage's processes are recognised by any of three marks, whichever survived 
 
 Why not ``prctl(PR_SET_CHILD_SUBREAPER)`` on the worker: it changes the whole worker process. Every
 orphan of every child would become the worker's to reap, and reaping with ``waitpid(-1)`` takes exit
-statuses that ``subprocess.Popen`` objects elsewhere wait for. The deployments run under an init
-(docker --init, ECS initProcessEnabled) that already reaps what a killed stage leaves.
+statuses that ``subprocess.Popen`` objects elsewhere wait for. The stage keeper
+(``pipeline.stage_keeper``), a process of its own between the worker and the stage, is the subreaper
+instead; the deployments also run under an init (docker --init, ECS initProcessEnabled).
+
+Every stage process also carries its job's id (``JOB_NAME``) and its attempt (``ATTEMPT_NAME``): a
+worker that is about to start a step of a job first ends whatever process of an older attempt of that
+job is still alive on the host (``end_job_survivors``), such as the trainer of a worker that was
+stopped (SIGSTOP) or whose keeper could not outlive it.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN_NAME = "VOICE_WORKER_STAGE_RUN"
+JOB_NAME = "VOICE_WORKER_JOB"
+ATTEMPT_NAME = "VOICE_WORKER_ATTEMPT"
 _POLL_S = 0.05
 # SIGKILL cannot be ignored; a few rounds catch children forked between a scan and its signals.
 _KILL_ROUNDS = 20
@@ -41,9 +49,11 @@ class StageTree:
     token: str
     pipe_inode: int | None = None
     proc_root: Path = Path("/proc")
+    # Never members: the keeper's parent (the worker) reads the same pipe the stage writes.
+    spared: frozenset[int] = frozenset()
 
     def members(self) -> set[int]:
-        """Pids of the stage's live (non-zombie) processes; never the worker itself."""
+        """Pids of the stage's live (non-zombie) processes; never this process or a spared one."""
         if not self.proc_root.is_dir():
             return {self.pgid} if _group_exists(self.pgid) else set()
         me = os.getpid()
@@ -51,27 +61,28 @@ class StageTree:
         pipe = f"pipe:[{self.pipe_inode}]" if self.pipe_inode is not None else None
         found = set()
         for pid, fields in live_processes(self.proc_root):
-            if pid == me:
+            if pid == me or pid in self.spared:
                 continue
             in_group = len(fields) >= 3 and int(fields[2]) == self.pgid
             if in_group or self._has_token(pid, token) or (pipe and self._holds(pid, pipe)):
                 found.add(pid)
         return found
 
-    def signal(self, signum: int) -> set[int]:
-        """Send ``signum`` to the group and to every member found; returns the members found."""
+    def signal(self, signum: int, *, group: bool = True) -> set[int]:
+        """Send ``signum`` to the group and to every member found; returns the members found.
+
+        ``group=False`` is for a caller inside the group (the keeper), which must not signal itself.
+        """
         # The group first: it also reaches members that appear between the scan and the kills.
-        _send(lambda: os.killpg(self.pgid, signum))
+        if group:
+            _send(lambda: os.killpg(self.pgid, signum))
         members = self.members()
         for pid in members:
             _send(lambda pid=pid: os.kill(pid, signum))
         return members
 
     def _has_token(self, pid: int, token: bytes) -> bool:
-        try:
-            return token in (self.proc_root / str(pid) / "environ").read_bytes().split(b"\0")
-        except OSError:  # gone, or not ours to read (and so not ours to kill either)
-            return False
+        return has_env_entry(self.proc_root, pid, token)
 
     def _holds(self, pid: int, pipe: str) -> bool:
         try:
@@ -94,6 +105,63 @@ def end_tree(proc: subprocess.Popen, tree: StageTree, grace_s: float) -> None:
             break
         time.sleep(_POLL_S)
     proc.wait()
+
+
+def has_env_entry(proc_root: Path, pid: int, entry: bytes) -> bool:
+    """Whether process ``pid``'s environment holds exactly ``entry`` (``NAME=value``)."""
+    try:
+        return entry in (proc_root / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or not ours to read (and so not ours to kill either)
+        return False
+
+
+def env_value(proc_root: Path, pid: int, name: str) -> str | None:
+    """The value of ``name`` in process ``pid``'s environment, or None."""
+    prefix = f"{name}=".encode()
+    try:
+        entries = (proc_root / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((e[len(prefix):].decode(errors="replace") for e in entries if e.startswith(prefix)), None)
+
+
+def job_processes(job_id: str, proc_root: Path = Path("/proc")) -> set[int]:
+    """Live processes on this host that carry ``job_id`` in their environment; never this one."""
+    me, entry = os.getpid(), f"{JOB_NAME}={job_id}".encode()
+    return {pid for pid, _ in live_processes(proc_root) if pid != me and has_env_entry(proc_root, pid, entry)}
+
+
+def end_job_survivors(job_id: str, grace_s: float, proc_root: Path = Path("/proc"),
+                      give_up_s: float = 10.0, spare: Callable[[int], bool] = lambda _pid: False) -> set[int]:
+    """End every live process of ``job_id`` (SIGTERM, SIGKILL after the grace) and wait until all are gone.
+
+    Returns the pids found; raises ``OSError`` naming those still alive ``give_up_s`` after the
+    first SIGKILL (a process stuck in uninterruptible sleep): better no new attempt than two.
+    """
+    def find() -> set[int]:
+        return {pid for pid in job_processes(job_id, proc_root) if not spare(pid)}
+
+    found = find()
+    if not found:
+        return found
+    for pid in found:
+        _send(lambda pid=pid: os.kill(pid, signal.SIGTERM))
+        # A stopped survivor (its worker was SIGSTOPped) acts on the SIGTERM only once continued.
+        _send(lambda pid=pid: os.kill(pid, signal.SIGCONT))
+    deadline = time.monotonic() + max(0.0, grace_s)
+    left = find()
+    while left and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        left = find()
+    give_up = time.monotonic() + give_up_s
+    while left:
+        for pid in left:
+            _send(lambda pid=pid: os.kill(pid, signal.SIGKILL))
+        if time.monotonic() >= give_up:
+            raise OSError(f"processes {sorted(left)} of an earlier attempt of job {job_id} did not end")
+        time.sleep(_POLL_S)
+        left = find()
+    return found
 
 
 def live_processes(proc_root: Path = Path("/proc")) -> Iterator[tuple[int, list[str]]]:

@@ -4,6 +4,12 @@ Every step can be re-run on the same work directory after a crash or a retry and
 not already complete: a downloaded file is kept (``fetch`` writes atomically, so an existing file is
 whole), a complete dataset is left alone, and a stage whose manifest verifies is skipped. The stop
 signal is checked between steps and watched during stages; the handler maps ``Stopped`` to its reason.
+
+The handler gives each attempt a directory of its own, ``<job dir>/attempts/<attempt id>/``: two
+attempts never write the same files. Such a directory's logs go to the job's ``logs/`` (timestamped,
+so every attempt's stay), and its siblings are the job's earlier attempts, whose verified work is
+copied in before the steps run (``pipeline.reuse``). Any other directory is a job directory of its
+own (tests, benchmarks): logs inside it, no earlier attempts.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import structlog
 from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
 from pipeline.limits import JobLimits
+from pipeline.manifest import manifest_path
+from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
+from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
-from pipeline.stages import DEFAULT_GRACE_S, StageContext, open_step_log, run_stage
+from pipeline.stages import DEFAULT_GRACE_S, StageContext, end_survivors, open_step_log, run_stage
 from worker.core.errors import BadRecording, DownloadError, StageFailed
 from worker.core.stop import StopSignal
 
@@ -28,6 +37,8 @@ log = structlog.get_logger(__name__)
 
 DOWNLOAD_STEP = "download"
 DATASET_STEP = "dataset"
+ATTEMPTS_DIR = "attempts"
+LOGS_DIR = "logs"
 
 
 class Recording(Protocol):
@@ -55,13 +66,32 @@ Progress = Callable[[str, float], None]
 
 
 def work_layout(work_dir: Path) -> dict[str, Path]:
+    """The step directories of an attempt directory (or a lone job directory), and where logs go."""
     return {
         "downloads": work_dir / "downloads",
         "dataset": work_dir / "dataset",
         "output": work_dir / "output",
         "checkpoints": work_dir / "checkpoints",
-        "logs": work_dir / "logs",
+        "logs": job_dir_of(work_dir) / LOGS_DIR,
     }
+
+
+def job_dir_of(work_dir: Path) -> Path:
+    """The job directory an attempt directory belongs to; a lone job directory is its own."""
+    return work_dir.parent.parent if is_attempt_dir(work_dir) else work_dir
+
+
+def is_attempt_dir(work_dir: Path) -> bool:
+    return work_dir.parent.name == ATTEMPTS_DIR
+
+
+def earlier_attempts(work_dir: Path) -> list[Path]:
+    """The job's other attempt directories, newest first; none for a lone job directory."""
+    if not is_attempt_dir(work_dir) or not work_dir.parent.is_dir():
+        return []
+    others = [entry for entry in work_dir.parent.iterdir()
+              if entry != work_dir and entry.is_dir() and not entry.is_symlink()]
+    return sorted(others, key=lambda entry: attempt_order(entry.name), reverse=True)
 
 
 def download_path(downloads_dir: Path, index: int) -> Path:
@@ -109,14 +139,25 @@ def _run(
     dirs = work_layout(work_dir)
     for directory in dirs.values():
         directory.mkdir(parents=True, exist_ok=True)
+    env = stage_environment(os.environ) if stage_env is None else stage_env
+    # Every stage process carries the job's id and attempt, so a later attempt on this host can find
+    # and end it (and a stale one learns that a newer attempt is running).
+    attempt = work_dir.name if is_attempt_dir(work_dir) else ""
+    env = {**env, JOB_NAME: job.job_id, ATTEMPT_NAME: attempt}
+    # Before anything is copied from an earlier attempt: none of its processes may still be writing.
+    end_survivors(job.job_id, grace_s, attempt=attempt)
+    earlier = earlier_attempts(work_dir)
 
     stop.raise_if_set()
+    copied = adopt_downloads([d / "downloads" for d in earlier], dirs["downloads"],
+                             [download_path(dirs["downloads"], i).name for i in range(len(job.recordings))])
+    if copied:
+        log.info("pipeline.downloads_reused", count=len(copied))
     sources = _download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
                             limits.max_job_download_bytes)
 
     stop.raise_if_set()
     progress(DATASET_STEP, 0.0)
-    env = stage_environment(os.environ) if stage_env is None else stage_env
     run_dataset_stage(
         [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
         dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
@@ -135,12 +176,27 @@ def _run(
     for stage in config.stages:
         stop.raise_if_set()
         progress(stage.name, 0.0)
+        _adopt_earlier_work(stage, ctx, earlier)
         outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s)
         progress(stage.name, 100.0)
         log.info("pipeline.stage_done", job_id=job.job_id, stage=stage.name, skipped=outcome.skipped)
 
     stop.raise_if_set()
     return verify_artifacts(config, dirs["output"])
+
+
+def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path]) -> None:
+    """Give the stage an earlier attempt's verified outputs, or (resumable) its newest checkpoints."""
+    if not earlier or manifest_path(ctx.output_dir, stage.name).exists():
+        return  # this attempt's own manifest decides (run_stage verifies it)
+    source = adopt_verified_outputs(stage, [d / "output" for d in earlier], ctx.output_dir)
+    if source is not None:
+        log.info("pipeline.stage_reused", stage=stage.name, attempt=source.parent.name)
+        return
+    if stage.resumable:
+        source = adopt_checkpoints([d / "checkpoints" / stage.name for d in earlier], ctx.checkpoint_dir(stage))
+        if source is not None:
+            log.info("pipeline.checkpoints_reused", stage=stage.name, attempt=source.parent.parent.name)
 
 
 def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:

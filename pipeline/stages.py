@@ -6,6 +6,11 @@ Why it is shaped this way:
 - The stage gets an explicit, secret-free environment (``pipeline.stage_env``), never the worker's.
 - A stop or a timeout ends every process the stage started, also those that left its process group
   (``pipeline.proctree``): SIGTERM, then SIGKILL to whatever is left after the grace.
+- The command runs under a stage keeper (``pipeline.stage_keeper``) that ends the stage's whole tree
+  when the worker dies, ``kill -9`` included, and exits as the stage did (code or signal).
+- Before a step of a job starts, every process of that job still alive on this host (an earlier
+  attempt's trainer: the environment's ``VOICE_WORKER_JOB``) is ended, so two trainings of one job
+  never run side by side here (``stage.survivor_ended``).
 - Output goes through a pipe that a reader thread copies line by line into a timestamped log (kept
   across retries) while it picks out ``PROGRESS n`` lines. The reader can be ended without
   end-of-file, so a process that still holds the pipe never keeps ``run_stage`` waiting. The
@@ -28,6 +33,7 @@ import queue
 import re
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +50,18 @@ import structlog
 from pipeline.config import StageSpec, render_argv
 from pipeline.files import output_problem, remove_output
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
-from pipeline.proctree import TOKEN_NAME, StageTree, end_tree
+from pipeline.proctree import (
+    ATTEMPT_NAME,
+    JOB_NAME,
+    TOKEN_NAME,
+    StageTree,
+    end_job_survivors,
+    end_tree,
+    env_value,
+    job_processes,
+)
+from pipeline.reuse import attempt_order
+from pipeline.stage_keeper import FAILED, STARTED, keeper_argv
 from pipeline.proctree import live_processes  # noqa: F401 - tests/reliability read /proc through it
 from pipeline.stage_env import stage_environment
 from worker.core.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
@@ -61,6 +78,8 @@ _TAIL_MAX_BYTES = 64 * 1024
 _LINE_MAX_BYTES = 64 * 1024
 _READER_DRAIN_S = 1.0
 _READ_POLL_S = 0.1
+# The keeper is a short Python start-up; this bound only matters when it cannot start at all.
+_KEEPER_START_S = 30.0
 _PROGRESS_LINE = re.compile(rb"^\s*PROGRESS\s+(\d{1,3}(?:\.\d+)?)\s*$")
 
 
@@ -181,7 +200,8 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
     with log_file:
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
         code = run_supervised(
-            stage, argv, ctx.env, log_file, stop, progress, grace_s, poll_interval_s, clock
+            stage, argv, {**ctx.env, JOB_NAME: ctx.job_id}, log_file, stop, progress, grace_s,
+            poll_interval_s, clock,
         )
         _log_line(log_file, f"stage {stage.name} exited with code {code}")
     if code != 0:
@@ -232,23 +252,115 @@ def run_supervised(
     poll_interval_s: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
-    """Run to completion and return the exit code, or end the stage's processes and raise on stop/timeout."""
+    """Run to completion and return the exit code, or end the stage's processes and raise on stop/timeout.
+
+    ``env`` carrying ``VOICE_WORKER_JOB`` first ends that job's surviving processes on this host.
+    The keeper is started by the calling thread; see ``pipeline.stage_keeper`` for why that matters
+    (the worker calls this from its main thread).
+    """
     updates: queue.SimpleQueue[float] = queue.SimpleQueue()
     token = uuid.uuid4().hex
+    if env.get(JOB_NAME):
+        _end_survivors(stage, env, log_file, grace_s)
+    # The worker's end of the lifeline is not inheritable: only the keeper's end leaves this process.
+    lifeline, keeper_end = socket.socketpair()
     try:
         proc = subprocess.Popen(
-            argv,
+            keeper_argv(sys.executable, os.getpid(), keeper_end.fileno(), grace_s, argv),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**env, TOKEN_NAME: token},
+            pass_fds=(keeper_end.fileno(),),
         )
     except OSError as exc:
+        lifeline.close()
         _log_line(log_file, f"stage {stage.name} could not start: {exc}")
         raise StageFailed(f"stage {stage.name} could not start: {exc.strerror or exc}") from exc
+    finally:
+        keeper_end.close()
+    try:
+        return _supervise(stage, proc, token, log_file, stop, progress, updates, lifeline,
+                          grace_s, poll_interval_s, clock)
+    finally:
+        lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
+
+
+def end_survivors(job_id: str, grace_s: float, step: str | None = None, attempt: str = "") -> set[int]:
+    """End the job's processes still alive on this host; ``StageFailed`` when some will not end.
+
+    A process of a newer attempt than ``attempt`` is never ended: its presence means this attempt is
+    the stale one, and it stops here instead (``StageFailed``; its fenced writes are refused anyway).
+    """
+    def newer(pid: int) -> bool:
+        return bool(attempt) and is_newer_attempt(env_value(Path("/proc"), pid, ATTEMPT_NAME), attempt)
+
+    running = sorted(pid for pid in job_processes(job_id) if newer(pid))
+    if running:
+        raise StageFailed(f"{step or 'the job'} not started: a newer attempt of this job runs on this "
+                          f"host (processes {running}); this attempt is stale")
+    try:
+        # Spared here too: a newer attempt's process that appeared after the check above.
+        ended = end_job_survivors(job_id, grace_s, spare=newer)
+    except OSError as exc:
+        raise StageFailed(f"{step or 'the job'} not started: {exc}") from exc
+    if ended:
+        log.warning("stage.survivor_ended", stage=step, pids=sorted(ended),
+                    note="processes of an earlier attempt of this job were still running on this host")
+    return ended
+
+
+def is_newer_attempt(theirs: str | None, ours: str) -> bool:
+    """Whether a process's attempt name is a later attempt than ours (unknown: not newer)."""
+    return bool(theirs) and attempt_order(theirs) > attempt_order(ours)
+
+
+def _end_survivors(stage: StageSpec, env: Mapping[str, str], log_file: IO[bytes], grace_s: float) -> None:
+    try:
+        ended = end_survivors(env[JOB_NAME], grace_s, f"stage {stage.name}", env.get(ATTEMPT_NAME, ""))
+    except StageFailed as exc:
+        _log_line(log_file, str(exc))
+        raise
+    if ended:
+        _log_line(log_file, f"ended processes {sorted(ended)} left by an earlier attempt of this job")
+
+
+def _await_keeper(proc: subprocess.Popen, lifeline: socket.socket) -> str | None:
+    """None once the keeper says the stage started, else why it did not."""
+    ready, _, _ = select.select([lifeline], [], [], _KEEPER_START_S)
+    reply = lifeline.recv(4096) if ready else b""
+    if reply.startswith(STARTED):
+        return None
+    if reply.startswith(FAILED):
+        return reply[len(FAILED):].decode(errors="replace").strip()
+    if not ready:
+        proc.kill()
+        return f"its keeper did not start within {_KEEPER_START_S:g} s"
+    return f"its keeper ended first ({how_it_ended(proc.wait())})"
+
+
+def _supervise(
+    stage: StageSpec,
+    proc: subprocess.Popen,
+    token: str,
+    log_file: IO[bytes],
+    stop: StopSignal,
+    progress: Progress,
+    updates: queue.SimpleQueue,
+    lifeline: socket.socket,
+    grace_s: float,
+    poll_interval_s: float,
+    clock: Callable[[], float],
+) -> int:
     tree = StageTree(pgid=proc.pid, token=token, pipe_inode=os.fstat(proc.stdout.fileno()).st_ino)
     reader = OutputReader(proc.stdout, log_file, updates, name=f"stage-{stage.name}-output")
+    problem = _await_keeper(proc, lifeline)
+    if problem is not None:
+        proc.wait()
+        reader.finish(_READER_DRAIN_S)
+        _log_line(log_file, f"stage {stage.name} could not start: {problem}")
+        raise StageFailed(f"stage {stage.name} could not start: {problem}")
     last_reported: list[float | None] = [None]
     deadline = clock() + stage.timeout_s if stage.timeout_s is not None else None
     finished = False

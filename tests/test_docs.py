@@ -20,12 +20,12 @@ DOCS = sorted((REPO / "docs").glob("*.md"))
 SAMPLE_JOB = REPO / "samples" / "job.json"
 
 # ALL_CAPS names the docs may mention that are not worker settings: variables read by AWS tooling
-# (the dev stack's env.sh sets the first two), the stage runner's process token, variables a stage
-# does or may get (plus the built-in allow-list below), a fragment of the secret-name rule, and the
-# JOB_ID placeholder of command examples.
+# (the dev stack's env.sh sets the first two), the stage runner's process token and job mark, the prctl
+# option the stage keeper sets, variables a stage does or may get (plus the built-in allow-list
+# below), a fragment of the secret-name rule, and the JOB_ID placeholder of command examples.
 NOT_SETTINGS = frozenset({
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-    "VOICE_WORKER_STAGE_RUN",
+    "VOICE_WORKER_STAGE_RUN", "VOICE_WORKER_JOB", "VOICE_WORKER_ATTEMPT", "PR_SET_PDEATHSIG",
     "HF_HOME", "TORCH_HOME", "PYTORCH_CUDA_ALLOC_CONF", "HF_TOKEN", "VIRTUAL_ENV",
     "CONNECTION_STRING",
     "JOB_ID",

@@ -105,6 +105,7 @@ def build_app(settings: Settings, *, session=None) -> App:
         metrics=metrics,
         policy=InputPolicy.from_settings(settings),
         keep_work_files=settings.keep_work_files,
+        models_root=Path(settings.models_root_path),
     )
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
     lease_sqs = make_client("sqs", settings, session, config=lease_client_config(settings))

@@ -10,12 +10,14 @@ import os
 import re
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.core.errors import ConfigError
+from worker.core.names import SAFE_NAME
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
 SQS_MAX_VISIBILITY_S = 43_200
@@ -61,6 +63,8 @@ class Settings(BaseSettings):
     stage_env_passthrough: str = Field("", alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
     keep_work_files: bool = Field(False, alias="KEEP_WORK_FILES")
+    # Where the five artifacts are published for the profile's modelPaths (unset: <WORK_ROOT>/.models).
+    models_root: str | None = Field(None, alias="MODELS_ROOT")
 
     # --- time
     job_time_limit_s: int = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1)
@@ -129,6 +133,10 @@ class Settings(BaseSettings):
     @property
     def heartbeat_interval_s(self) -> float:
         return self.sqs_visibility_heartbeat_interval_ms / 1000.0
+
+    @property
+    def models_root_path(self) -> str:
+        return self.models_root or os.path.join(self.work_root, ".models")
 
     @property
     def stage_stop_grace_s(self) -> float:
@@ -219,9 +227,23 @@ def consistency_problems(s: Settings) -> list[str]:
     for name in s.stage_env_names:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             problems.append(f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name")
+    problem = models_root_problem(s.work_root, s.models_root_path)
+    if problem:
+        problems.append(problem)
     if s.store_url and not s.store_url.startswith("sqlite:///"):
         problems.append(f"STORE_URL must look like sqlite:///path/to/file.db, got {s.store_url!r}")
     return problems
+
+
+def models_root_problem(work_root: str, models_root: str) -> str | None:
+    """Why MODELS_ROOT could meet a job's work directory (whose cleanup would remove models), or None."""
+    work, models = Path(os.path.abspath(work_root)), Path(os.path.abspath(models_root))
+    if models == work or work in models.parents and re.fullmatch(SAFE_NAME, models.relative_to(work).parts[0]):
+        return (f"MODELS_ROOT={models_root} must not be WORK_ROOT or a directory below it that an "
+                "environment name could take (use a name starting with a dot, or a path outside WORK_ROOT)")
+    if models in work.parents:
+        return f"MODELS_ROOT={models_root} must not hold WORK_ROOT={work_root}"
+    return None
 
 
 ENV_NAMES = tuple(f.alias for f in Settings.model_fields.values() if f.alias)

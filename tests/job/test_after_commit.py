@@ -1,5 +1,5 @@
-"""After the commit: the work directory is emptied except logs/ (or kept whole), and a removal that
-fails never fails the committed job."""
+"""After the commit: the work directory is emptied except logs/ (or kept whole), the published models
+stay, and a removal that fails never fails the committed job."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from pipeline.run import job_dir_of
 from tests.job.conftest import BUCKET, JOB_ID, PROFILE_ID, message_body
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.job import VoiceJobHandler
@@ -19,12 +20,19 @@ WORK_DIR = Path("production", "user-123-voice-1", JOB_ID)
 
 def write_work_files(job, work_dir: Path, stop, progress) -> None:
     """What a pipeline run leaves besides the five artifacts: downloads, a dataset, checkpoints, logs."""
-    for rel in ("downloads/0.wav", "dataset/wavs/0.wav", "checkpoints/train_full/ckpt-1.npz",
-                "logs/01-train_full.log", "logs/download.log"):
+    for rel in ("downloads/0.wav", "dataset/wavs/0.wav", "checkpoints/train_full/ckpt-1.npz"):
         path = work_dir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{rel}\n")
+    for rel in ("logs/01-train_full.log", "logs/download.log"):
+        path = job_dir_of(work_dir) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{rel}\n")
     (work_dir / "notes.txt").write_text("a loose file\n")
+
+
+def attempt_dirs(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "work" / WORK_DIR / "attempts").iterdir())
 
 
 @pytest.fixture
@@ -46,15 +54,30 @@ def test_committed_job_keeps_only_its_logs(queues, make_worker, handler, train, 
     assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
 
 
+def test_model_paths_name_published_files_that_outlive_the_cleanup(queues, make_worker, handler, train,
+                                                                 raw_store, tmp_path):
+    """After the commit and the scratch cleanup every modelPaths entry is an existing file under MODELS_ROOT."""
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    models_dir = tmp_path / "work" / ".models" / WORK_DIR
+    model_paths = raw_store.get_profile(PROFILE_ID)["modelPaths"]
+    for name, path in model_paths.items():
+        assert Path(path).is_file() and models_dir in Path(path).parents, name
+        assert Path(path).read_bytes() == f"{name} of {JOB_ID}\n".encode() * 10
+    assert not (tmp_path / "work" / WORK_DIR / "attempts").exists()
+
+
 def test_keep_work_files_keeps_every_file(queues, make_worker, keeping_handler, train, raw_store, tmp_path):
     """With KEEP_WORK_FILES the artifacts, downloads and checkpoints all stay after the commit."""
     train.during = write_work_files
     worker, _ = make_worker(keeping_handler)
     queues.send(message_body())
     assert worker.run_once() == "ack"
-    work_dir = tmp_path / "work" / WORK_DIR
-    for rel in ("downloads/0.wav", "checkpoints/train_full/ckpt-1.npz", "notes.txt", "logs/download.log"):
-        assert (work_dir / rel).is_file(), rel
+    [attempt_dir] = attempt_dirs(tmp_path)
+    for rel in ("downloads/0.wav", "checkpoints/train_full/ckpt-1.npz", "notes.txt", "output/full/model.pth"):
+        assert (attempt_dir / rel).is_file(), rel
+    assert (tmp_path / "work" / WORK_DIR / "logs" / "download.log").is_file()
     for path in raw_store.get_profile(PROFILE_ID)["modelPaths"].values():
         assert Path(path).is_file()
 
@@ -69,8 +92,8 @@ def test_files_of_an_uncommitted_attempt_are_kept_for_its_retry(queues, make_wor
     worker, _ = make_worker(handler)
     queues.send(message_body())
     assert worker.run_once() == "retry"
-    work_dir = tmp_path / "work" / WORK_DIR
-    assert (work_dir / "downloads" / "0.wav").is_file() and (work_dir / "output").is_dir()
+    [attempt_dir] = attempt_dirs(tmp_path)
+    assert (attempt_dir / "downloads" / "0.wav").is_file() and (attempt_dir / "output").is_dir()
 
 
 def test_a_failed_removal_is_logged_and_the_job_still_acknowledged(queues, make_worker, handler, train, raw_store,
@@ -91,7 +114,8 @@ def test_a_failed_removal_is_logged_and_the_job_still_acknowledged(queues, make_
     assert warning["log_level"] == "warning" and "Permission denied" in warning["failures"][0]
     # One failure does not stop the rest: every directory was tried, and the loose file is gone.
     assert warning["count"] == len(["checkpoints", "dataset", "downloads", "output"])
-    assert not (tmp_path / "work" / WORK_DIR / "notes.txt").exists()
+    [attempt_dir] = attempt_dirs(tmp_path)
+    assert not (attempt_dir / "notes.txt").exists()
     assert client.ops()[-1] == "delete_message"
     assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
 
@@ -100,7 +124,7 @@ def test_an_unexpected_error_while_removing_never_fails_the_job(queues, make_wor
     """Even a non-OSError from the removal (a bug) is logged, not raised: the commit already happened."""
     import worker.voice.job as job_module
 
-    def broken(_work_dir):
+    def broken(_work_dir, _models_root=None):
         raise RuntimeError("bug in cleanup")
 
     monkeypatch.setattr(job_module, "remove_work_files", broken)
@@ -125,5 +149,5 @@ def test_a_symlink_in_the_work_dir_is_removed_not_followed(queues, make_worker, 
     worker, _ = make_worker(handler)
     queues.send(message_body())
     assert worker.run_once() == "ack"
-    assert not (tmp_path / "work" / WORK_DIR / "linked").exists()
+    assert not any(p.name == "linked" for p in (tmp_path / "work" / WORK_DIR).rglob("*"))
     assert (outside / "precious.txt").read_text() == "keep me\n"

@@ -28,6 +28,9 @@ BAD = [
     ({"LOG_FORMAT": "xml"}, "LOG_FORMAT=xml: Input should be 'json' or 'console'"),
     ({"MONGO_URI": "mongodb://h", "STORE_URL": "sqlite:///x.db"}, "MONGO_URI and STORE_URL are both set"),
     ({"STORE_URL": "postgres://x"}, "STORE_URL must look like sqlite:///path/to/file.db"),
+    ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w/models"}, "MODELS_ROOT=/w/models must not be WORK_ROOT or a directory below"),
+    ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not be WORK_ROOT"),
+    ({"WORK_ROOT": "/w/work", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not hold WORK_ROOT=/w/work"),
 ]
 
 
@@ -38,6 +41,13 @@ def test_each_bad_setting_has_its_own_line(env, line):
         load_settings(env)
     assert len(info.value.problems) == 1
     assert info.value.problems[0].startswith(line)
+
+
+def test_models_root_defaults_below_work_root_and_may_live_elsewhere():
+    """MODELS_ROOT defaults to <WORK_ROOT>/.models; a dot name below WORK_ROOT or a path outside it is fine."""
+    assert load_settings({"WORK_ROOT": "/w"}).models_root_path == "/w/.models"
+    assert load_settings({"WORK_ROOT": "/w", "MODELS_ROOT": "/w/.published"}).models_root_path == "/w/.published"
+    assert load_settings({"WORK_ROOT": "/w", "MODELS_ROOT": "/srv/models"}).models_root_path == "/srv/models"
 
 
 def test_several_problems_give_several_lines():

@@ -91,10 +91,15 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
     for uri in profile["s3Paths"].values():
         key = uri.removeprefix(f"s3://{bucket}/")
         assert s3.head_object(Bucket=bucket, Key=key)["ContentLength"] > 0
-    # After the commit only the logs stay, and nothing the worker wrote is readable by other users.
+    # After the commit only the logs stay besides the five published models (which modelPaths name),
+    # and nothing the worker wrote is readable by other users.
+    models = tmp_path / "work" / ".models"
     left = [p for p in (tmp_path / "work").rglob("*")]
-    assert any(p.is_file() and p.parent.name == "logs" for p in left)
-    assert not [p for p in left if p.is_file() and p.parent.name != "logs"]
+    scratch = [p for p in left if models not in p.parents]
+    assert any(p.is_file() and p.parent.name == "logs" for p in scratch)
+    assert not [p for p in scratch if p.is_file() and p.parent.name != "logs"]
+    assert sorted(Path(p) for p in profile["modelPaths"].values()) == sorted(
+        p for p in models.rglob("*") if p.is_file())
     assert not [p for p in left if p.stat().st_mode & 0o007], "world-accessible work files"
 
 

@@ -175,11 +175,15 @@ class Stack:
         listed = self.s3.list_object_versions(Bucket=self.bucket, Prefix=key)
         return sum(1 for v in listed.get("Versions", []) if v["Key"] == key)
 
+    def attempt_dirs(self, job_id: str, directory: str = "voice-1") -> list[Path]:
+        """The job's per-attempt work directories (each attempt writes only its own)."""
+        return sorted(p for p in (self.work_dir(job_id, directory) / "attempts").glob("*") if p.is_dir())
+
     def verified_stages(self, job_id: str, directory: str = "voice-1") -> set[str]:
-        """Stages whose manifest vouches for their outputs on disk right now."""
+        """Stages whose manifest vouches for their outputs on disk right now, in any attempt's directory."""
         config = load_pipeline_config(self.pipeline)
-        output = self.work_dir(job_id, directory) / "output"
-        return {s.name for s in config.stages
+        outputs = [attempt / "output" for attempt in self.attempt_dirs(job_id, directory)]
+        return {s.name for s in config.stages for output in outputs
                 if manifest_problem(manifest_path(output, s.name), output, s.name, s.fingerprint,
                                     s.outputs) is None}
 

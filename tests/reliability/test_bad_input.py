@@ -130,6 +130,10 @@ class Probe:
             assert set(os.listdir(directory)) == entries, f"a file appeared in {directory}"
         for path in self.work_root.rglob("*"):
             parts = path.relative_to(self.work_root).parts
+            if parts[0] == ".models":  # the default MODELS_ROOT: <environment>/<directoryName>/<jobId>/...
+                parts = parts[1:]
+                if not parts:
+                    continue
             assert parts[0] in ENVIRONMENTS, path
             assert all(_SAFE.fullmatch(p) for p in parts[1:3]), path
 

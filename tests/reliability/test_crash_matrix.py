@@ -49,8 +49,7 @@ def trainer_running(worker: WorkerProcess, stack: Stack, job_id: str, stage: str
                   for argv in map(cmdline, descendants(worker.pid)))
     if not running or stage == "embed":
         return running
-    checkpoints = stack.work_dir(job_id) / "checkpoints" / stage
-    return len(list(checkpoints.glob("ckpt-*.npz"))) >= 2
+    return len(list(stack.work_dir(job_id).glob(f"attempts/*/checkpoints/{stage}/ckpt-*.npz"))) >= 2
 
 
 def kill_at(point: str, worker: WorkerProcess, stack: Stack, job_id: str) -> list[int]:

@@ -8,7 +8,8 @@ stage ``COMMITTING`` is written, after which the store refuses cancel requests):
     1 verify the five local files        (regular, non-empty, no symlink on the way)
     2 upload all five to S3              (content-addressed keys, never replacing an object; a matching
                                           object is reused; the claim proven before each object and part)
-    3 write local and S3 paths           (fenced on our claim token)
+   2b publish all five under MODELS_ROOT (content-addressed, never replaced: worker.voice.publish)
+    3 write local and S3 paths           (fenced on our claim token; local = the published files)
     4 mark the profile completed         (fenced)
     5 mark the job completed             (fenced: the commit marker)
     then delete the objects under the job's key prefix that the committed paths do not name
@@ -22,10 +23,13 @@ Three rules around that path:
 * An attempt that learns it lost the job after uploading deletes what it wrote only once the job is
   committed and the committed paths do not name it (same bytes, same key: it may be the committed
   object). Both cleanups are best effort; a failure is logged, never a failed job.
-* Once the commit marker is written, the job's work directory is emptied except its ``logs/``
-  (``keep_work_files`` keeps every file). The models are in S3 by then; the profile's
-  ``modelPaths`` still name the local files, which no longer exist. A failed removal is logged,
-  never a failed job. A crashed attempt keeps its files, so its retry still resumes from them.
+* Each attempt works in a directory of its own, ``<job dir>/attempts/<attempt id>/`` (the attempt
+  number and the start of the claim token), so a stale attempt never writes the new one's files; a
+  retry copies what earlier attempts verified (``pipeline.reuse``). The logs are the job's.
+* Once the commit marker is written, the job's work directory is emptied except its ``logs/``: every
+  attempt's scratch goes (``keep_work_files`` keeps every file). The profile's ``modelPaths`` name
+  the published copies under ``MODELS_ROOT``, which the cleanup never touches. A failed removal is
+  logged, never a failed job. A crashed attempt keeps its files, so its retry still resumes from them.
 * Job files are written only into the WORK_ROOT this worker's first job found (same device and
   inode): once it is gone or another directory (an unmount leaves the mount point's own directory
   on the disk below), every attempt fails retryably, until it is back or the worker restarts.
@@ -83,6 +87,7 @@ from worker.core.metrics import NULL_METRICS, Metrics
 from worker.core.queue import Message
 from worker.core.stop import StopSignal
 from worker.voice.attempt import Attempt, ProgressReporter, StoreLease
+from worker.voice.publish import models_dir_for, publish_all, published_rel
 from worker.voice.store import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete,
                                  utc_now)
 
@@ -91,8 +96,12 @@ log = structlog.get_logger(__name__)
 # train(job, work_dir, stop, progress) -> {asset: local path}; the pipeline in production.
 Train = Callable[[Job, Path, StopSignal, Callable[[str, float], None]], dict[str, Path]]
 
-OUTPUT_DIR = "output"  # the pipeline's artifact directory inside the job's work dir
+OUTPUT_DIR = "output"  # the pipeline's artifact directory inside an attempt's work dir
 LOGS_DIR = "logs"  # kept after the commit: what an operator reads when asking how a job went
+ATTEMPTS_DIR = "attempts"  # one directory per attempt inside the job's work dir (pipeline.run)
+# Below WORK_ROOT by default; a name starting with a dot is never an environment name (SAFE_NAME),
+# so the models tree cannot meet a job's work directory.
+DEFAULT_MODELS_DIR = ".models"
 
 
 class AlreadyFailed(PermanentError):
@@ -141,6 +150,32 @@ def work_root_problem(first: tuple[int, int] | None, now: tuple[int, int] | None
     return "is another directory than the one this worker started with (unmounted, remounted or replaced)"
 
 
+def attempt_dir_name(attempt_number: int, token: str) -> str:
+    """``<attempt number, 4 digits>-<first 8 hex of the claim token>``: unique per claim, sorts by number."""
+    return f"{attempt_number:04d}-{token[:8]}"
+
+
+def attempt_dir_for(job_dir: Path, attempt_number: int, token: str) -> Path:
+    return job_dir / ATTEMPTS_DIR / attempt_dir_name(attempt_number, token)
+
+
+def artifact_rels(paths: dict[str, Path], output_dir: Path, models_dir: Path) -> dict[str, str]:
+    """Each artifact's path relative to the output directory, whether it lies there or is published."""
+    rels = {}
+    for name, path in paths.items():
+        rel = published_rel(models_dir, path)
+        rels[name] = rel if rel is not None else path.relative_to(output_dir).as_posix()
+    return rels
+
+
+def _artifacts_base(paths: dict[str, Path], output_dir: Path, models_dir: Path) -> Path:
+    """The directory the five files lie in: MODELS_ROOT's job directory when all are published, else
+    the attempt's output directory (where verification then finds any file that is not)."""
+    if paths and all(published_rel(models_dir, Path(path)) is not None for path in paths.values()):
+        return models_dir
+    return output_dir
+
+
 def recorded_failure(record: dict | None, message: Message) -> AlreadyFailed | None:
     """The permanent failure this message already met (see the module docstring), or None."""
     error = (record or {}).get("error") or {}
@@ -155,16 +190,43 @@ def recorded_failure(record: dict | None, message: Message) -> AlreadyFailed | N
     return AlreadyFailed(str(error.get("type") or "PermanentError"), str(error.get("message") or ""))
 
 
-def remove_work_files(work_dir: Path) -> list[str]:
-    """Delete everything in ``work_dir`` except its logs/ directory; one line per entry left behind."""
-    failures = []
-    entries = list(work_dir.iterdir()) if work_dir.is_dir() else []
-    for entry in entries:
+def remove_work_files(work_dir: Path, models_root: Path | None = None) -> list[str]:
+    """Delete everything in ``work_dir`` except its logs/ directory; one line per entry left behind.
+
+    The attempts/ directory is emptied attempt by attempt, entry by entry, so one failure never
+    keeps the rest. An entry inside ``models_root`` or holding it is never removed: published models
+    outlive scratch.
+    """
+    models = Path(models_root).resolve() if models_root is not None else None
+    failures: list[str] = []
+    for entry in _entries(work_dir):
         is_dir = entry.is_dir() and not entry.is_symlink()  # a link is removed, never followed
-        if is_dir and entry.name == LOGS_DIR:
+        if (is_dir and entry.name == LOGS_DIR) or (models is not None and _overlaps(entry, models)):
             continue
+        if is_dir and entry.name == ATTEMPTS_DIR:
+            for attempt in _entries(entry):
+                if attempt.is_dir() and not attempt.is_symlink():
+                    failures += [f"{attempt.name}/{line}" for line in _remove_entries(_entries(attempt))]
+                failures += _remove_entries([attempt], empty_dirs_only=True)
+            failures += _remove_entries([entry], empty_dirs_only=True)
+        else:
+            failures += _remove_entries([entry])
+    return failures
+
+
+def _entries(directory: Path) -> list[Path]:
+    return list(directory.iterdir()) if directory.is_dir() and not directory.is_symlink() else []
+
+
+def _remove_entries(entries: list[Path], *, empty_dirs_only: bool = False) -> list[str]:
+    failures = []
+    for entry in entries:
+        is_dir = entry.is_dir() and not entry.is_symlink()
         try:
-            if is_dir:
+            if is_dir and empty_dirs_only:
+                if not any(entry.iterdir()):
+                    entry.rmdir()
+            elif is_dir:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
@@ -173,8 +235,16 @@ def remove_work_files(work_dir: Path) -> list[str]:
     return failures
 
 
+def _overlaps(entry: Path, models: Path) -> bool:
+    where = entry.parent.resolve() / entry.name  # the entry itself unresolved: a link is not followed
+    return where == models or where in models.parents or models in where.parents
+
+
 def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | None:
-    """The profile's local model paths from an earlier attempt of this job, when all five verify on disk."""
+    """The profile's local model paths from an earlier attempt of this job, when all five verify on disk.
+
+    ``output_dir`` is where they must lie: the job's published models directory.
+    """
     stored = (profile or {}).get("modelPaths") or {}
     if not all(stored.get(k) for k in ASSET_KEYS):
         return None
@@ -192,7 +262,7 @@ class VoiceJobHandler:
     def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Train, work_root: Path,
                  s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
                  metrics: Metrics = NULL_METRICS, policy: InputPolicy = InputPolicy(),
-                 keep_work_files: bool = False):
+                 keep_work_files: bool = False, models_root: Path | None = None):
         self._store = store
         # The default policy refuses every s3:// recording: a handler is never more open than asked.
         self._policy = policy
@@ -200,6 +270,7 @@ class VoiceJobHandler:
         self._uploader = uploader
         self._train = train
         self._work_root = Path(work_root)
+        self._models_root = Path(models_root) if models_root is not None else self._work_root / DEFAULT_MODELS_DIR
         self._s3_prefix = s3_prefix
         self._worker_id = worker_id
         # The record's lease lasts as long as the message's visibility: both lapse together.
@@ -266,8 +337,11 @@ class VoiceJobHandler:
             log.info("job.cancelled", when="at claim")
             return "cancelled"
         try:
-            paths = self._artifacts(job, profile, lease.stop, attempt)
-            s3_paths = self._persist(job, attempt, paths, lease, store_lease)
+            # Inside the try: a work dir that escapes WORK_ROOT is this attempt's recorded failure.
+            attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
+                                          int((claim.job or {}).get("attempts") or 0), attempt.token)
+            paths = self._artifacts(job, profile, lease.stop, attempt, attempt_dir)
+            s3_paths = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
         except Stopped as exc:
             store_lease.end()
             return self._stopped(attempt, exc)
@@ -312,18 +386,19 @@ class VoiceJobHandler:
                     note="another message for this job is being worked on; acknowledged without work")
         return "duplicate"
 
-    def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, attempt: Attempt) -> dict[str, Path]:
+    def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, attempt: Attempt,
+                   attempt_dir: Path) -> dict[str, Path]:
         self._check_work_root()
-        work_dir = work_dir_for(self._work_root, job)
-        reused = reusable_paths(profile, work_dir / OUTPUT_DIR)
+        reused = reusable_paths(profile, models_dir_for(self._models_root, job))
         if reused is not None:
             log.info("job.reusing_verified_artifacts")
             return reused
         progress = ProgressReporter(attempt, stop, metrics=self._metrics)
-        return self._train(job, work_dir, stop, progress)
+        log.info("job.attempt_dir", attempt_dir=attempt_dir.name)
+        return self._train(job, attempt_dir, stop, progress)
 
     def _persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
-                 store_lease: StoreLease) -> dict[str, str]:
+                 store_lease: StoreLease, attempt_dir: Path) -> dict[str, str]:
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         lease.stop.raise_if_set()
         # Progress stage COMMITTING (a fenced write): from here on the store refuses cancel requests
@@ -335,11 +410,15 @@ class VoiceJobHandler:
             raise LeaseLost(f"committing stage refused: {exc}") from exc
         store_lease.renew()
         lease.stop.raise_if_set()
-        output_dir = work_dir_for(self._work_root, job) / OUTPUT_DIR
-        verify_local(output_dir, paths)                                          # 1
+        models_dir = models_dir_for(self._models_root, job)
+        # The files lie in this attempt's output directory, or, when a retry reuses what an earlier
+        # attempt of this job published, all under MODELS_ROOT: each is checked inside its own base.
+        base_dir = _artifacts_base(paths, attempt_dir / OUTPUT_DIR, models_dir)
+        verify_local(base_dir, paths)                                            # 1
+        rels = artifact_rels(paths, attempt_dir / OUTPUT_DIR, models_dir)
         written: list[str] = []
         try:
-            return self._commit(job, attempt, paths, lease, store_lease, output_dir, written)
+            return self._commit(job, attempt, paths, lease, store_lease, base_dir, rels, models_dir, written)
         except (LeaseLost, StaleWrite):
             self._remove_stale_uploads(job, written)
             raise
@@ -349,10 +428,15 @@ class VoiceJobHandler:
             raise
 
     def _commit(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
-                store_lease: StoreLease, output_dir: Path, written: list[str]) -> dict[str, str]:
+                store_lease: StoreLease, base_dir: Path, rels: dict[str, str], models_dir: Path,
+                written: list[str]) -> dict[str, str]:
+        # The uploader names each file by its path under base_dir; the key takes the artifact's own
+        # relative path (a published file's path under MODELS_ROOT starts with its digest).
+        rel_of = {Path(paths[name]).relative_to(base_dir).as_posix(): rels[name] for name in paths}
+
         def key_for(sha256_hex: str, relative_path: str) -> str:
             return artifact_key(self._s3_prefix, job.environment, job.profile_id, job.job_id, sha256_hex,
-                                relative_path)
+                                rel_of[relative_path])
 
         def proof() -> None:
             # S3 is outside the store's fence: before each object, renew the claim (the proof that it
@@ -367,11 +451,14 @@ class VoiceJobHandler:
             self._check_lease(lease)
             store_lease.ensure_live()
 
-        s3_paths = self._uploader.upload_all(output_dir, paths, key_for, proof=proof,   # 2
+        s3_paths = self._uploader.upload_all(base_dir, paths, key_for, proof=proof,      # 2
                                              part_proof=part_proof, written=written)
         self._crash("after_upload")
         self._check_lease(lease)
-        model_paths = {name: str(path) for name, path in paths.items()}
+        # Before the paths, so they never name a file that does not exist (see worker.voice.publish).
+        published = publish_all(paths, rels, models_dir)                         # 2b
+        self._check_lease(lease)
+        model_paths = {name: str(path) for name, path in published.items()}
         attempt.write_paths(model_paths, s3_paths)                               # 3
         self._crash("after_paths")
         self._check_lease(lease)
@@ -434,11 +521,11 @@ class VoiceJobHandler:
                               "it is back; a new file system there is used after a restart of the worker")
 
     def _remove_work_files(self, job: Job) -> None:
-        """After the commit: the job's files are in S3, so only its logs stay on this host's disk."""
+        """After the commit: the models are in S3 and published, so only the job's logs stay as scratch."""
         if self._keep_work_files:
             return
         try:
-            failures = remove_work_files(work_dir_for(self._work_root, job))
+            failures = remove_work_files(work_dir_for(self._work_root, job), self._models_root)
         except Exception as exc:  # noqa: BLE001 - the job is committed: nothing here may fail it
             failures = [f"{type(exc).__name__}: {exc}"]
         if failures:

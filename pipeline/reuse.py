@@ -1,0 +1,181 @@
+"""A retry's head start: copying an earlier attempt's finished work into the new attempt's directory.
+
+Each attempt works in a directory of its own (``pipeline.run.work_layout``), so an attempt that lost
+its job (its worker stopped, cut off, or killed while its trainer survived) can never write into the
+new attempt's files. What it already finished is still worth having, so before the steps run:
+
+- a stage whose manifest verifies in an earlier attempt (newest first) gets that attempt's outputs
+  copied, each one checked against the manifest's size and SHA-256 *as it is copied* (a stale
+  trainer could still be rewriting the source), and the manifest written last, atomically: the stage
+  is then skipped, exactly as if it had run here;
+- a resumable stage with no such manifest gets the newest earlier checkpoint directory copied, so it
+  resumes instead of starting over;
+- a recording downloaded by an earlier attempt is copied rather than fetched again (a download is
+  renamed into place only when whole, so a file under its final name is complete).
+
+Everything is copied, never hard-linked: a surviving old trainer writing a file in place would
+otherwise change the new attempt's copy too. Nothing is read through a symbolic link, and each copy
+lands under its final name only once complete (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeline.config import StageSpec
+from pipeline.files import HASH_CHUNK_BYTES, fsync_dir
+from pipeline.manifest import TEMP_MARKER, atomic_write_bytes, manifest_path, read_manifest
+
+
+def attempt_order(name: str) -> tuple[int, str]:
+    """Sort key of an attempt directory name (``<attempt number>-<token prefix>``): by number."""
+    number, _, rest = name.partition("-")
+    return (int(number), rest) if number.isdigit() else (-1, name)
+
+
+class CopyMismatch(Exception):
+    """The source no longer holds what the manifest recorded."""
+
+
+def adopt_verified_outputs(stage: StageSpec, earlier_output_dirs: Sequence[Path], output_dir: Path) -> Path | None:
+    """Copy the stage's outputs from the newest earlier attempt whose manifest vouches for them.
+
+    Returns the output directory copied from, or None (nothing verified anywhere: the stage runs).
+    """
+    for source in earlier_output_dirs:
+        manifest, problem = read_manifest(manifest_path(source, stage.name), stage.name, stage.fingerprint,
+                                          stage.outputs)
+        if problem is not None:
+            continue
+        copied = []
+        try:
+            for rel in stage.outputs:
+                entry = manifest["outputs"][rel]
+                if not isinstance(entry, dict):
+                    raise CopyMismatch(rel)
+                copy_file(source, rel, output_dir, expect=(entry.get("size"), entry.get("sha256")))
+                copied.append(rel)
+        except (CopyMismatch, OSError):
+            for rel in copied:
+                (output_dir / rel).unlink(missing_ok=True)
+            continue
+        target = manifest_path(output_dir, stage.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(target, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+        return source
+    return None
+
+
+def adopt_checkpoints(earlier_checkpoint_dirs: Sequence[Path], checkpoint_dir: Path) -> Path | None:
+    """Copy the newest non-empty earlier checkpoint directory into an empty ``checkpoint_dir``."""
+    if _has_files(checkpoint_dir):
+        return None
+    for source in earlier_checkpoint_dirs:
+        if not _is_real_dir(source) or not _has_files(source):
+            continue
+        temp = checkpoint_dir.with_name(f".{checkpoint_dir.name}{TEMP_MARKER}{os.getpid()}")
+        _remove_tree(temp)
+        try:
+            copy_tree(source, temp)
+        except (CopyMismatch, OSError):
+            _remove_tree(temp)
+            continue
+        _remove_tree(checkpoint_dir)
+        os.rename(temp, checkpoint_dir)
+        fsync_dir(checkpoint_dir.parent)
+        return source
+    return None
+
+
+def adopt_downloads(earlier_download_dirs: Sequence[Path], downloads_dir: Path, names: Sequence[str]) -> list[str]:
+    """Copy each named download missing here from the newest earlier attempt that has it; the names copied."""
+    copied = []
+    for name in names:
+        if (downloads_dir / name).exists():
+            continue
+        for source in earlier_download_dirs:
+            try:
+                copy_file(source, name, downloads_dir)
+            except (CopyMismatch, OSError):
+                continue
+            copied.append(name)
+            break
+    return copied
+
+
+def copy_file(source_root: Path, rel: str, target_root: Path, *, expect: tuple | None = None) -> None:
+    """Copy ``source_root/rel`` to ``target_root/rel``; with ``expect`` (size, sha256) it must match.
+
+    The source must be a regular file reached through real directories only (no component a link).
+    """
+    source = source_root / rel
+    _no_links_below(source_root, rel)
+    target = target_root / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.with_name(f".{target.name}{TEMP_MARKER}{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        with os.fdopen(fd, "rb") as src, open(temp, "wb") as dst:
+            if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+                raise CopyMismatch(f"{rel} is not a regular file")
+            while chunk := src.read(HASH_CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        if expect is not None and (size, digest.hexdigest()) != tuple(expect):
+            raise CopyMismatch(f"{rel} changed since its manifest was written")
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def copy_tree(source: Path, target: Path) -> None:
+    """Copy the regular files and directories under ``source``; links and other kinds are left out."""
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in os.scandir(source):
+        if entry.is_dir(follow_symlinks=False):
+            copy_tree(Path(entry.path), target / entry.name)
+        elif entry.is_file(follow_symlinks=False) and TEMP_MARKER not in entry.name:
+            copy_file(source, entry.name, target)
+
+
+def _no_links_below(root: Path, rel: str) -> None:
+    current = root
+    for part in Path(rel).parts[:-1]:
+        current = current / part
+        if not _is_real_dir(current):
+            raise CopyMismatch(f"{rel}: {part} is not a directory of its own")
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _has_files(directory: Path) -> bool:
+    if not _is_real_dir(directory):
+        return False
+    for _root, _dirs, files in os.walk(directory):
+        if files:
+            return True
+    return False
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)

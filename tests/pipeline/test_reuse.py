@@ -1,0 +1,113 @@
+"""Per-attempt work directories: a retry copies earlier verified work, never a stale attempt's changes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import StageSpec, load_pipeline_config
+from pipeline.manifest import manifest_path, manifest_problem
+from pipeline.reuse import adopt_checkpoints, adopt_verified_outputs
+from pipeline.run import earlier_attempts, run_pipeline, work_layout
+from pipeline.stages import StageContext, run_stage
+from tests.pipeline.test_run import REPO, job_and_fetch  # noqa: F401 - the fixture
+from tests.pipeline.test_stages import no_progress, runs, writer_stage
+from worker.core.stop import StopSignal
+
+
+@pytest.fixture(scope="module")
+def default_config():
+    return load_pipeline_config(REPO / "config" / "pipeline.toml")
+
+
+def attempt_ctx(job_dir: Path, name: str) -> StageContext:
+    dirs = work_layout(job_dir / "attempts" / name)
+    return StageContext(dataset_dir=dirs["dataset"], output_dir=dirs["output"], checkpoints_root=dirs["checkpoints"],
+                        log_dir=dirs["logs"], job_id="job-r", language="en")
+
+
+def test_a_retry_in_a_new_attempt_dir_reuses_every_verified_stage(tmp_path, job_and_fetch, default_config):  # noqa: F811
+    """The second attempt's directory is its own, yet it fetches nothing again and reruns no verified stage."""
+    job, fetch = job_and_fetch
+    job_dir = tmp_path / "job"
+    first = run_pipeline(job, job_dir / "attempts" / "0001-aaaaaaaa", StopSignal(), config=default_config,
+                         fetch=fetch, progress=lambda s, p: None)
+    stage_logs = sorted(p.name for p in (job_dir / "logs").glob("*-t*.log"))
+    second = run_pipeline(job, job_dir / "attempts" / "0002-bbbbbbbb", StopSignal(), config=default_config,
+                          fetch=fetch, progress=lambda s, p: None)
+    assert len(fetch.calls) == len(job.recordings)
+    assert sorted(p.name for p in (job_dir / "logs").glob("*-t*.log")) == stage_logs
+    for key, path in second.items():
+        assert path.is_relative_to(job_dir / "attempts" / "0002-bbbbbbbb" / "output")
+        assert path.read_bytes() == first[key].read_bytes()
+        assert os.stat(path).st_ino != os.stat(first[key]).st_ino  # a copy, not a link
+    for stage in default_config.stages:
+        output = job_dir / "attempts" / "0002-bbbbbbbb" / "output"
+        assert manifest_problem(manifest_path(output, stage.name), output, stage.name, stage.fingerprint,
+                                stage.outputs) is None
+
+
+def test_a_lone_job_dir_has_no_earlier_attempts_and_keeps_its_logs(tmp_path):
+    """A directory outside attempts/ is a job directory of its own: logs inside, nothing to reuse."""
+    (tmp_path / "job").mkdir()
+    assert earlier_attempts(tmp_path / "job") == []
+    assert work_layout(tmp_path / "job")["logs"] == tmp_path / "job" / "logs"
+
+
+def test_earlier_attempts_order(tmp_path):
+    """Attempt 10 is newer than attempt 9, whatever the token prefix; the current one is left out."""
+    attempts = tmp_path / "job" / "attempts"
+    for name in ("0009-ffffffff", "0010-00000000", "0002-aaaaaaaa", "0011-current"):
+        (attempts / name).mkdir(parents=True)
+    assert [p.name for p in earlier_attempts(attempts / "0011-current")] == [
+        "0010-00000000", "0009-ffffffff", "0002-aaaaaaaa"]
+
+
+def test_a_stale_attempts_change_after_its_manifest_is_not_copied(tmp_path):
+    """An earlier attempt whose output was rewritten after its manifest (a surviving trainer) is not adopted."""
+    job_dir = tmp_path / "job"
+    old, new = attempt_ctx(job_dir, "0001-aaaaaaaa"), attempt_ctx(job_dir, "0002-bbbbbbbb")
+    stage = writer_stage(tmp_path)
+    run_stage(stage, old, StopSignal(), no_progress)
+    (old.output_dir / "w/b.bin").write_bytes(b"X" * 10)  # same size, other bytes
+    assert adopt_verified_outputs(stage, [old.output_dir], new.output_dir) is None
+    assert not manifest_path(new.output_dir, stage.name).exists()
+    assert not (new.output_dir / "w/b.bin").exists()
+    run_stage(stage, new, StopSignal(), no_progress)
+    assert (new.output_dir / "w/b.bin").read_bytes() == b"B" * 10
+    assert len(runs(tmp_path)) == 2
+
+
+def test_verified_outputs_come_from_the_newest_attempt_that_verifies(tmp_path):
+    """With two earlier attempts, the newest whose manifest verifies is copied and the stage is skipped."""
+    job_dir = tmp_path / "job"
+    older, newer, current = (attempt_ctx(job_dir, n) for n in ("0001-aaaaaaaa", "0002-bbbbbbbb", "0003-cccccccc"))
+    stage = writer_stage(tmp_path)
+    run_stage(stage, older, StopSignal(), no_progress)
+    run_stage(stage, newer, StopSignal(), no_progress)
+    manifest_path(newer.output_dir, stage.name).write_text("{broken")
+    assert adopt_verified_outputs(stage, [newer.output_dir, older.output_dir], current.output_dir) == older.output_dir
+    assert run_stage(stage, current, StopSignal(), no_progress).skipped
+    assert len(runs(tmp_path)) == 2
+
+
+def test_a_resumable_stage_gets_the_newest_earlier_checkpoints_as_a_copy(tmp_path):
+    """The newest non-empty checkpoint dir is copied (new inodes), so an old trainer cannot change it."""
+    stage = StageSpec(name="train", argv=("x",), outputs=("o",), resumable=True)
+    job_dir = tmp_path / "job"
+    older, newer, current = (attempt_ctx(job_dir, n) for n in ("0001-aaaaaaaa", "0002-bbbbbbbb", "0003-cccccccc"))
+    (older.checkpoint_dir(stage)).mkdir(parents=True)
+    (older.checkpoint_dir(stage) / "ckpt-1").write_bytes(b"old")
+    (newer.checkpoint_dir(stage) / "sub").mkdir(parents=True)
+    (newer.checkpoint_dir(stage) / "sub" / "ckpt-2").write_bytes(b"new")
+    (newer.checkpoint_dir(stage) / "link").symlink_to(tmp_path)
+    source = adopt_checkpoints([newer.checkpoint_dir(stage), older.checkpoint_dir(stage)], current.checkpoint_dir(stage))
+    assert source == newer.checkpoint_dir(stage)
+    copied = current.checkpoint_dir(stage) / "sub" / "ckpt-2"
+    assert copied.read_bytes() == b"new"
+    assert os.stat(copied).st_ino != os.stat(newer.checkpoint_dir(stage) / "sub" / "ckpt-2").st_ino
+    assert not (current.checkpoint_dir(stage) / "link").exists()
+    (newer.checkpoint_dir(stage) / "sub" / "ckpt-2").write_bytes(b"rewritten by a survivor")
+    assert copied.read_bytes() == b"new"

@@ -1,0 +1,123 @@
+"""Publishing the five artifacts where the profile's ``modelPaths`` can keep naming them.
+
+An attempt's output directory is scratch: it is removed after the commit. The profile's local model
+paths are part of what "completed" means, so before they are written (commit step 3) each artifact
+is copied to ``$MODELS_ROOT/<environment>/<directoryName>/<jobId>/<sha256>/<relative path>``:
+
+- content-addressed: a file's directory is named by its SHA-256, so two attempts that trained
+  different bytes publish to different paths, and a stale attempt can never change what a committed
+  profile names;
+- never replaced: the copy goes to a temp file in the same directory, is fsynced and then hard-linked
+  to its final name (``os.link`` fails when the name exists); an existing file is kept when its size
+  and SHA-256 match, and refused (a retryable ``StorageError``) when they do not;
+- written before the paths, not after the commit: once step 3 has written them, a crash at any later
+  point leaves a profile whose paths already exist, and a retry (``reusable_paths``) finds them.
+
+Nothing here removes a published file; the job's scratch cleanup never reaches ``MODELS_ROOT``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+
+import structlog
+
+from pipeline.files import HASH_CHUNK_BYTES, fsync_dir, sha256_and_size
+from worker.core.errors import InvalidMessage, StorageError
+from worker.voice.message import Job
+
+log = structlog.get_logger(__name__)
+
+_TEMP_MARKER = ".publishing-"
+
+
+def models_dir_for(models_root: Path, job: Job) -> Path:
+    """``$MODELS_ROOT/<environment>/<directoryName>/<jobId>``: built only from validated names."""
+    root = Path(models_root).resolve()
+    path = (root / job.environment / job.directory_name / job.job_id).resolve()
+    if root not in path.parents:
+        raise InvalidMessage(f"models directory {path} escapes MODELS_ROOT")
+    return path
+
+
+def published_path(models_dir: Path, sha256_hex: str, rel: str) -> Path:
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or any(p in ("..", ".") for p in parts):
+        raise ValueError(f"artifact path must be relative and stay below its directory: {rel!r}")
+    return models_dir / sha256_hex / Path(*parts)
+
+
+def published_rel(models_dir: Path, path: Path) -> str | None:
+    """The artifact's relative path when ``path`` is a published file of ``models_dir``, else None."""
+    try:
+        parts = Path(path).relative_to(models_dir).parts
+    except ValueError:
+        return None
+    return "/".join(parts[1:]) if len(parts) >= 2 else None
+
+
+def publish_all(paths: Mapping[str, Path], rels: Mapping[str, str], models_dir: Path) -> dict[str, Path]:
+    """Publish each artifact (``rels``: its path relative to the output directory); the published paths."""
+    try:
+        return {name: publish_file(Path(paths[name]), rels[name], models_dir) for name in paths}
+    except OSError as exc:
+        raise StorageError(f"publishing the models failed at {Path(exc.filename or 'MODELS_ROOT').name}: "
+                           f"{exc.strerror or exc}") from exc
+
+
+def publish_file(source: Path, rel: str, models_dir: Path) -> Path:
+    """Publish one file; returns its published path (the existing one when the same bytes are there)."""
+    sha256_hex, size = sha256_and_size(source)
+    final = published_path(models_dir, sha256_hex, rel)
+    if final == source:
+        return final  # already the published file (a retry reusing the profile's paths)
+    if _same_file_there(final, sha256_hex, size):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = final.with_name(f".{final.name}{_TEMP_MARKER}{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        copied = _copy(source, temp)
+        if copied != (sha256_hex, size):
+            raise StorageError(f"{rel} changed while it was being published")
+        try:
+            os.link(temp, final)
+        except FileExistsError:
+            # Someone (another attempt) published first: theirs stays, if it holds the same bytes.
+            if not _same_file_there(final, sha256_hex, size):
+                raise StorageError(f"published file {final} exists with other content; it is never "
+                                   "replaced") from None
+        fsync_dir(final.parent)
+    finally:
+        temp.unlink(missing_ok=True)
+    log.info("artifacts.published", file=rel, sha256=sha256_hex)
+    return final
+
+
+def _same_file_there(path: Path, sha256_hex: str, size: int) -> bool:
+    """Whether ``path`` is a regular file (not a link) holding exactly these bytes; a mismatch raises."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(info.st_mode) and info.st_size == size and sha256_and_size(path) == (sha256_hex, size):
+        return True
+    raise StorageError(f"published file {path} exists with other content; it is never replaced")
+
+
+def _copy(source: Path, temp: Path) -> tuple[str, int]:
+    """Copy into a new ``temp`` (exclusive create), fsynced; the (sha256, size) of what was copied."""
+    digest, size = hashlib.sha256(), 0
+    src_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    dst_fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+    with os.fdopen(src_fd, "rb") as src, os.fdopen(dst_fd, "wb") as dst:
+        while chunk := src.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+            dst.write(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
+    return digest.hexdigest(), size
