@@ -17,7 +17,8 @@ statuses that ``subprocess.Popen`` objects elsewhere wait for. The stage keeper
 (``pipeline.stage_keeper``), a process of its own between the worker and the stage, is the subreaper
 instead; the deployments also run under an init (docker --init, ECS initProcessEnabled).
 
-Every stage process also carries its job's id (``JOB_NAME``) and its attempt (``ATTEMPT_NAME``): a
+Every stage process also carries its job's mark (``JOB_NAME``: the job's work directory, so one
+host's deployments that share a job id stay apart) and its attempt (``ATTEMPT_NAME``): a
 worker that is about to start a step of a job first ends whatever process of an older attempt of that
 job is still alive on the host (``end_job_survivors``), such as the trainer of a worker that was
 stopped (SIGSTOP) or whose keeper could not outlive it.

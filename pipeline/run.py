@@ -143,9 +143,12 @@ def _run(
     # Every stage process carries the job's id and attempt, so a later attempt on this host can find
     # and end it (and a stale one learns that a newer attempt is running).
     attempt = work_dir.name if is_attempt_dir(work_dir) else ""
-    env = {**env, JOB_NAME: job.job_id, ATTEMPT_NAME: attempt}
+    # The job's mark is its work directory, not its bare id: unique per job *and* work root, so two
+    # deployments (or two test runs) on one host that share a job id never end each other's stages.
+    job_mark = str((work_dir.parent.parent if attempt else work_dir).resolve())
+    env = {**env, JOB_NAME: job_mark, ATTEMPT_NAME: attempt}
     # Before anything is copied from an earlier attempt: none of its processes may still be writing.
-    end_survivors(job.job_id, grace_s, attempt=attempt)
+    end_survivors(job_mark, grace_s, attempt=attempt)
     earlier = earlier_attempts(work_dir)
 
     stop.raise_if_set()

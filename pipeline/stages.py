@@ -98,6 +98,12 @@ class StageContext:
     # still gets only the built-in allow-list, never this process's whole environment.
     env: Mapping[str, str] = field(default_factory=lambda: stage_environment(os.environ), repr=False)
 
+    def job_mark(self) -> str:
+        """What marks this job's processes on the host (``JOB_NAME``): the pipeline sets the job's work
+        directory in ``env``; a context made without one (tests, benchmarks) uses the directory above
+        its output, never a bare job id another work root may share."""
+        return self.env.get(JOB_NAME) or str(self.output_dir.parent.resolve())
+
     def checkpoint_dir(self, stage: StageSpec) -> Path:
         return self.checkpoints_root / stage.name
 
@@ -200,7 +206,7 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
     with log_file:
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
         code = run_supervised(
-            stage, argv, {**ctx.env, JOB_NAME: ctx.job_id}, log_file, stop, progress, grace_s,
+            stage, argv, {**ctx.env, JOB_NAME: ctx.job_mark()}, log_file, stop, progress, grace_s,
             poll_interval_s, clock,
         )
         _log_line(log_file, f"stage {stage.name} exited with code {code}")

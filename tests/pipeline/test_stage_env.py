@@ -111,6 +111,6 @@ def test_run_pipeline_hands_its_stage_env_to_every_stage(tmp_path):
                          progress=lambda *_: None, stage_env={"PATH": "/usr/bin:/bin", "ONLY_THIS": "1"})
     env = json.loads(next(iter(paths.values())).read_text())
     env.pop("LC_CTYPE", None)  # set by Python's own C-locale coercion in the stage, not by us
-    assert env.pop("VOICE_WORKER_STAGE_RUN") and env.pop("VOICE_WORKER_JOB") == "j"
+    assert env.pop("VOICE_WORKER_STAGE_RUN") and env.pop("VOICE_WORKER_JOB") == str((tmp_path / "work").resolve())
     assert env.pop("VOICE_WORKER_ATTEMPT") == ""  # a lone job directory is no attempt directory
     assert env == {"PATH": "/usr/bin:/bin", "ONLY_THIS": "1"}

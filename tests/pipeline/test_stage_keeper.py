@@ -99,11 +99,11 @@ def test_kill_9_of_the_worker_ends_the_stage_and_its_setsid_grandchild(tmp_path)
 
 
 def test_a_survivor_of_the_job_is_ended_before_a_stage_of_that_job_starts(tmp_path, ctx, capsys):
-    """A process carrying the job's id (even one ignoring SIGTERM) is gone before the stage runs."""
+    """A process carrying the job's mark (even one ignoring SIGTERM) is gone before the stage runs."""
     survivor = subprocess.Popen(
         [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                "print('ready', flush=True); time.sleep(120)"],
-        env={**os.environ, JOB_NAME: ctx.job_id}, stdout=subprocess.PIPE)
+        env={**os.environ, JOB_NAME: ctx.job_mark()}, stdout=subprocess.PIPE)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                  env={**os.environ, JOB_NAME: "another-job"})
     try:
@@ -125,12 +125,12 @@ def test_a_survivor_of_the_job_is_ended_before_a_stage_of_that_job_starts(tmp_pa
         bystander.wait()
 
 
-def test_the_stage_environment_carries_the_job_id(tmp_path, ctx):
-    """Every stage process gets VOICE_WORKER_JOB=<jobId>, the mark a later attempt looks for."""
+def test_the_stage_environment_carries_the_job_mark(tmp_path, ctx):
+    """Every stage process gets VOICE_WORKER_JOB=<the job's work directory>, the mark a later attempt looks for."""
     stage = StageSpec(name="env", argv=("{python}", "-c", f"import os; open('{{output_dir}}/o', 'w').write(os.environ['{JOB_NAME}'])"),
                       outputs=("o",))
     run_stage(stage, ctx, StopSignal(), lambda name, pct: None)
-    assert (ctx.output_dir / "o").read_text() == "job-s"
+    assert (ctx.output_dir / "o").read_text() == ctx.job_mark() == str(ctx.output_dir.parent.resolve())
 
 
 @pytest.mark.parametrize(("body", "expected"), [
@@ -164,7 +164,7 @@ def test_a_stale_attempt_never_ends_a_newer_attempts_process(tmp_path):
         assert newer.stdout.readline() == b"ready\n"
         ctx = StageContext(dataset_dir=tmp_path / "ds", output_dir=tmp_path / "out", checkpoints_root=tmp_path / "ck",
                            log_dir=tmp_path / "logs", job_id="job-n", language="en",
-                           env={"PATH": os.environ["PATH"], ATTEMPT_NAME: "0009-aaaaaaaa"})
+                           env={"PATH": os.environ["PATH"], JOB_NAME: "job-n", ATTEMPT_NAME: "0009-aaaaaaaa"})
         stage = StageSpec(name="stale", argv=("{python}", "-c", "open('{output_dir}/o', 'w').write('x')"),
                           outputs=("o",))
         with pytest.raises(StageFailed, match="newer attempt"):
