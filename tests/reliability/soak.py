@@ -33,6 +33,9 @@ _ROUND = (*FAULT_KINDS, PARTITION_UPLOAD, SIGSTOP)
 # A partition armed for an upload stalls once this many more bytes have gone out: mid-body of the
 # first large object (SQS calls and heads are a few hundred bytes each).
 _MID_UPLOAD_BYTES = 256 * 1024
+# How long a partition that caught an upload may wait for the job's commit elsewhere, in leases: the
+# lease lapses, the redelivery is told the job is busy until the record lease ends, then retrains.
+_UPLOAD_PARTITION_CAP_LEASES = 5
 _TICK_S = 0.1
 FINAL = ("completed", "failed", "cancelled")
 
@@ -77,7 +80,7 @@ def fault_schedule(config: SoakConfig) -> list[Fault]:
     gap_s = config.window_s / (config.faults + 1)
     lease_s = config.visibility_s
     lengths = {SIGSTOP: (lease_s + 1.0, lease_s + 3.0), PARTITION: (1.0, lease_s + 2.0),
-               DROP: (0.5, 2.5), DELAY: (2.0, 5.0), PARTITION_UPLOAD: (lease_s * 5, lease_s * 5)}
+               DROP: (0.5, 2.5), DELAY: (2.0, 5.0), }
     faults = []
     for n, kind in enumerate(kinds[:config.faults]):
         low, high = lengths.get(kind, (0.0, 0.0))
@@ -169,13 +172,14 @@ class Soak:
     def run(self) -> SoakResult:
         started = time.monotonic()
         schedule = fault_schedule(self.config)
-        submit_gap_s = self.config.window_s * 0.7 / max(1, self.config.jobs)
+        submit_gap_s = self.config.window_s * 0.9 / max(1, self.config.jobs)
         submitted = 0
         try:
             for slot in self.slots:
                 self._start(slot)
             wait_until(lambda: all(Path(w.env["LIVENESS_FILE"]).exists() for w in self.instances), 60, "workers up")
             t0 = time.monotonic()
+            self.notes.append(f"workers up in {t0 - started:.0f} s")
             deadline = t0 + self.config.window_s + self.config.settle_timeout_s
             while time.monotonic() < deadline:
                 now_s = time.monotonic() - t0
@@ -187,21 +191,26 @@ class Soak:
                 self._pending = [(due, action) for due, action in self._pending if not action()]
                 self._snapshot_commits()
                 if submitted == self.config.jobs and not schedule and not self._pending and self._settled():
+                    self.notes.append(f"settled {time.monotonic() - t0:.0f} s after the first job "
+                                      f"(window {self.config.window_s:.0f} s)")
                     break
                 time.sleep(_TICK_S)
             else:
                 self.notes.append(f"not settled within {self.config.settle_timeout_s} s after the window")
             self._snapshot_commits()
         finally:
+            wind_down_started = time.monotonic()
             self._wind_down()
+        collect_started = time.monotonic()
         state = self.collect()
+        self.notes.append(f"wind-down {collect_started - wind_down_started:.0f} s, "
+                          f"collecting the state {time.monotonic() - collect_started:.0f} s")
         return SoakResult(state, check(state), self.faults, self.notes, time.monotonic() - started,
                           self.uploads_caught)
 
     def _settled(self) -> bool:
-        with self.stack.store() as store:
-            if any((store.get_job(j) or {}).get("status") not in FINAL for j in self.jobs):
-                return False
+        if not self._all_final():
+            return False
         # moto can count a message turning visible in neither column for an instant: look twice.
         for _ in range(2):
             if self.stack.queue_counts()[0] != (0, 0):
@@ -213,12 +222,34 @@ class Soak:
         later = []
         for fault in schedule:
             slot = self.slots[fault.slot]
+            if fault.kind == PARTITION_UPLOAD and fault.at_s <= now_s:
+                slot = self._slot_mid_job(fault.slot, now_s)
+                if slot is None:
+                    if len(self.jobs) == self.config.jobs and self._all_final():
+                        self.notes.append("a partition for an upload found no job left to catch")
+                    else:
+                        later.append(fault)  # wait for a worker that holds a job
+                    continue
             if fault.at_s > now_s or (fault.kind != DUPLICATE and slot.busy_until_s > now_s):
                 later.append(fault)  # a slot takes one fault at a time
                 continue
             self._inject(fault, slot, now_s)
             self.faults[fault.kind] += 1
         return later
+
+    def _slot_mid_job(self, first: int, now_s: float) -> Slot | None:
+        """A free slot (trying ``first`` first) whose worker holds a job not yet committed."""
+        for n in range(len(self.slots)):
+            slot = self.slots[(first + n) % len(self.slots)]
+            if slot.busy_until_s <= now_s and slot.worker.running():
+                job_id = _holding(slot.worker)
+                if job_id is not None and job_id not in self.snapshots:
+                    return slot
+        return None
+
+    def _all_final(self) -> bool:
+        with self.stack.store() as store:
+            return all((store.get_job(j) or {}).get("status") in FINAL for j in self.jobs)
 
     def _inject(self, fault: Fault, slot: Slot, now_s: float) -> None:
         worker, proxy, now = slot.worker, slot.proxy, time.monotonic()
@@ -238,7 +269,9 @@ class Soak:
             self._later(now, self._restart_when_exited(slot, worker, now + 30))
         elif fault.kind == PARTITION_UPLOAD:
             proxy.stall_after(_MID_UPLOAD_BYTES)
-            self._later(now, self._release_upload_partition(slot, worker, proxy.stalls, now + fault.length_s))
+            give_up = now + self.config.train_s + 2 * self.config.visibility_s
+            slot.busy_until_s = now_s + give_up - now + _UPLOAD_PARTITION_CAP_LEASES * self.config.visibility_s
+            self._later(now, self._release_upload_partition(slot, worker, proxy.stalls, give_up))
         elif fault.kind == PARTITION:
             proxy.stall()
             self._later(now + fault.length_s, lambda: proxy.passthrough() or True)
@@ -277,10 +310,12 @@ class Soak:
             if "job" not in held:
                 self.uploads_caught += 1
                 held["job"] = _last_claimed(worker)
-                held["cap"] = time.monotonic() + self.config.visibility_s * 5
+                held["cap"] = time.monotonic() + _UPLOAD_PARTITION_CAP_LEASES * self.config.visibility_s
             committed = held["job"] in self.snapshots
-            if (committed or time.monotonic() >= held["cap"] or proxy.mode != STALL):
+            if committed or time.monotonic() >= held["cap"] or proxy.mode != STALL:
                 proxy.passthrough()
+                self.notes.append(f"slot {slot.number}: partition caught {held['job']} mid-upload; released "
+                                  f"{'after its commit elsewhere' if committed else 'at the cap, uncommitted'}")
                 return True
             return False
         return action
@@ -294,6 +329,16 @@ class Soak:
                 paths = (store.get_profile(profile_id) or {}).get("s3Paths") or {}
                 self.snapshots[job_id] = {key_of(uri): [v["VersionId"] for v in self._versions(key_of(uri))]
                                           for uri in paths.values()}
+
+    def _all_versions(self) -> dict[str, list[dict]]:
+        """Every key's versions, newest first, in one listing of the bucket."""
+        by_key: dict[str, list[dict]] = {}
+        for page in self.stack.s3.get_paginator("list_object_versions").paginate(Bucket=self.stack.bucket):
+            for version in page.get("Versions", []):
+                by_key.setdefault(version["Key"], []).append(version)
+        for listed in by_key.values():
+            listed.sort(key=lambda v: (v["IsLatest"], v["LastModified"]), reverse=True)
+        return by_key
 
     def _versions(self, key: str) -> list[dict]:
         listed = self.stack.s3.list_object_versions(Bucket=self.stack.bucket, Prefix=key)
@@ -324,10 +369,15 @@ class Soak:
             profiles = {p: store.get_profile(p) or {} for p in self.jobs.values()}
         commits = Counter(e.get("job_id") for w in self.instances for e in w.events()
                           if e.get("event") == "job.completed")
+        listed = self._all_versions()
         versions = {}
         for profile in profiles.values():
             for uri in (profile.get("s3Paths") or {}).values():
-                versions[key_of(uri)] = [self._describe(key_of(uri), v["VersionId"]) for v in self._versions(key_of(uri))]
+                key = key_of(uri)
+                # Only the newest version's bytes are read: the others only need to be counted.
+                versions[key] = [self._describe(key, v["VersionId"]) if n == 0 else
+                                 {"version_id": v["VersionId"], "sha256": None, "body_sha256": None}
+                                 for n, v in enumerate(listed.get(key, []))]
         visible, in_flight = self.stack.queue_counts()[0]
         return SoakState(jobs=dict(self.jobs), records=records, profiles=profiles, commits_logged=commits,
                          snapshots=self.snapshots, versions=versions, trainer_log=_read_lines(self.trainer_log),
@@ -367,6 +417,17 @@ def _signal(worker: WorkerProcess, signum: int) -> None:
 def _last_claimed(worker: WorkerProcess) -> str | None:
     claimed = [e.get("job_id") for e in worker.events() if e.get("event") == "job.claimed"]
     return claimed[-1] if claimed else None
+
+
+def _holding(worker: WorkerProcess) -> str | None:
+    """The job the worker claimed and has not yet finished handling, from its log."""
+    held = None
+    for event in worker.events():
+        if event.get("event") == "job.claimed":
+            held = event.get("job_id")
+        elif event.get("event") == "message.handled":
+            held = None
+    return held
 
 
 def _read_lines(path: Path) -> list[dict]:

@@ -79,10 +79,10 @@ def soak(moto_server, tmp_path_factory, worker_id) -> Outcome:
 
 
 def test_the_soak_injected_every_kind_of_fault(soak):
-    """Every kind of fault was injected, a partition caught an upload, leases were lost and jobs retrained."""
+    """Every kind of fault was injected, a partition caught an upload and leases were lost."""
     assert set(soak.faults) == set(FAULT_KINDS), soak.summary
     assert soak.uploads_caught >= 1, soak.summary
-    assert soak.lease_losses >= 1 and soak.trainings > soak.jobs, soak.summary
+    assert soak.lease_losses >= 1, soak.summary
 
 
 def test_every_job_completed_exactly_once_and_nothing_was_lost(soak):
