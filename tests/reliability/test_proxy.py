@@ -8,42 +8,54 @@ import time
 
 import pytest
 
+from tests.reliability.procs import wait_until
 from tests.reliability.proxy import DROP, PASS, STALL, FaultProxy, loopback_target
 
 QUIET_S = 0.5  # how long "nothing arrives" is watched for
 
 
-@pytest.fixture
-def echo():
-    """A loopback echo server; yields its URL."""
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.2)
-    done = threading.Event()
+class Echo:
+    """A loopback echo server that counts the bytes it received."""
 
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            while data := conn.recv(65536):
-                conn.sendall(data)
+    def __init__(self):
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.received = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
 
-    def accept() -> None:
-        while not done.is_set():
+    def _accept(self) -> None:
+        while not self._done.is_set():
             try:
-                conn, _ = server.accept()
+                conn, _ = self._server.accept()
             except (TimeoutError, socket.timeout):
                 continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    done.set()
-    thread.join(5)
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(65536):
+                self.received += len(data)
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+        self._server.close()
+
+
+@pytest.fixture
+def echo():
+    server = Echo()
+    yield server
     server.close()
 
 
 @pytest.fixture
 def proxy(echo):
-    with FaultProxy(echo, max_stall_s=10) as proxy:
+    with FaultProxy(echo.url, max_stall_s=10) as proxy:
         yield proxy
 
 
@@ -110,28 +122,21 @@ def test_a_stall_holds_the_bytes_and_delivers_them_on_release(proxy):
             assert receive(old, 4) == b"held" and receive(new, 9) == b"also held"
 
 
-def test_an_armed_stall_starts_mid_request(proxy):
-    """Armed for 100 kB, the proxy forwards the first bytes of a larger request and holds the rest."""
+def test_an_armed_stall_starts_mid_request(echo, proxy):
+    """Armed for 100 kB, the proxy forwards the first bytes of a larger request to the server and holds the rest."""
     payload = b"x" * 400_000
     proxy.stall_after(100_000)
     with connect(proxy) as conn:
         conn.sendall(payload)
-        got = b""
-        conn.settimeout(QUIET_S)
-        try:
-            while chunk := conn.recv(65536):
-                got += chunk
-        except (TimeoutError, socket.timeout):
-            pass
-        assert proxy.mode == STALL and proxy.stalls == 1
-        assert 0 < len(got) < len(payload)
+        wait_until(lambda: proxy.mode == STALL and echo.received > 0, 5, "the stall and the first bytes")
+        assert proxy.stalls == 1 and 0 < echo.received < len(payload)
         proxy.passthrough()
-        assert got + receive(conn, len(payload) - len(got)) == payload
+        assert receive(conn, len(payload)) == payload
 
 
 def test_a_forgotten_stall_releases_itself(echo):
     """A stall never released ends after max_stall_s, so a test cannot hold a worker forever."""
-    with FaultProxy(echo, max_stall_s=0.3) as proxy, connect(proxy) as conn:
+    with FaultProxy(echo.url, max_stall_s=0.3) as proxy, connect(proxy) as conn:
         proxy.stall()
         conn.sendall(b"late")
         assert receive(conn, 4) == b"late"

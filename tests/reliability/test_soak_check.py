@@ -108,8 +108,9 @@ def test_objects_mixing_two_trainings_are_found():
 def test_bytes_that_disagree_with_their_metadata_are_found():
     """An object whose sha256 metadata is not the hash of its bytes is found."""
     state = good_state()
-    state.versions[key("fullConfig")][0]["body_sha256"] = "something else"
-    assert S3 in kinds(state)
+    state.versions[key("fullConfig")][0]["sha256"] = "something else"
+    found = check(state)
+    assert [v.kind for v in found] == [S3] and "sha256 metadata" in found[0].detail
 
 
 def test_overlapping_trainings_of_one_job_are_found():
