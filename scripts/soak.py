@@ -31,10 +31,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=60)
     parser.add_argument("--faults", type=int, help=f"default: {FAULTS_PER_MINUTE} a minute")
+    parser.add_argument("--train-s", type=float, default=SoakConfig.train_s,
+                        help="one training's duration (above the lease, a kill -9 mid-training leaves a trainer "
+                             "running while the retry trains)")
     parser.add_argument("--keep", action="store_true", help="keep the run's files (logs, records) and print where")
     args = parser.parse_args(argv)
     window_s = args.minutes * 60
-    config = SoakConfig(seed=args.seed, workers=args.workers, jobs=args.jobs, window_s=window_s,
+    config = SoakConfig(seed=args.seed, workers=args.workers, jobs=args.jobs, window_s=window_s, train_s=args.train_s,
                         faults=args.faults if args.faults is not None else max(1, int(args.minutes * FAULTS_PER_MINUTE)),
                         settle_timeout_s=max(120.0, window_s / 2))
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, LocalAws() as aws:
