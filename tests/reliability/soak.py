@@ -31,10 +31,11 @@ FAULT_KINDS = (KILL9, SIGSTOP, SIGTERM, PARTITION_UPLOAD, PARTITION, DROP, DELAY
 # One round of the schedule: every kind, and twice the two that reach a stale attempt's uploads.
 _ROUND = (*FAULT_KINDS, PARTITION_UPLOAD, SIGSTOP)
 # A partition armed for an upload stalls once this many more bytes have gone out: mid-body of the
-# first large object (SQS calls and heads are a few hundred bytes each).
+# next object above that size (SQS calls and heads are a few hundred bytes each).
 _MID_UPLOAD_BYTES = 256 * 1024
 # How long a partition that caught an upload may wait for the job's commit elsewhere, in leases: the
-# lease lapses, the redelivery is told the job is busy until the record lease ends, then retrains.
+# lease lapses, the redelivery is told the job is busy until the record lease ends, then another
+# worker trains (or reuses the verified outputs), uploads and commits.
 _UPLOAD_PARTITION_CAP_LEASES = 5
 _TICK_S = 0.1
 FINAL = ("completed", "failed", "cancelled")
@@ -269,8 +270,9 @@ class Soak:
             self._later(now, self._restart_when_exited(slot, worker, now + 30))
         elif fault.kind == PARTITION_UPLOAD:
             proxy.stall_after(_MID_UPLOAD_BYTES)
-            give_up = now + self.config.train_s + 2 * self.config.visibility_s
-            slot.busy_until_s = now_s + give_up - now + _UPLOAD_PARTITION_CAP_LEASES * self.config.visibility_s
+            catch_s = self.config.train_s + 2 * self.config.visibility_s  # to reach an upload
+            slot.busy_until_s = now_s + catch_s + _UPLOAD_PARTITION_CAP_LEASES * self.config.visibility_s
+            give_up = now + catch_s
             self._later(now, self._release_upload_partition(slot, worker, proxy.stalls, give_up))
         elif fault.kind == PARTITION:
             proxy.stall()
@@ -357,10 +359,19 @@ class Soak:
                     self.notes.append(str(exc))
         for slot in self.slots:
             slot.proxy.stop()
-        # Trainers a killed worker left behind finish on their own (a training is short).
-        survivors = {line["pid"] for line in _read_lines(self.trainer_log)}
-        wait_until(lambda: not any(is_alive(pid) and str(TRAINER) in cmdline(pid) for pid in survivors),
-                   self.config.train_s * 4 + 10, "left-behind trainers to end")
+        # Trainers a killed worker left behind finish on their own (a training is short); any still
+        # running after that is killed, so nothing the soak started outlives it.
+        pids = {line["pid"] for line in _read_lines(self.trainer_log)}
+
+        def survivors() -> list[int]:
+            return [pid for pid in pids if is_alive(pid) and str(TRAINER) in cmdline(pid)]
+
+        try:
+            wait_until(lambda: not survivors(), self.config.train_s * 4 + 10, "left-behind trainers to end")
+        except AssertionError as exc:
+            self.notes.append(f"{exc}: killed {survivors()}")
+            for pid in survivors():
+                os.kill(pid, signal.SIGKILL)
 
     # --- the final state
     def collect(self) -> SoakState:
