@@ -97,7 +97,6 @@ def test_every_dead_letter_is_explained(soak):
     assert soak.of(DLQ) == [], soak.summary
 
 
-@pytest.mark.xfail(strict=True, reason="issue #14 S3 fence lands on another branch")
 def test_committed_objects_never_change_and_hold_one_trainings_bytes(soak):
     """Each object a committed profile names has exactly the version it had at the commit, and the five hold one training's bytes."""
     assert soak.of(S3) == [], soak.summary
