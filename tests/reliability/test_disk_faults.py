@@ -17,12 +17,12 @@ import boto3
 import numpy as np
 import pytest
 import soundfile as sf
-from structlog.testing import capture_logs
 
 from pipeline.config import PipelineConfig, load_pipeline_config
 from pipeline.dataset import METADATA_NAME, WAVS_DIR_NAME, split_metadata_line
 from pipeline.downloads import DownloadSettings
 from pipeline.downloads import fetch as download
+from pipeline.files import sha256_and_size
 from pipeline.manifest import TEMP_MARKER, manifest_path, manifest_problem
 from pipeline.run import run_pipeline
 from tests.reliability.small_fs import SmallFs, small_fs  # noqa: F401  (small_fs is a fixture)
@@ -290,11 +290,33 @@ def test_disk_full_as_a_stage_finishes_leaves_neither_manifest_nor_outputs(rig):
     rig.assert_completed()
 
 
-def test_disk_full_after_training_does_not_stop_the_upload(rig):
-    """The upload only reads the artifacts: a disk that fills after training still commits the job."""
-    rig.at("trained", 100.0, lambda: rig.fs.fill(leave_bytes=0))
+def test_disk_full_during_the_publish_is_retried_and_leaves_no_partial_model(rig):
+    """Publishing the models on a full disk is a retryable error that names no model path and leaves no
+    partial file; once there is room the retry publishes files that hold the uploaded bytes."""
+    rig.at("trained", 100.0, lambda: rig.fs.fill(leave_bytes=256 * 1024))
+    assert_retryable_failure(rig, rig.deliver(), "StorageError", "No space left on device")
+    assert not (rig.store.get_profile(rig.profile_id) or {}).get("modelPaths")
+    assert_published_files_whole(rig)
+    rig.fs.drain()
     assert rig.deliver() == "ack"
     rig.assert_completed()
+    assert_model_paths_hold_the_uploaded_bytes(rig)
+
+
+def assert_published_files_whole(rig: DiskRig) -> None:
+    """Nothing under MODELS_ROOT is a temp file, and every published file holds the bytes its digest names."""
+    for path in (p for p in rig.fs.work_root.joinpath(".models").rglob("*") if p.is_file()):
+        assert ".publishing-" not in path.name, path
+        assert sha256_and_size(path)[0] == path.relative_to(rig.fs.work_root / ".models").parts[3], path
+
+
+def assert_model_paths_hold_the_uploaded_bytes(rig: DiskRig) -> None:
+    profile = rig.store.get_profile(rig.profile_id)
+    for key in ASSET_KEYS:
+        local = Path(profile["modelPaths"][key])
+        assert (rig.fs.work_root / ".models") in local.parents
+        head = rig.s3.head_object(Bucket=MODELS, Key=profile["s3Paths"][key].split("/", 3)[3])
+        assert sha256_and_size(local)[0] == head["Metadata"]["sha256"]
 
 
 # --- read-only
@@ -320,13 +342,15 @@ def test_a_work_root_turned_read_only_during_a_stage_is_retried(rig):
     rig.assert_completed()
 
 
-def test_a_work_root_turned_read_only_after_training_still_commits(rig):
-    """Uploads only read; the clean-up after the commit fails on a read-only root and is only logged."""
+def test_a_work_root_turned_read_only_after_training_is_retried_at_the_publish(rig):
+    """Publishing onto a read-only work root is a retryable error; writable again, the retry commits."""
     rig.at("trained", 100.0, rig.fs.read_only)
-    with capture_logs() as logs:
-        assert rig.deliver() == "ack"
+    assert_retryable_failure(rig, rig.deliver(), "StorageError", "Read-only file system")
+    assert not (rig.store.get_profile(rig.profile_id) or {}).get("modelPaths")
+    rig.fs.writable_again()
+    assert rig.deliver() == "ack"
     rig.assert_completed()
-    assert "job.work_files_not_removed" in [entry["event"] for entry in logs]
+    assert_model_paths_hold_the_uploaded_bytes(rig)
 
 
 # --- gone
