@@ -154,13 +154,22 @@ def output_sha256_and_size(output_dir: Path, relative_path: str) -> tuple[str, i
         return sha256_and_size_of(handle)
 
 
-def sha256_and_size_of(handle: BinaryIO) -> tuple[str, int]:
-    """(hex SHA-256, size in bytes) of what is left to read from an open file, in bounded chunks."""
+def sha256_and_size_of(handle: BinaryIO, copy_to: BinaryIO | None = None) -> tuple[str, int]:
+    """(hex SHA-256, size in bytes) of what is left to read from an open file, in bounded chunks.
+
+    With ``copy_to`` the bytes are also written there and synced to disk: the digest is then that of
+    exactly what was copied, read once.
+    """
     digest = hashlib.sha256()
     size = 0
     while chunk := handle.read(HASH_CHUNK_BYTES):
         digest.update(chunk)
         size += len(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
+    if copy_to is not None:
+        copy_to.flush()
+        os.fsync(copy_to.fileno())
     return digest.hexdigest(), size
 
 

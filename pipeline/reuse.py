@@ -20,7 +20,6 @@ lands under its final name only once complete (temp file, fsync, rename).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.config import StageSpec
-from pipeline.files import HASH_CHUNK_BYTES, fsync_dir
+from pipeline.files import fsync_dir, sha256_and_size_of
 from pipeline.manifest import TEMP_MARKER, atomic_write_bytes, manifest_path, read_manifest
 
 
@@ -119,19 +118,13 @@ def copy_file(source_root: Path, rel: str, target_root: Path, *, expect: tuple |
     target = target_root / rel
     target.parent.mkdir(parents=True, exist_ok=True)
     temp = target.with_name(f".{target.name}{TEMP_MARKER}{os.getpid()}")
-    digest, size = hashlib.sha256(), 0
     fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         with os.fdopen(fd, "rb") as src, open(temp, "wb") as dst:
             if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
                 raise CopyMismatch(f"{rel} is not a regular file")
-            while chunk := src.read(HASH_CHUNK_BYTES):
-                digest.update(chunk)
-                size += len(chunk)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
-        if expect is not None and (size, digest.hexdigest()) != tuple(expect):
+            sha256_hex, size = sha256_and_size_of(src, copy_to=dst)
+        if expect is not None and (size, sha256_hex) != tuple(expect):
             raise CopyMismatch(f"{rel} changed since its manifest was written")
         os.replace(temp, target)
     except BaseException:

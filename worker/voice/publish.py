@@ -18,7 +18,6 @@ Nothing here removes a published file; the job's scratch cleanup never reaches `
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
-from pipeline.files import HASH_CHUNK_BYTES, fsync_dir, sha256_and_size
+from pipeline.files import fsync_dir, sha256_and_size, sha256_and_size_of
 from worker.core.errors import InvalidMessage, StorageError
 from worker.voice.message import Job
 
@@ -110,14 +109,7 @@ def _same_file_there(path: Path, sha256_hex: str, size: int) -> bool:
 
 def _copy(source: Path, temp: Path) -> tuple[str, int]:
     """Copy into a new ``temp`` (exclusive create), fsynced; the (sha256, size) of what was copied."""
-    digest, size = hashlib.sha256(), 0
     src_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
     dst_fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
     with os.fdopen(src_fd, "rb") as src, os.fdopen(dst_fd, "wb") as dst:
-        while chunk := src.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-            dst.write(chunk)
-        dst.flush()
-        os.fsync(dst.fileno())
-    return digest.hexdigest(), size
+        return sha256_and_size_of(src, copy_to=dst)
