@@ -316,10 +316,10 @@ class VoiceJobHandler:
             log.warning("job.already_failed", error_type=failed.error_type,
                         note="redelivery of a permanently failed message: dead-lettered again without work")
             raise failed
-        token = secrets.token_hex(16)
         # A claim that fails after its job swap (the profile stamp, a lost reply) lets go of the job itself.
-        claim = store.claim(job.job_id, owner=self._worker_id, token=token, lease_s=self._lease_s,
-                            message_id=message.message_id)
+        # From here on only the Attempt it hands back holds the token.
+        claim = store.claim(job.job_id, owner=self._worker_id, token=secrets.token_hex(16),
+                            lease_s=self._lease_s, message_id=message.message_id)
         if claim.outcome == "missing":
             raise UnknownJob(f"no job record {job.job_id} (yet)")
         if claim.outcome in ("completed", "cancelled"):
@@ -351,16 +351,16 @@ class VoiceJobHandler:
             # A fenced write refused (a profile claim replaced behind us) while the job lease may still
             # be ours: let go of it (fenced: a no-op if not ours) so the job need not wait for it to lapse.
             store_lease.end()
-            self._release_attempt(attempt)
+            self._release(attempt)
             raise
         except WorkerError as exc:
             store_lease.end()
-            self._record_error(job.job_id, token, exc)
+            self._record_error(attempt, exc)
             raise
         except Exception as exc:
             store_lease.end()
             error = unexpected(exc)
-            self._record_error(job.job_id, token, error)
+            self._record_error(attempt, error)
             raise error from exc
         self._remove_unreferenced_objects(job, s3_paths)
         self._remove_work_files(job)
@@ -543,35 +543,30 @@ class VoiceJobHandler:
             log.info("job.cancelled", when="during work")
             return "cancelled"
         if exc.reason == Stopped.SHUTDOWN:
-            self._release(attempt.job_id, attempt.token)  # on failure the lease lapses; the message is released anyway
+            self._release(attempt)  # on failure the lease lapses; the message is released anyway
             raise exc
         if exc.reason == Stopped.TIME_LIMIT:
             limit = TimeLimitExceeded(f"job ran past its time limit ({exc})")
-            self._record_error(attempt.job_id, attempt.token, limit)
+            self._record_error(attempt, limit)
             raise limit from exc
         # Lease lost: no commit. Clearing our store lease (fenced: only if still ours) lets the next
         # delivery claim at once instead of waiting for it to expire.
-        self._release(attempt.job_id, attempt.token)
+        self._release(attempt)
         raise exc
 
     @staticmethod
-    def _release_attempt(attempt: Attempt) -> None:
+    def _release(attempt: Attempt) -> None:
+        """Let go of the job lease, fenced on the attempt's token (a no-op once it is not ours)."""
         try:
             attempt.release()
         except WorkerError as release_exc:
             log.warning("job.release_failed", error=str(release_exc))
 
-    def _release(self, job_id: str, token: str) -> None:
-        try:
-            self._store.release_lease(job_id, token)
-        except WorkerError as release_exc:
-            log.warning("job.release_failed", error=str(release_exc))
-
-    def _record_error(self, job_id: str, token: str, exc: WorkerError) -> None:
+    @staticmethod
+    def _record_error(attempt: Attempt, exc: WorkerError) -> None:
         """Record the failure on the job; a failure to record never hides the original error."""
         try:
-            self._store.record_error(job_id, token=token, error_type=exc.error_type,
-                                     message=str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable)
+            attempt.fail(exc.error_type, str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable)
         except WorkerError as record_exc:
             log.error("job.record_error_failed", error=str(record_exc), original=str(exc))
 
