@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from tests.job.conftest import JOB_ID, PROFILE_ID, deliver
 from worker.ops.commands import EXIT_TOO_LATE, cmd_cancel
 from worker.voice.store import COMMITTING, is_complete
@@ -50,3 +52,18 @@ def test_the_committing_stage_is_written_before_the_first_upload(handler, raw_st
     monkeypatch.setattr(handler._uploader, "upload_all", upload_and_look)
     assert deliver(handler, receive_count=1) == "completed"
     assert seen == [COMMITTING]
+
+
+def test_a_cancel_after_an_attempt_died_mid_commit_lets_the_next_attempt_finish_it(handler, store, raw_store):
+    """Once an earlier attempt wrote its published paths, a later cancel is too late: the retry commits."""
+    from worker.core.errors import StoreError
+
+    store.faults["mark_job_completed"] = lambda: StoreError("the worker died here")
+    with pytest.raises(StoreError):
+        deliver(handler, receive_count=1)
+    assert raw_store.get_profile(PROFILE_ID)["status"] == "completed"  # steps 3 and 4 landed
+    assert raw_store.request_cancel(JOB_ID)
+    del store.faults["mark_job_completed"]
+    assert deliver(handler, receive_count=2) == "completed"
+    job = raw_store.get_job(JOB_ID)
+    assert job["status"] == "completed" and is_complete(job, raw_store.get_profile(PROFILE_ID))

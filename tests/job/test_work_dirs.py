@@ -56,15 +56,22 @@ def test_model_paths_exist_after_the_commit(queues, make_worker, handler, raw_st
     assert all((tmp_path / "work" / ".models" / WORK_DIR) in Path(p).parents for p in paths.values())
 
 
+def publish_now(source: Path, rel: str, models: Path) -> Path:
+    """Publish ``source`` under the digest its bytes have now (what the upload would have stored)."""
+    from pipeline.files import sha256_and_size
+
+    return publish_file(source.parent, source.name, rel, sha256_and_size(source)[0], models)
+
+
 def test_publishing_the_same_bytes_twice_keeps_the_first_file(tmp_path):
     """A second publish of identical content returns the existing file untouched (same inode)."""
     source = tmp_path / "out" / "full" / "model.pth"
     source.parent.mkdir(parents=True)
     source.write_bytes(b"model")
     models = tmp_path / "models"
-    first = publish_file(source, "full/model.pth", models)
+    first = publish_now(source, "full/model.pth", models)
     inode = os.stat(first).st_ino
-    again = publish_file(source, "full/model.pth", models)
+    again = publish_now(source, "full/model.pth", models)
     assert again == first and os.stat(again).st_ino == inode and again.read_bytes() == b"model"
     assert [p.name for p in first.parent.iterdir()] == ["model.pth"]  # no temp file left
 
@@ -80,7 +87,8 @@ def test_publishing_never_replaces_an_existing_published_file(tmp_path):
     final.parent.mkdir(parents=True)
     final.write_bytes(b"something else")
     with pytest.raises(StorageError, match="never replaced"):
-        publish_all({"fullModel": source}, {"fullModel": "full/model.pth"}, models)
+        publish_all(tmp_path, {"fullModel": source.name}, {"fullModel": "full/model.pth"},
+                    {"fullModel": sha256_and_size(source)[0]}, models)
     assert final.read_bytes() == b"something else"
 
 
@@ -90,8 +98,38 @@ def test_different_bytes_publish_to_different_paths(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(b"attempt one")
     b.write_bytes(b"attempt two")
-    first, second = publish_file(a, "full/model.pth", models), publish_file(b, "full/model.pth", models)
+    first, second = publish_now(a, "full/model.pth", models), publish_now(b, "full/model.pth", models)
     assert first != second and first.read_bytes() == b"attempt one" and second.read_bytes() == b"attempt two"
+
+
+def test_a_file_changed_since_its_upload_is_not_published(tmp_path):
+    """The published copy must hold the bytes the S3 object was stored under; other bytes are refused."""
+    from pipeline.files import sha256_and_size
+
+    source = tmp_path / "model.pth"
+    source.write_bytes(b"uploaded bytes")
+    uploaded = sha256_and_size(source)[0]
+    source.write_bytes(b"rewritten after the upload")
+    models = tmp_path / "models"
+    with pytest.raises(StorageError, match="changed since it was uploaded"):
+        publish_file(tmp_path, "model.pth", "full/model.pth", uploaded, models)
+    assert not published_path(models, uploaded, "full/model.pth").exists()
+    assert [p for p in models.rglob("*") if p.is_file()] == []
+
+
+def test_a_source_behind_a_linked_directory_is_not_published(tmp_path):
+    """Publishing reads by the pipeline's one output rule: a link on the way is refused."""
+    from pipeline.files import sha256_and_size
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.pth").write_bytes(b"not the job's")
+    output = tmp_path / "output"
+    output.mkdir()
+    (output / "full").symlink_to(outside)
+    with pytest.raises(StorageError, match="cannot be published"):
+        publish_file(output, "full/model.pth", "full/model.pth",
+                     sha256_and_size(outside / "model.pth")[0], tmp_path / "models")
 
 
 def test_artifact_rels_work_for_attempt_outputs_and_published_files(tmp_path):
@@ -125,7 +163,7 @@ def test_a_file_published_by_someone_else_between_check_and_link_is_not_replaced
 
     monkeypatch.setattr(publish, "_same_file_there", racing_check)
     with pytest.raises(StorageError, match="never replaced"):
-        publish_file(source, "full/model.pth", models)
+        publish_now(source, "full/model.pth", models)
     assert final.read_bytes() == b"theirs"
     assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
 

@@ -122,12 +122,15 @@ class StoreLease:
     land after the final write.
     """
 
-    def __init__(self, attempt: Attempt, stop: StopSignal, *, margin_s: float = 0.0, clock=time.monotonic):
+    def __init__(self, attempt: Attempt, stop: StopSignal, *, margin_s: float = 0.0, clock=time.monotonic,
+                 claim_sent_s: float | None = None, honour_cancel: bool = True):
         self._attempt, self._lease_s, self._stop = attempt, attempt.lease_s, stop
         self._margin_s, self._clock = margin_s, clock
-        # Counted from just after the claim: a little later than the store's own expiry, never earlier
-        # than the store could hand the job to someone else minus the margin.
-        self._expires_at_s = clock() + self._lease_s
+        # Counted from when the claim was sent (``claim_sent_s``, on ``clock``), so never later than the
+        # store's own expiry even when the claim's second swap took a while; else from now.
+        self._expires_at_s = (clock() if claim_sent_s is None else claim_sent_s) + self._lease_s
+        # False once an earlier attempt began the commit: a cancel is then too late (see the handler).
+        self._honour_cancel = honour_cancel
         self._lock = threading.Lock()
         self._active = True
 
@@ -148,7 +151,8 @@ class StoreLease:
                     raise LeaseLost(f"record lease lapsing without a successful renewal: {exc}") from exc
                 raise
             self._expires_at_s = sent_at_s + self._lease_s
-        if cancel_requested and self._stop.set(Stopped.CANCELLED, "cancelRequested on the job record"):
+        if cancel_requested and self._honour_cancel and self._stop.set(Stopped.CANCELLED,
+                                                                        "cancelRequested on the job record"):
             log.info("job.cancel_noticed")
 
     def ensure_live(self) -> None:

@@ -51,6 +51,7 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -318,6 +319,7 @@ class VoiceJobHandler:
             raise failed
         # A claim that fails after its job swap (the profile stamp, a lost reply) lets go of the job itself.
         # From here on only the Attempt it hands back holds the token.
+        claim_sent_s = time.monotonic()
         claim = store.claim(job.job_id, owner=self._worker_id, token=secrets.token_hex(16),
                             lease_s=self._lease_s, message_id=message.message_id)
         if claim.outcome == "missing":
@@ -329,9 +331,13 @@ class VoiceJobHandler:
             return self._held(claim.job or {}, message, claim.now)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
         attempt = claim.attempt
-        store_lease = StoreLease(attempt, lease.stop, margin_s=lease.interval_s)
+        under_way = self._commit_under_way(job, profile)
+        store_lease = StoreLease(attempt, lease.stop, margin_s=lease.interval_s, claim_sent_s=claim_sent_s,
+                                 honour_cancel=not under_way)
         lease.on_renew(store_lease.renew)
-        if claim.cancel_requested:
+        if claim.cancel_requested and under_way:
+            log.warning("job.cancel_too_late", note="an earlier attempt began the commit: finishing it")
+        elif claim.cancel_requested:
             store_lease.end()
             attempt.cancel()
             log.info("job.cancelled", when="at claim")
@@ -366,6 +372,14 @@ class VoiceJobHandler:
         self._remove_work_files(job)
         log.info("job.completed")
         return "completed"
+
+    def _commit_under_way(self, job: Job, profile: dict | None) -> bool:
+        """Whether an earlier attempt of this job wrote its published paths (commit step 3) and died: the
+        profile may already say completed, so a cancel is too late and this attempt finishes the commit."""
+        try:
+            return reusable_paths(profile, models_dir_for(self._models_root, job)) is not None
+        except WorkerError:
+            return False  # a models directory that escapes MODELS_ROOT fails in _artifacts, recorded
 
     # --- steps
     @staticmethod
@@ -432,9 +446,12 @@ class VoiceJobHandler:
                 written: list[str]) -> dict[str, str]:
         # The uploader names each file by its path under base_dir; the key takes the artifact's own
         # relative path (a published file's path under MODELS_ROOT starts with its digest).
-        rel_of = {Path(paths[name]).relative_to(base_dir).as_posix(): rels[name] for name in paths}
+        sources = {name: Path(paths[name]).relative_to(base_dir).as_posix() for name in paths}
+        rel_of = {sources[name]: rels[name] for name in paths}
+        digest_of: dict[str, str] = {}  # path under base_dir -> the SHA-256 its object is stored under
 
         def key_for(sha256_hex: str, relative_path: str) -> str:
+            digest_of[relative_path] = sha256_hex
             return artifact_key(self._s3_prefix, job.environment, job.profile_id, job.job_id, sha256_hex,
                                 rel_of[relative_path])
 
@@ -456,7 +473,9 @@ class VoiceJobHandler:
         self._crash("after_upload")
         self._check_lease(lease)
         # Before the paths, so they never name a file that does not exist (see worker.voice.publish).
-        published = publish_all(paths, rels, models_dir)                         # 2b
+        # The published copies must hold the bytes the objects hold: same rule, same digests.
+        published = publish_all(base_dir, sources, rels,                         # 2b
+                                {name: digest_of[sources[name]] for name in paths}, models_dir)
         self._check_lease(lease)
         model_paths = {name: str(path) for name, path in published.items()}
         attempt.write_paths(model_paths, s3_paths)                               # 3
@@ -491,6 +510,11 @@ class VoiceJobHandler:
             return
         try:
             record, profile = self._store.get_job(job.job_id), self._store.get_profile(job.profile_id)
+            if str((profile or {}).get("jobId")) != job.job_id:
+                # Another job of the profile has claimed it since: its paths say nothing about what this
+                # job committed, so nothing is provably unreferenced.
+                log.info("artifacts.stale_uploads_kept", written=len(written), why="the profile moved on")
+                return
             committed = ((profile or {}).get("s3Paths") or {}).values()
             referenced = filter(None, (self._uploader.key_of(uri) for uri in committed))
             doomed = stale_leftovers(written, record, referenced)

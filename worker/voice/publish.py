@@ -22,10 +22,11 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 import structlog
 
-from pipeline.files import fsync_dir, sha256_and_size, sha256_and_size_of
+from pipeline.files import OutputRefused, fsync_dir, open_output, sha256_and_size, sha256_and_size_of
 from worker.core.errors import InvalidMessage, StorageError
 from worker.voice.message import Job
 
@@ -59,39 +60,51 @@ def published_rel(models_dir: Path, path: Path) -> str | None:
     return "/".join(parts[1:]) if len(parts) >= 2 else None
 
 
-def publish_all(paths: Mapping[str, Path], rels: Mapping[str, str], models_dir: Path) -> dict[str, Path]:
-    """Publish each artifact (``rels``: its path relative to the output directory); the published paths."""
+def publish_all(base_dir: Path, sources: Mapping[str, str], rels: Mapping[str, str],
+                digests: Mapping[str, str], models_dir: Path) -> dict[str, Path]:
+    """Publish each artifact; the published paths.
+
+    ``sources``: each file's path under ``base_dir`` (read by the pipeline's one output rule, no link
+    followed); ``rels``: its path relative to the output directory; ``digests``: the SHA-256 its S3
+    object was stored under, which the published copy must hold too.
+    """
     try:
-        return {name: publish_file(Path(paths[name]), rels[name], models_dir) for name in paths}
+        return {name: publish_file(base_dir, sources[name], rels[name], digests[name], models_dir)
+                for name in sources}
     except OSError as exc:
         raise StorageError(f"publishing the models failed at {Path(exc.filename or 'MODELS_ROOT').name}: "
                            f"{exc.strerror or exc}") from exc
 
 
-def publish_file(source: Path, rel: str, models_dir: Path) -> Path:
+def publish_file(base_dir: Path, source_rel: str, rel: str, sha256_hex: str, models_dir: Path) -> Path:
     """Publish one file; returns its published path (the existing one when the same bytes are there)."""
-    sha256_hex, size = sha256_and_size(source)
     final = published_path(models_dir, sha256_hex, rel)
-    if final == source:
+    if final == Path(base_dir) / source_rel:
         return final  # already the published file (a retry reusing the profile's paths)
-    if _same_file_there(final, sha256_hex, size):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    temp = final.with_name(f".{final.name}{_TEMP_MARKER}{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        copied = _copy(source, temp)
-        if copied != (sha256_hex, size):
-            raise StorageError(f"{rel} changed while it was being published")
+        fd = open_output(Path(base_dir), source_rel)
+    except OutputRefused as exc:
+        raise StorageError(f"artifact {source_rel} cannot be published: {exc}") from exc
+    with os.fdopen(fd, "rb") as source:
+        size = os.fstat(source.fileno()).st_size
+        if _same_file_there(final, sha256_hex, size):
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        temp = final.with_name(f".{final.name}{_TEMP_MARKER}{os.getpid()}-{os.urandom(4).hex()}")
         try:
-            os.link(temp, final)
-        except FileExistsError:
-            # Someone (another attempt) published first: theirs stays, if it holds the same bytes.
-            if not _same_file_there(final, sha256_hex, size):
-                raise StorageError(f"published file {final} exists with other content; it is never "
-                                   "replaced") from None
-        fsync_dir(final.parent)
-    finally:
-        temp.unlink(missing_ok=True)
+            if _copy(source, temp)[0] != sha256_hex:
+                raise StorageError(f"{rel} changed since it was uploaded: its bytes no longer match "
+                                   f"{sha256_hex[:12]}")
+            try:
+                os.link(temp, final)
+            except FileExistsError:
+                # Someone (another attempt) published first: theirs stays, if it holds the same bytes.
+                if not _same_file_there(final, sha256_hex, size):
+                    raise StorageError(f"published file {final} exists with other content; it is never "
+                                       "replaced") from None
+            fsync_dir(final.parent)
+        finally:
+            temp.unlink(missing_ok=True)
     log.info("artifacts.published", file=rel, sha256=sha256_hex)
     return final
 
@@ -107,9 +120,8 @@ def _same_file_there(path: Path, sha256_hex: str, size: int) -> bool:
     raise StorageError(f"published file {path} exists with other content; it is never replaced")
 
 
-def _copy(source: Path, temp: Path) -> tuple[str, int]:
+def _copy(source: BinaryIO, temp: Path) -> tuple[str, int]:
     """Copy into a new ``temp`` (exclusive create), fsynced; the (sha256, size) of what was copied."""
-    src_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
     dst_fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
-    with os.fdopen(src_fd, "rb") as src, os.fdopen(dst_fd, "wb") as dst:
-        return sha256_and_size_of(src, copy_to=dst)
+    with os.fdopen(dst_fd, "wb") as dst:
+        return sha256_and_size_of(source, copy_to=dst)
