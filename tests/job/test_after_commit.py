@@ -151,3 +151,39 @@ def test_a_symlink_in_the_work_dir_is_removed_not_followed(queues, make_worker, 
     assert worker.run_once() == "ack"
     assert not any(p.name == "linked" for p in (tmp_path / "work" / WORK_DIR).rglob("*"))
     assert (outside / "precious.txt").read_text() == "keep me\n"
+
+
+def test_published_copies_no_committed_path_names_are_removed(queues, make_worker, handler, raw_store, tmp_path):
+    """A stale attempt's published digest under the job's models directory goes after the commit; the
+    committed files stay."""
+    models_dir = tmp_path / "work" / ".models" / WORK_DIR
+    stale = models_dir / ("0" * 64) / "full" / "model.pth"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"a stale attempt's model")
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    committed = raw_store.get_profile(PROFILE_ID)["modelPaths"].values()
+    assert not stale.parent.parent.exists()
+    assert all(Path(path).is_file() for path in committed)
+    assert {p.name for p in models_dir.iterdir()} == {Path(path).relative_to(models_dir).parts[0] for path in committed}
+
+
+def test_a_redelivery_of_a_committed_job_redoes_the_skipped_cleanup(queues, make_worker, handler, train,
+                                                                    raw_store, tmp_path, monkeypatch):
+    """A worker that died right after the commit left scratch behind; the redelivery removes it, work-free."""
+    import worker.voice.job as job_module
+
+    train.during = write_work_files
+    monkeypatch.setattr(job_module.VoiceJobHandler, "_clean_up_after_commit", lambda *args: None)
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    assert attempt_dirs(tmp_path), "the crash left the attempt's scratch"
+    monkeypatch.undo()
+    queues.send(message_body())
+    assert worker.run_once() == "ack"
+    work_dir = tmp_path / "work" / WORK_DIR
+    assert sorted(p.relative_to(work_dir).as_posix() for p in work_dir.rglob("*")) == [
+        "logs", "logs/01-train_full.log", "logs/download.log"]
+    assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))

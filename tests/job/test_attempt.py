@@ -101,3 +101,23 @@ def test_the_local_lease_check_fails_once_the_record_lease_may_lapse():
     clock.now += 240
     with pytest.raises(LeaseLost):
         lease.ensure_live()
+
+
+def test_the_local_lease_deadline_counts_from_when_the_claim_was_sent():
+    """A claim that took a while (its profile stamp) leaves less local lease: the deadline starts at the send."""
+    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    sent_s = clock.now
+    clock.now += 100  # the claim's second swap was slow
+    lease = StoreLease(Attempt(store, "j", "p", "t", 300.0), stop, margin_s=60.0, clock=clock, claim_sent_s=sent_s)
+    clock.now += 141  # 241 s after the send: under one margin left of the store's lease
+    with pytest.raises(LeaseLost):
+        lease.ensure_live()
+
+
+def test_a_cancel_flag_is_ignored_once_an_earlier_attempt_began_the_commit():
+    """With honour_cancel off (the commit is under way), a renewal that reads cancelRequested stops nothing."""
+    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    lease = StoreLease(Attempt(store, "j", "p", "t", 300.0), stop, clock=clock, honour_cancel=False)
+    store.cancel = True
+    lease.renew()
+    assert not stop.is_set()

@@ -187,3 +187,26 @@ def test_a_store_outage_during_the_uploads_is_left_to_the_local_lease_deadline(q
     queues.send(message_body())
     assert worker.run_once() == "ack"
     assert raw_store.get_job(JOB_ID)["status"] == "completed"
+
+
+def test_a_stale_attempt_deletes_nothing_once_another_job_of_the_profile_claimed_it(
+        queues, make_worker, handler, store, raw_store, clock, s3, tmp_path):
+    """B commits, then another job of the profile claims it: the profile's paths no longer say what B
+    committed, so the stale attempt keeps every object it wrote."""
+    hits = []
+
+    def b_commits_then_a_retrain_claims():
+        if not hits:
+            hits.append(commit_as_b(raw_store, clock, tmp_path, same_as_ours=set()))
+            other = "665f1c2e9b1e8a0012ab0001"
+            raw_store.submit({"_id": other, "profileId": PROFILE_ID, "environment": "production"},
+                             {"_id": PROFILE_ID})
+            assert raw_store.claim(other, owner="worker-c", token="token-c", lease_s=3600).outcome == "claimed"
+
+    store.faults["write_paths"] = b_commits_then_a_retrain_claims
+    worker, _ = make_worker(handler)
+    queues.send(message_body())
+    assert worker.run_once() != "ack"
+    b_keys = {uri.removeprefix(f"s3://{BUCKET}/") for uri in hits[0].values()}
+    ours = keys_in_bucket(s3) - b_keys
+    assert len(ours) == 5, "the stale attempt's objects were deleted though nothing proves them unreferenced"

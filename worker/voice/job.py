@@ -52,7 +52,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 
@@ -236,6 +236,14 @@ def _remove_entries(entries: list[Path], *, empty_dirs_only: bool = False) -> li
     return failures
 
 
+def unpublished_leftovers(models_dir: Path, model_paths: Iterable[str]) -> list[Path]:
+    """Entries of a job's models directory that no committed model path lies in: the digests a stale or
+    failed attempt published (and their temp files), which nothing will ever name."""
+    keep = {Path(path).relative_to(models_dir).parts[0] for path in model_paths
+            if models_dir in Path(path).parents}
+    return [entry for entry in _entries(models_dir) if entry.name not in keep]
+
+
 def _overlaps(entry: Path, models: Path) -> bool:
     where = entry.parent.resolve() / entry.name  # the entry itself unresolved: a link is not followed
     return where == models or where in models.parents or models in where.parents
@@ -311,6 +319,9 @@ class VoiceJobHandler:
                                  f"not {job.profile_id}")
         if is_complete(record, profile):
             log.info("job.already_complete", note="redelivery acknowledged without work")
+            if str(profile.get("jobId")) == job.job_id:
+                # The paths are this job's: redo the (idempotent) clean-ups a crash after the commit skipped.
+                self._clean_up_after_commit(job, profile["s3Paths"], profile["modelPaths"].values())
             return "already_complete"
         failed = recorded_failure(record, message)
         if failed is not None:
@@ -347,7 +358,7 @@ class VoiceJobHandler:
             attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
                                           int((claim.job or {}).get("attempts") or 0), attempt.token)
             paths = self._artifacts(job, profile, lease.stop, attempt, attempt_dir)
-            s3_paths = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
+            committed = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
         except Stopped as exc:
             store_lease.end()
             return self._stopped(attempt, exc)
@@ -368,8 +379,7 @@ class VoiceJobHandler:
             error = unexpected(exc)
             self._record_error(attempt, error)
             raise error from exc
-        self._remove_unreferenced_objects(job, s3_paths)
-        self._remove_work_files(job)
+        self._clean_up_after_commit(job, *committed)
         log.info("job.completed")
         return "completed"
 
@@ -412,7 +422,8 @@ class VoiceJobHandler:
         return self._train(job, attempt_dir, stop, progress)
 
     def _persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
-                 store_lease: StoreLease, attempt_dir: Path) -> dict[str, str]:
+                 store_lease: StoreLease, attempt_dir: Path) -> tuple[dict[str, str], list[str]]:
+        """Commit steps 1-5; the committed S3 and local paths."""
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         lease.stop.raise_if_set()
         # Progress stage COMMITTING (a fenced write): from here on the store refuses cancel requests
@@ -443,7 +454,7 @@ class VoiceJobHandler:
 
     def _commit(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
                 store_lease: StoreLease, base_dir: Path, rels: dict[str, str], models_dir: Path,
-                written: list[str]) -> dict[str, str]:
+                written: list[str]) -> tuple[dict[str, str], list[str]]:
         # The uploader names each file by its path under base_dir; the key takes the artifact's own
         # relative path (a published file's path under MODELS_ROOT starts with its digest).
         sources = {name: Path(paths[name]).relative_to(base_dir).as_posix() for name in paths}
@@ -487,7 +498,7 @@ class VoiceJobHandler:
         store_lease.end()
         attempt.complete()                                                       # 5 commit marker
         self._crash("after_job_completed")
-        return s3_paths
+        return s3_paths, list(model_paths.values())
 
     def _remove_unreferenced_objects(self, job: Job, s3_paths: dict[str, str]) -> None:
         """After the commit: objects under the job's prefix that the committed paths do not name are a
@@ -543,6 +554,21 @@ class VoiceJobHandler:
         if problem is not None:
             raise StageFailed(f"WORK_ROOT {self._work_root} {problem}: no job files are written there until "
                               "it is back; a new file system there is used after a restart of the worker")
+
+    def _clean_up_after_commit(self, job: Job, s3_paths: dict[str, str], model_paths: Iterable[str]) -> None:
+        """Best effort, each step on its own: what no committed path names goes (S3 objects, published
+        copies), then the job's scratch. Safe to run again: a redelivery of the committed job does."""
+        self._remove_unreferenced_objects(job, s3_paths)
+        self._remove_unpublished(job, model_paths)
+        self._remove_work_files(job)
+
+    def _remove_unpublished(self, job: Job, model_paths: Iterable[str]) -> None:
+        try:
+            failures = _remove_entries(unpublished_leftovers(models_dir_for(self._models_root, job), model_paths))
+        except Exception as exc:  # noqa: BLE001 - the job is committed: nothing here may fail it
+            failures = [f"{type(exc).__name__}: {exc}"]
+        if failures:
+            log.warning("job.unpublished_not_removed", failures=failures[:5], count=len(failures))
 
     def _remove_work_files(self, job: Job) -> None:
         """After the commit: the models are in S3 and published, so only the job's logs stay as scratch."""
