@@ -32,7 +32,6 @@ import os
 import queue
 import re
 import select
-import shutil
 import socket
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from typing import IO
 import structlog
 
 from pipeline.config import StageSpec, render_argv
-from pipeline.files import output_problem, remove_output
+from pipeline.files import output_problem, real_directory, remove_output
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.proctree import (
     ATTEMPT_NAME,
@@ -230,11 +229,13 @@ def prepare_rerun(stage: StageSpec, ctx: StageContext) -> None:
     remove_output(ctx.output_dir, manifest.relative_to(ctx.output_dir).as_posix())
     for rel in stage.outputs:
         remove_output(ctx.output_dir, rel)  # a link on the way is removed, never followed
-    checkpoints = ctx.checkpoint_dir(stage)
-    if not stage.resumable:
-        _remove(checkpoints)
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    ctx.output_dir.mkdir(parents=True, exist_ok=True)
+    # Walked from the attempt directory without following links: an earlier stage may have made
+    # checkpoints/, checkpoints/<stage> or output/ a link out of the job, and a removal or a mkdir
+    # through it would act on outside files. Such a link is removed itself, and the directory handed
+    # to the stage is a real one.
+    root = ctx.checkpoints_root
+    real_directory(root.parent, f"{root.name}/{stage.name}", empty=not stage.resumable)
+    real_directory(ctx.output_dir.parent, ctx.output_dir.name)
 
 
 def discard_outputs(stage: StageSpec, ctx: StageContext) -> None:
@@ -482,10 +483,3 @@ def _log_line(log_file: IO[bytes], text: str) -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     log_file.write(f"[runner {stamp}] {text}\n".encode())
     log_file.flush()
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
