@@ -24,6 +24,10 @@ Why it is shaped this way:
   is resumable, its checkpoint directory) are removed first, so nothing half-written survives. A run
   that fails (any exit but a verified success, a stop, a full disk) has its declared outputs removed
   too: a file under a declared name exists only beside the manifest that vouches for it.
+- The directories the worker removes, creates or writes in for a stage (``checkpoints/<stage>``,
+  ``output/``, ``output/.manifests``) are walked from the attempt without following links
+  (``pipeline.files.real_directory``): a stage that made one of them a link out of the job gets the
+  link removed, never followed, so no outside file is deleted or written.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from typing import IO
 import structlog
 
 from pipeline.config import StageSpec, render_argv
-from pipeline.files import output_problem, real_directory, remove_output
+from pipeline.files import output_problem, real_directory, relative_output, remove_output
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.proctree import (
     ATTEMPT_NAME,
@@ -218,6 +222,8 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
             f"stage {stage.name} exited 0 but these outputs are not regular non-empty files inside "
             f"the output directory: {', '.join(problems)}; see {log_path.name}"
         )
+    # The stage may have made output/.manifests a link: the manifest is written into a real directory.
+    real_directory(ctx.output_dir.parent, relative_output(ctx.output_dir.parent, manifest.parent))
     write_manifest(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
     log.info("stage.completed", stage=stage.name, log=log_path.name)
     return StageResult(stage.name, skipped=False, log_path=log_path)

@@ -440,3 +440,16 @@ def test_a_linked_output_dir_is_replaced_before_the_next_stage(tmp_path, ctx, ou
     assert (ctx.output_dir / "full/model.pth").read_bytes() == b"trained"
     assert sorted(p.name for p in outside.iterdir()) == ["model.pth"]
     assert (outside / "model.pth").read_bytes() == b"not the job's"
+
+
+def test_a_manifest_dir_made_a_link_by_the_stage_is_not_written_through(tmp_path, ctx, outside):
+    """A stage that links output/.manifests out of the job: its manifest lands in a real directory, and
+    nothing is written outside."""
+    stage = StageSpec(name="forger", argv=("{python}", "-c", "import os, sys; os.makedirs(sys.argv[1], exist_ok=True); "
+                                           "open(os.path.join(sys.argv[1], 'f.txt'), 'w').write('x'); "
+                                           "os.symlink(sys.argv[2], os.path.join(sys.argv[1], '.manifests'))",
+                                           "{output_dir}", str(outside)), outputs=("f.txt",))
+    run_stage(stage, ctx, StopSignal(), no_progress)
+    assert sorted(p.name for p in outside.iterdir()) == ["model.pth"]
+    assert not manifest_path(ctx.output_dir, "forger").parent.is_symlink()
+    assert run_stage(stage, ctx, StopSignal(), no_progress).skipped
