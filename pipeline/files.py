@@ -109,13 +109,22 @@ def open_output(output_dir: Path, relative_path: str) -> int:
     The output directory itself and every component below it must be a real directory (no symlink),
     and the file a non-empty regular file. The caller closes the descriptor.
     """
-    parts = output_parts(relative_path)
-    fd = _open_dir(output_dir, None, Path(output_dir).name or str(output_dir))
+    file_fd = open_regular(output_dir, relative_path)
     try:
-        for depth, part in enumerate(parts[:-1], start=1):
-            next_fd = _open_dir(part, fd, "/".join(parts[:depth]))
-            os.close(fd)
-            fd = next_fd
+        if os.fstat(file_fd).st_size == 0:
+            raise OutputRefused("empty")
+    except BaseException:
+        os.close(file_fd)
+        raise
+    return file_fd
+
+
+def open_regular(root: Path, relative_path: str) -> int:
+    """A read-only descriptor of the regular file ``root/relative_path`` (empty allowed), reached with no
+    link in any component, ``root`` included; ``OutputRefused`` saying why not. The caller closes it."""
+    parts = output_parts(relative_path)
+    fd = _walk_dirs(root, parts[:-1])
+    try:
         try:
             file_fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=fd)
         except FileNotFoundError:
@@ -127,16 +136,32 @@ def open_output(output_dir: Path, relative_path: str) -> int:
     finally:
         os.close(fd)
     try:
-        info = os.fstat(file_fd)
-        if not stat.S_ISREG(info.st_mode):
+        if not stat.S_ISREG(os.fstat(file_fd).st_mode):
             raise OutputRefused("not a regular file")
-        if info.st_size == 0:
-            raise OutputRefused("empty")
         os.set_blocking(file_fd, True)
     except BaseException:
         os.close(file_fd)
         raise
     return file_fd
+
+
+def open_real_dir(root: Path, relative_path: str) -> int:
+    """A descriptor of the directory ``root/relative_path``, ``root`` and every component below it a real
+    directory (no link); ``OutputRefused`` saying why not. The caller closes it."""
+    return _walk_dirs(root, output_parts(relative_path))
+
+
+def _walk_dirs(root: Path, parts: list[str]) -> int:
+    fd = _open_dir(root, None, Path(root).name or str(root))
+    try:
+        for depth, part in enumerate(parts, start=1):
+            next_fd = _open_dir(part, fd, "/".join(parts[:depth]))
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def output_problem(output_dir: Path, relative_path: str) -> str | None:
@@ -220,3 +245,46 @@ def _remove_entry(name: str, dir_fd: int) -> None:
         shutil.rmtree(name, dir_fd=dir_fd)
     else:
         os.unlink(name, dir_fd=dir_fd)
+
+
+def real_directory(base: Path, relative_path: str, *, empty: bool = False) -> Path:
+    """``base/relative_path`` made a real directory reached from ``base`` without a link; returns its path.
+
+    A stage can replace any directory of its attempt (``checkpoints``, ``checkpoints/<stage>``,
+    ``output``) with a link out of the job; ``mkdir(parents=True)`` and ``rmtree`` of such a path act
+    on what it points to. Here each component is opened relative to the one before without following
+    links, and one that is a link (or anything but a directory) is unlinked itself, never followed,
+    and a real directory made in its place. With ``empty`` the last directory is removed first
+    (fd-based ``rmtree``, no link followed) and made again. ``base`` is made when missing, and must
+    then be a real directory: an ``OSError`` otherwise, since what lies above it is not the stage's
+    to replace.
+    """
+    parts = output_parts(relative_path)
+    Path(base).mkdir(parents=True, exist_ok=True)
+    fd = os.open(base, _DIR_FLAGS)
+    try:
+        for depth, part in enumerate(parts, start=1):
+            if empty and depth == len(parts):
+                _remove_entry(part, fd)
+            next_fd = _open_or_make_dir(part, fd)
+            os.close(fd)
+            fd = next_fd
+    finally:
+        os.close(fd)
+    return Path(base, *parts)
+
+
+def _open_or_make_dir(name: str, dir_fd: int) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(name, dir_fd=dir_fd)  # the link (or file) goes, what it points to stays
+    try:
+        os.mkdir(name, dir_fd=dir_fd)
+    except FileExistsError:
+        pass  # made meanwhile: the open below still refuses it unless it is a real directory
+    return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)

@@ -14,8 +14,10 @@ new attempt's files. What it already finished is still worth having, so before t
   renamed into place only when whole, so a file under its final name is complete).
 
 Everything is copied, never hard-linked: a surviving old trainer writing a file in place would
-otherwise change the new attempt's copy too. Nothing is read through a symbolic link, and each copy
-lands under its final name only once complete (temp file, fsync, rename).
+otherwise change the new attempt's copy too. Nothing is read through a symbolic link (each source is
+walked from its attempt directory, component by component, its root included), nothing is written
+through one (a link where a target directory should be is replaced by a real directory), and each
+copy lands under its final name only once complete (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.config import StageSpec
-from pipeline.files import fsync_dir, sha256_and_size_of
+from pipeline.files import (
+    OutputRefused,
+    fsync_dir,
+    open_real_dir,
+    open_regular,
+    output_parts,
+    real_directory,
+    relative_output,
+    remove_output,
+    sha256_and_size_of,
+)
 from pipeline.manifest import TEMP_MARKER, atomic_write_bytes, manifest_path, read_manifest
 
 
@@ -46,8 +58,11 @@ def adopt_verified_outputs(stage: StageSpec, earlier_output_dirs: Sequence[Path]
     """Copy the stage's outputs from the newest earlier attempt whose manifest vouches for them.
 
     Returns the output directory copied from, or None (nothing verified anywhere: the stage runs).
+    An earlier output directory that is itself a link is passed over: what it points to is not the job's.
     """
     for source in earlier_output_dirs:
+        if not _is_real_dir(source):
+            continue
         manifest, problem = read_manifest(manifest_path(source, stage.name), stage.name, stage.fingerprint,
                                           stage.outputs)
         if problem is not None:
@@ -62,27 +77,34 @@ def adopt_verified_outputs(stage: StageSpec, earlier_output_dirs: Sequence[Path]
                 copied.append(rel)
         except (CopyMismatch, OSError):
             for rel in copied:
-                (output_dir / rel).unlink(missing_ok=True)
+                remove_output(output_dir, rel)
             continue
         target = manifest_path(output_dir, stage.name)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        real_directory(output_dir.parent, relative_output(output_dir.parent, target.parent))
         atomic_write_bytes(target, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
         return source
     return None
 
 
-def adopt_checkpoints(earlier_checkpoint_dirs: Sequence[Path], checkpoint_dir: Path) -> Path | None:
-    """Copy the newest non-empty earlier checkpoint directory into an empty ``checkpoint_dir``."""
+def adopt_checkpoints(earlier_work_dirs: Sequence[Path], work_dir: Path, relative_dir: str) -> Path | None:
+    """Copy the newest earlier attempt's non-empty ``relative_dir`` (``checkpoints/<stage>``) into this
+    attempt's, when that holds no file yet; returns the earlier attempt directory copied from.
+
+    Both sides are walked from their attempt directory without following a link: an earlier
+    ``checkpoints`` or ``checkpoints/<stage>`` that is a link is passed over, and one here is removed
+    itself and replaced by a real directory, so nothing outside the job is read, written or deleted.
+    """
+    checkpoint_dir = real_directory(work_dir, relative_dir)
     if _has_files(checkpoint_dir):
         return None
-    for source in earlier_checkpoint_dirs:
-        if not _is_real_dir(source) or not _has_files(source):
-            continue
+    for source in earlier_work_dirs:
         temp = checkpoint_dir.with_name(f".{checkpoint_dir.name}{TEMP_MARKER}{os.getpid()}")
         _remove_tree(temp)
         try:
-            copy_tree(source, temp)
+            copied = copy_tree(source, relative_dir, temp)
         except (CopyMismatch, OSError):
+            copied = 0
+        if not copied:
             _remove_tree(temp)
             continue
         _remove_tree(checkpoint_dir)
@@ -111,18 +133,47 @@ def adopt_downloads(earlier_download_dirs: Sequence[Path], downloads_dir: Path, 
 def copy_file(source_root: Path, rel: str, target_root: Path, *, expect: tuple | None = None) -> None:
     """Copy ``source_root/rel`` to ``target_root/rel``; with ``expect`` (size, sha256) it must match.
 
-    The source must be a regular file reached through real directories only (no component a link).
+    The source must be a regular file reached through real directories only, ``source_root``
+    included (``pipeline.files.open_regular``); the target's directories are made real ones (a link
+    there is replaced, never followed).
     """
-    source = source_root / rel
-    _no_links_below(source_root, rel)
-    target = target_root / rel
-    target.parent.mkdir(parents=True, exist_ok=True)
+    parts = output_parts(rel)
+    target_dir = real_directory(target_root.parent, "/".join([target_root.name, *parts[:-1]]))
+    _copy_to(source_root, rel, target_dir / parts[-1], expect)
+
+
+def copy_tree(source_root: Path, relative_dir: str, target: Path) -> int:
+    """Copy the regular files and directories under ``source_root/relative_dir`` into ``target``;
+    links and other kinds are left out. Returns the number of files copied."""
+    try:
+        fd = open_real_dir(source_root, relative_dir)
+    except OutputRefused as exc:
+        raise CopyMismatch(f"{relative_dir}: {exc}") from None
+    try:
+        with os.scandir(fd) as entries:
+            found = [(entry.name, entry.is_dir(follow_symlinks=False), entry.is_file(follow_symlinks=False))
+                     for entry in entries]
+    finally:
+        os.close(fd)
+    target.mkdir(exist_ok=True)
+    copied = 0
+    for name, is_dir, is_file in found:
+        if is_dir:
+            copied += copy_tree(source_root, f"{relative_dir}/{name}", target / name)
+        elif is_file and TEMP_MARKER not in name:
+            _copy_to(source_root, f"{relative_dir}/{name}", target / name, None)
+            copied += 1
+    return copied
+
+
+def _copy_to(source_root: Path, rel: str, target: Path, expect: tuple | None) -> None:
     temp = target.with_name(f".{target.name}{TEMP_MARKER}{os.getpid()}")
-    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fd = open_regular(source_root, rel)
+    except OutputRefused as exc:
+        raise CopyMismatch(f"{rel}: {exc}") from None
     try:
         with os.fdopen(fd, "rb") as src, open(temp, "wb") as dst:
-            if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
-                raise CopyMismatch(f"{rel} is not a regular file")
             sha256_hex, size = sha256_and_size_of(src, copy_to=dst)
         if expect is not None and (size, sha256_hex) != tuple(expect):
             raise CopyMismatch(f"{rel} changed since its manifest was written")
@@ -131,24 +182,6 @@ def copy_file(source_root: Path, rel: str, target_root: Path, *, expect: tuple |
         temp.unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
-
-
-def copy_tree(source: Path, target: Path) -> None:
-    """Copy the regular files and directories under ``source``; links and other kinds are left out."""
-    target.mkdir(parents=True, exist_ok=True)
-    for entry in os.scandir(source):
-        if entry.is_dir(follow_symlinks=False):
-            copy_tree(Path(entry.path), target / entry.name)
-        elif entry.is_file(follow_symlinks=False) and TEMP_MARKER not in entry.name:
-            copy_file(source, entry.name, target)
-
-
-def _no_links_below(root: Path, rel: str) -> None:
-    current = root
-    for part in Path(rel).parts[:-1]:
-        current = current / part
-        if not _is_real_dir(current):
-            raise CopyMismatch(f"{rel}: {part} is not a directory of its own")
 
 
 def _is_real_dir(path: Path) -> bool:

@@ -24,6 +24,7 @@ import structlog
 
 from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
+from pipeline.files import output_problem
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
@@ -197,18 +198,23 @@ def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path]) -> No
         log.info("pipeline.stage_reused", stage=stage.name, attempt=source.parent.name)
         return
     if stage.resumable:
-        source = adopt_checkpoints([d / "checkpoints" / stage.name for d in earlier], ctx.checkpoint_dir(stage))
+        root = ctx.checkpoints_root
+        source = adopt_checkpoints(earlier, root.parent, f"{root.name}/{stage.name}")
         if source is not None:
-            log.info("pipeline.checkpoints_reused", stage=stage.name, attempt=source.parent.parent.name)
+            log.info("pipeline.checkpoints_reused", stage=stage.name, attempt=source.name)
 
 
 def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:
-    """All five artifact paths, or StageFailed naming each one that is missing or empty."""
+    """All five artifact paths, or StageFailed naming each one that is refused and why.
+
+    The rule is the stages' and the uploader's (``pipeline.files.output_problem``): a non-empty regular
+    file with no symbolic link in any component of its path, the output directory included.
+    """
     paths = {key: output_dir / config.artifacts[key] for key in ASSET_KEYS}
     bad = [
-        f"{key} ({config.artifacts[key]})"
-        for key, path in paths.items()
-        if not path.is_file() or path.stat().st_size == 0
+        f"{key} ({config.artifacts[key]}: {problem})"
+        for key in ASSET_KEYS
+        if (problem := output_problem(output_dir, config.artifacts[key]))
     ]
     if bad:
         raise StageFailed("pipeline finished without these artifacts: " + ", ".join(bad))

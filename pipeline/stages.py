@@ -24,6 +24,10 @@ Why it is shaped this way:
   is resumable, its checkpoint directory) are removed first, so nothing half-written survives. A run
   that fails (any exit but a verified success, a stop, a full disk) has its declared outputs removed
   too: a file under a declared name exists only beside the manifest that vouches for it.
+- The directories the worker removes, creates or writes in for a stage (``checkpoints/<stage>``,
+  ``output/``, ``output/.manifests``) are walked from the attempt without following links
+  (``pipeline.files.real_directory``): a stage that made one of them a link out of the job gets the
+  link removed, never followed, so no outside file is deleted or written.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import os
 import queue
 import re
 import select
-import shutil
 import socket
 import subprocess
 import sys
@@ -48,7 +51,7 @@ from typing import IO
 import structlog
 
 from pipeline.config import StageSpec, render_argv
-from pipeline.files import output_problem, remove_output
+from pipeline.files import output_problem, real_directory, relative_output, remove_output
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.proctree import (
     ATTEMPT_NAME,
@@ -219,6 +222,8 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
             f"stage {stage.name} exited 0 but these outputs are not regular non-empty files inside "
             f"the output directory: {', '.join(problems)}; see {log_path.name}"
         )
+    # The stage may have made output/.manifests a link: the manifest is written into a real directory.
+    real_directory(ctx.output_dir.parent, relative_output(ctx.output_dir.parent, manifest.parent))
     write_manifest(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
     log.info("stage.completed", stage=stage.name, log=log_path.name)
     return StageResult(stage.name, skipped=False, log_path=log_path)
@@ -230,11 +235,13 @@ def prepare_rerun(stage: StageSpec, ctx: StageContext) -> None:
     remove_output(ctx.output_dir, manifest.relative_to(ctx.output_dir).as_posix())
     for rel in stage.outputs:
         remove_output(ctx.output_dir, rel)  # a link on the way is removed, never followed
-    checkpoints = ctx.checkpoint_dir(stage)
-    if not stage.resumable:
-        _remove(checkpoints)
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    ctx.output_dir.mkdir(parents=True, exist_ok=True)
+    # Walked from the attempt directory without following links: an earlier stage may have made
+    # checkpoints/, checkpoints/<stage> or output/ a link out of the job, and a removal or a mkdir
+    # through it would act on outside files. Such a link is removed itself, and the directory handed
+    # to the stage is a real one.
+    root = ctx.checkpoints_root
+    real_directory(root.parent, f"{root.name}/{stage.name}", empty=not stage.resumable)
+    real_directory(ctx.output_dir.parent, ctx.output_dir.name)
 
 
 def discard_outputs(stage: StageSpec, ctx: StageContext) -> None:
@@ -482,10 +489,3 @@ def _log_line(log_file: IO[bytes], text: str) -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     log_file.write(f"[runner {stamp}] {text}\n".encode())
     log_file.flush()
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from pipeline.files import (
     fsync_dir,
     output_problem,
     output_sha256_and_size,
+    real_directory,
     remove_output,
     sha256_and_size,
 )
@@ -126,3 +127,30 @@ def test_removing_outputs_takes_real_files_and_directories_and_ignores_what_is_a
     assert not (out / "full").exists()
     remove_output(out, "full/model.pth")
     remove_output(tmp_path / "no-output-dir", "full/model.pth")
+
+
+def test_real_directory_replaces_links_and_files_on_the_way(tmp_path):
+    """A link and a plain file where directories belong are removed themselves; their targets stay whole."""
+    outside = tmp_path / "outside"
+    (outside / "b").mkdir(parents=True)
+    (outside / "b" / "keep").write_bytes(b"x")
+    base = tmp_path / "attempt"
+    base.mkdir()
+    (base / "a").symlink_to(outside)
+    made = real_directory(base, "a/b", empty=True)
+    assert made == base / "a" / "b" and not (base / "a").is_symlink() and made.is_dir()
+    assert (outside / "b" / "keep").read_bytes() == b"x"
+    (made / "old").write_bytes(b"y")
+    (base / "c").write_bytes(b"not a dir")
+    real_directory(base, "c/d")
+    assert (base / "c" / "d").is_dir()
+    assert real_directory(base, "a/b", empty=True) == made and list(made.iterdir()) == []
+
+
+def test_real_directory_refuses_a_linked_base(tmp_path):
+    """The base itself is never replaced or followed: a link there is an OSError."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "base").symlink_to(tmp_path / "real")
+    with pytest.raises(OSError):
+        real_directory(tmp_path / "base", "checkpoints/train")
+    assert list((tmp_path / "real").iterdir()) == []

@@ -14,7 +14,7 @@ from pipeline.config import load_pipeline_config, parse_pipeline_config
 from pipeline.downloads import DownloadSettings
 from pipeline.downloads import fetch as real_fetch
 from pipeline.limits import JobLimits
-from pipeline.run import run_pipeline
+from pipeline.run import run_pipeline, verify_artifacts
 from tests.pipeline.test_dataset import write_inputs
 from worker.core.errors import BadRecording, DownloadError, StageFailed, Stopped
 from worker.core.stop import StopSignal
@@ -266,3 +266,34 @@ def test_real_downloads_stop_at_the_job_download_budget(tmp_path, job_and_fetch,
         run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
                      progress=lambda s, p: None, limits=JobLimits(max_job_download_bytes=sum(sizes[:2]) + 1))
     assert sorted(p.name for p in (tmp_path / "work/downloads").iterdir()) == ["00000.audio", "00001.audio"]
+
+
+def five_artifacts(output_dir: Path, config) -> None:
+    for rel in config.artifacts.values():
+        (output_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (output_dir / rel).write_bytes(b"trained")
+
+
+@pytest.mark.parametrize("linked", ["file", "parent dir"])
+def test_an_artifact_reached_through_a_link_fails_the_run(tmp_path, default_config, linked):
+    """An artifact that is a link, or sits in a linked directory, is refused by the end check like by the uploader."""
+    outside, output_dir = tmp_path / "outside", tmp_path / "output"
+    five_artifacts(outside, default_config)
+    five_artifacts(output_dir, default_config)
+    if linked == "file":
+        (output_dir / "full/model.pth").unlink()
+        (output_dir / "full/model.pth").symlink_to(outside / "full/model.pth")
+        expected = r"fullModel \(full/model.pth: not a regular file \(a symbolic link\)\)"
+    else:
+        shutil.rmtree(output_dir / "light")
+        (output_dir / "light").symlink_to(outside / "light")
+        expected = r"lightModel \(light/model.onnx: reached through a symbolic link \(light\)\).*lightConfig"
+    with pytest.raises(StageFailed, match=expected):
+        verify_artifacts(default_config, output_dir)
+
+
+def test_five_real_artifacts_pass_the_end_check(tmp_path, default_config):
+    """Five non-empty regular files in real directories are the run's result, by key."""
+    five_artifacts(tmp_path, default_config)
+    paths = verify_artifacts(default_config, tmp_path)
+    assert paths["fullModel"] == tmp_path / "full/model.pth"

@@ -374,3 +374,82 @@ def test_a_failed_stages_message_carries_no_terminal_control_sequences(tmp_path,
     message = str(caught.value)
     assert not any(ch in message for ch in "\x1b\x07\r\x9b\x85"), repr(message)
     assert "real failure\njob 1: completed\nred" in message
+
+
+# Replaces checkpoints/ (or checkpoints/<next>) with a link to a directory outside the job, then
+# writes its own declared output; exits 0.
+CHECKPOINT_LINKER = """
+import os, shutil, sys
+root, which, outside, out = sys.argv[1:5]
+victim = root if which == "root" else os.path.join(root, "next")
+if os.path.isdir(victim):
+    shutil.rmtree(victim)
+os.symlink(outside, victim)
+os.makedirs(out, exist_ok=True)
+open(os.path.join(out, "linked.txt"), "w").write("done")
+"""
+
+# Writes a file into {checkpoint_dir} and its declared output.
+CHECKPOINT_WRITER = """
+import os, sys
+ckpt, out = sys.argv[1:3]
+open(os.path.join(ckpt, "state"), "w").write("mine")
+open(os.path.join(out, "next.txt"), "w").write("done")
+"""
+
+
+@pytest.fixture
+def outside_checkpoints(tmp_path_factory) -> Path:
+    """A directory outside the job laid out like checkpoints/, its next/ holding a file."""
+    directory = tmp_path_factory.mktemp("outside-checkpoints")
+    (directory / "next").mkdir()
+    (directory / "next" / "state").write_bytes(b"not the job's")
+    return directory
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+@pytest.mark.parametrize("which", ["root", "stage"])
+def test_a_linked_checkpoint_dir_is_replaced_never_followed(tmp_path, ctx, outside_checkpoints, which, resumable):
+    """After a stage links checkpoints/ (or checkpoints/<next>) out of the job, the next stage's preparation
+    removes the link itself: the outside files stay and the stage gets a real directory inside the job."""
+    linker = StageSpec(name="linker", argv=("{python}", script(tmp_path, "ckpt_linker", CHECKPOINT_LINKER),
+                                            str(ctx.checkpoints_root), which, str(outside_checkpoints),
+                                            "{output_dir}"), outputs=("linked.txt",))
+    following = StageSpec(name="next", argv=("{python}", script(tmp_path, "ckpt_writer", CHECKPOINT_WRITER),
+                                             "{checkpoint_dir}", "{output_dir}"), outputs=("next.txt",),
+                          resumable=resumable)
+    run_stage(linker, ctx, StopSignal(), no_progress)
+    run_stage(following, ctx, StopSignal(), no_progress)
+    assert (outside_checkpoints / "next" / "state").read_bytes() == b"not the job's"
+    assert sorted(p.name for p in outside_checkpoints.iterdir()) == ["next"]
+    for directory in (ctx.checkpoints_root, ctx.checkpoint_dir(following)):
+        assert not directory.is_symlink() and directory.is_dir()
+    assert (ctx.checkpoint_dir(following) / "state").read_text() == "mine"
+
+
+def test_a_linked_output_dir_is_replaced_before_the_next_stage(tmp_path, ctx, outside):
+    """A stage that makes output/ itself a link: the next stage writes into a real output directory, and
+    the outside files are left as they were."""
+    relink = StageSpec(name="relink", argv=("{python}", "-c", "import os, shutil, sys; shutil.rmtree(sys.argv[1]); "
+                                            "os.symlink(sys.argv[2], sys.argv[1])", "{output_dir}", str(outside)),
+                       outputs=("r.txt",))
+    with pytest.raises(StageFailed, match="symbolic link"):
+        run_stage(relink, ctx, StopSignal(), no_progress)
+    run_stage(linker_stage(tmp_path, outside, "ok"), ctx, StopSignal(), no_progress)
+    assert not ctx.output_dir.is_symlink()
+    assert (ctx.output_dir / "full/model.pth").read_bytes() == b"trained"
+    assert sorted(p.name for p in outside.iterdir()) == ["model.pth"]
+    assert (outside / "model.pth").read_bytes() == b"not the job's"
+
+
+def test_a_manifest_dir_made_a_link_by_the_stage_is_not_written_through(tmp_path, ctx, outside):
+    """A stage that links output/.manifests out of the job: its manifest lands in a real directory, and
+    nothing is written outside."""
+    stage = StageSpec(name="forger", argv=("{python}", "-c", "import os, sys; os.makedirs(sys.argv[1], exist_ok=True); "
+                                           "open(os.path.join(sys.argv[1], 'f.txt'), 'w').write('x'); "
+                                           "os.symlink(sys.argv[2], os.path.join(sys.argv[1], '.manifests'))",
+                                           "{output_dir}", str(outside)), outputs=("f.txt",))
+    run_stage(stage, ctx, StopSignal(), no_progress)
+    assert sorted(p.name for p in outside.iterdir()) == ["model.pth"]
+    assert not manifest_path(ctx.output_dir, "forger").parent.is_symlink()
+    assert run_stage(stage, ctx, StopSignal(), no_progress).skipped
