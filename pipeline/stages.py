@@ -168,10 +168,15 @@ def tail_lines(path: Path, count: int = TAIL_LINES) -> str:
 
 
 def open_step_log(log_dir: Path, step: str, now: datetime | None = None) -> tuple[Path, IO[bytes]]:
-    """A new timestamped log for one attempt of one step, opened for appending."""
-    log_dir.mkdir(parents=True, exist_ok=True)
+    """A new timestamped log for one attempt of one step, opened for appending.
+
+    A stage knows ``{log_dir}`` and could replace it with a link out of the job: the directory is made
+    real first (the link unlinked, never followed) and the file opened without following a link.
+    """
+    log_dir = real_directory(Path(log_dir).parent, Path(log_dir).name)
     path = log_dir / log_file_name(now or datetime.now(UTC), step)
-    return path, open(path, "ab")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    return path, os.fdopen(fd, "ab")
 
 
 def run_stage(

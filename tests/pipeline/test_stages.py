@@ -453,3 +453,20 @@ def test_a_manifest_dir_made_a_link_by_the_stage_is_not_written_through(tmp_path
     assert sorted(p.name for p in outside.iterdir()) == ["model.pth"]
     assert not manifest_path(ctx.output_dir, "forger").parent.is_symlink()
     assert run_stage(stage, ctx, StopSignal(), no_progress).skipped
+
+
+def test_a_log_dir_made_a_link_by_a_stage_is_replaced_never_written_through(tmp_path):
+    """A stage that turns {log_dir} into a link out of the job gets no log written there: the next log
+    goes into a real directory inside the job and the outside directory stays empty."""
+    from pipeline.stages import open_step_log
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "logs").symlink_to(outside)
+    path, handle = open_step_log(job / "logs", "train")
+    with handle:
+        handle.write(b"line\n")
+    assert list(outside.iterdir()) == []
+    assert not (job / "logs").is_symlink() and path.parent == job / "logs" and path.read_bytes() == b"line\n"
