@@ -249,7 +249,7 @@ class Soak:
         return None
 
     def _all_final(self) -> bool:
-        with self.stack.store() as store:
+        with self.stack.reader() as store:
             return all((store.get_job(j) or {}).get("status") in FINAL for j in self.jobs)
 
     def _inject(self, fault: Fault, slot: Slot, now_s: float) -> None:
@@ -324,12 +324,14 @@ class Soak:
 
     def _snapshot_commits(self) -> None:
         """For each newly completed job: the version ids of its objects, right after the commit."""
-        with self.stack.store() as store:
+        with self.stack.reader() as store:
             for job_id, profile_id in self.jobs.items():
                 if job_id in self.snapshots or (store.get_job(job_id) or {}).get("status") != "completed":
                     continue
                 paths = (store.get_profile(profile_id) or {}).get("s3Paths") or {}
-                self.snapshots[job_id] = {key_of(uri): [v["VersionId"] for v in self._versions(key_of(uri))]
+                # The latest version id only (HEAD): moto's ListObjectVersions deep-copies every
+                # object in the bucket per call, whatever the prefix. The final listing counts versions.
+                self.snapshots[job_id] = {key_of(uri): [self._latest_version(key_of(uri))]
                                           for uri in paths.values()}
 
     def _all_versions(self) -> dict[str, list[dict]]:
@@ -342,9 +344,8 @@ class Soak:
             listed.sort(key=lambda v: (v["IsLatest"], v["LastModified"]), reverse=True)
         return by_key
 
-    def _versions(self, key: str) -> list[dict]:
-        listed = self.stack.s3.list_object_versions(Bucket=self.stack.bucket, Prefix=key)
-        return [v for v in listed.get("Versions", []) if v["Key"] == key]
+    def _latest_version(self, key: str) -> str:
+        return self.stack.s3.head_object(Bucket=self.stack.bucket, Key=key)["VersionId"]
 
     def _wind_down(self) -> None:
         for slot in self.slots:
@@ -375,7 +376,7 @@ class Soak:
 
     # --- the final state
     def collect(self) -> SoakState:
-        with self.stack.store() as store:
+        with self.stack.reader() as store:
             records = {j: store.get_job(j) or {} for j in self.jobs}
             profiles = {p: store.get_profile(p) or {} for p in self.jobs.values()}
         commits = Counter(e.get("job_id") for w in self.instances for e in w.events()

@@ -21,7 +21,7 @@ from pipeline.config import load_pipeline_config
 from pipeline.manifest import manifest_path, manifest_problem
 from tests.support import SHIPPED_ARTIFACTS, Queues, create_queues
 from worker.voice.store import ASSET_KEYS
-from worker.voice.store_sqlite import SqliteStore
+from worker.voice.store_sqlite import READ_ONLY, SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
 ENVIRONMENT = "production"
@@ -138,6 +138,11 @@ class Stack:
 
     def store(self) -> SqliteStore:
         return SqliteStore(str(self.db))
+
+    def reader(self) -> SqliteStore:
+        """Read-only: no BEGIN IMMEDIATE at open, so a SIGSTOPped worker holding the write lock
+        cannot block a single-threaded harness that is the one due to SIGCONT it."""
+        return SqliteStore(str(self.db), mode=READ_ONLY)
 
     # --- jobs
     def body(self, job_id: str, profile_id: str, directory: str, recording_key: str = "clip.wav") -> dict:
