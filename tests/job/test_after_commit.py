@@ -35,6 +35,14 @@ def attempt_dirs(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "work" / WORK_DIR / "attempts").iterdir())
 
 
+def assert_only_logs_left_and_complete(tmp_path: Path, raw_store) -> None:
+    """The job's work dir holds logs/ (as write_work_files left them) and nothing else; both records complete."""
+    work_dir = tmp_path / "work" / WORK_DIR
+    assert sorted(p.relative_to(work_dir).as_posix() for p in work_dir.rglob("*")) == [
+        "logs", "logs/01-train_full.log", "logs/download.log"]
+    assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
+
+
 @pytest.fixture
 def keeping_handler(store, s3, train, tmp_path):
     return VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
@@ -48,10 +56,7 @@ def test_committed_job_keeps_only_its_logs(queues, make_worker, handler, train, 
     worker, _ = make_worker(handler)
     queues.send(message_body())
     assert worker.run_once() == "ack"
-    work_dir = tmp_path / "work" / WORK_DIR
-    assert sorted(p.relative_to(work_dir).as_posix() for p in work_dir.rglob("*")) == [
-        "logs", "logs/01-train_full.log", "logs/download.log"]
-    assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
+    assert_only_logs_left_and_complete(tmp_path, raw_store)
 
 
 def test_model_paths_name_published_files_that_outlive_the_cleanup(queues, make_worker, handler, train,
@@ -183,7 +188,4 @@ def test_a_redelivery_of_a_committed_job_redoes_the_skipped_cleanup(queues, make
     monkeypatch.undo()
     queues.send(message_body())
     assert worker.run_once() == "ack"
-    work_dir = tmp_path / "work" / WORK_DIR
-    assert sorted(p.relative_to(work_dir).as_posix() for p in work_dir.rglob("*")) == [
-        "logs", "logs/01-train_full.log", "logs/download.log"]
-    assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
+    assert_only_logs_left_and_complete(tmp_path, raw_store)
