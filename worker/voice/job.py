@@ -342,7 +342,10 @@ class VoiceJobHandler:
             return self._held(claim.job or {}, message, claim.now)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
         attempt = claim.attempt
-        under_way = self._commit_under_way(job, profile)
+        # An earlier attempt of this job wrote its published paths (commit step 3) and died: the profile
+        # may already say completed, so a cancel is too late and this attempt finishes the commit.
+        reused = self._published_earlier(job, profile)
+        under_way = reused is not None
         store_lease = StoreLease(attempt, lease.stop, margin_s=lease.interval_s, claim_sent_s=claim_sent_s,
                                  honour_cancel=not under_way)
         lease.on_renew(store_lease.renew)
@@ -357,7 +360,7 @@ class VoiceJobHandler:
             # Inside the try: a work dir that escapes WORK_ROOT is this attempt's recorded failure.
             attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
                                           int((claim.job or {}).get("attempts") or 0), attempt.token)
-            paths = self._artifacts(job, profile, lease.stop, attempt, attempt_dir)
+            paths = self._artifacts(job, reused, lease.stop, attempt, attempt_dir)
             committed = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
         except Stopped as exc:
             store_lease.end()
@@ -383,13 +386,13 @@ class VoiceJobHandler:
         log.info("job.completed")
         return "completed"
 
-    def _commit_under_way(self, job: Job, profile: dict | None) -> bool:
-        """Whether an earlier attempt of this job wrote its published paths (commit step 3) and died: the
-        profile may already say completed, so a cancel is too late and this attempt finishes the commit."""
+    def _published_earlier(self, job: Job, profile: dict | None) -> dict[str, Path] | None:
+        """The profile's published paths of this job when all five verify (an earlier attempt reached
+        commit step 3), read once per claim: they decide both the cancel and whether to train."""
         try:
-            return reusable_paths(profile, models_dir_for(self._models_root, job)) is not None
+            return reusable_paths(profile, models_dir_for(self._models_root, job))
         except WorkerError:
-            return False  # a models directory that escapes MODELS_ROOT fails in _artifacts, recorded
+            return None  # a models directory that escapes MODELS_ROOT fails in _persist, recorded
 
     # --- steps
     @staticmethod
@@ -410,10 +413,9 @@ class VoiceJobHandler:
                     note="another message for this job is being worked on; acknowledged without work")
         return "duplicate"
 
-    def _artifacts(self, job: Job, profile: dict | None, stop: StopSignal, attempt: Attempt,
+    def _artifacts(self, job: Job, reused: dict[str, Path] | None, stop: StopSignal, attempt: Attempt,
                    attempt_dir: Path) -> dict[str, Path]:
         self._check_work_root()
-        reused = reusable_paths(profile, models_dir_for(self._models_root, job))
         if reused is not None:
             log.info("job.reusing_verified_artifacts")
             return reused
