@@ -126,21 +126,21 @@ def env_value(proc_root: Path, pid: int, name: str) -> str | None:
     return next((e[len(prefix):].decode(errors="replace") for e in entries if e.startswith(prefix)), None)
 
 
-def job_processes(job_id: str, proc_root: Path = Path("/proc")) -> set[int]:
-    """Live processes on this host that carry ``job_id`` in their environment; never this one."""
-    me, entry = os.getpid(), f"{JOB_NAME}={job_id}".encode()
+def job_processes(job_mark: str, proc_root: Path = Path("/proc")) -> set[int]:
+    """Live processes on this host that carry ``job_mark`` (``JOB_NAME``) in their environment; never this one."""
+    me, entry = os.getpid(), f"{JOB_NAME}={job_mark}".encode()
     return {pid for pid, _ in live_processes(proc_root) if pid != me and has_env_entry(proc_root, pid, entry)}
 
 
-def end_job_survivors(job_id: str, grace_s: float, proc_root: Path = Path("/proc"),
+def end_job_survivors(job_mark: str, grace_s: float, proc_root: Path = Path("/proc"),
                       give_up_s: float = 10.0, spare: Callable[[int], bool] = lambda _pid: False) -> set[int]:
-    """End every live process of ``job_id`` (SIGTERM, SIGKILL after the grace) and wait until all are gone.
+    """End every live process of ``job_mark`` (SIGTERM, SIGKILL after the grace) and wait until all are gone.
 
     Returns the pids found; raises ``OSError`` naming those still alive ``give_up_s`` after the
     first SIGKILL (a process stuck in uninterruptible sleep): better no new attempt than two.
     """
     def find() -> set[int]:
-        return {pid for pid in job_processes(job_id, proc_root) if not spare(pid)}
+        return {pid for pid in job_processes(job_mark, proc_root) if not spare(pid)}
 
     found = find()
     if not found:
@@ -159,7 +159,7 @@ def end_job_survivors(job_id: str, grace_s: float, proc_root: Path = Path("/proc
         for pid in left:
             _send(lambda pid=pid: os.kill(pid, signal.SIGKILL))
         if time.monotonic() >= give_up:
-            raise OSError(f"processes {sorted(left)} of an earlier attempt of job {job_id} did not end")
+            raise OSError(f"processes {sorted(left)} of an earlier attempt of job {job_mark} did not end")
         time.sleep(_POLL_S)
         left = find()
     return found

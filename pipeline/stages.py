@@ -305,7 +305,7 @@ def run_supervised(
         lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
 
 
-def end_survivors(job_id: str, grace_s: float, step: str | None = None, attempt: str = "") -> set[int]:
+def end_survivors(job_mark: str, grace_s: float, step: str | None = None, attempt: str = "") -> set[int]:
     """End the job's processes still alive on this host; ``StageFailed`` when some will not end.
 
     A process of a newer attempt than ``attempt`` is never ended: its presence means this attempt is
@@ -314,13 +314,13 @@ def end_survivors(job_id: str, grace_s: float, step: str | None = None, attempt:
     def newer(pid: int) -> bool:
         return bool(attempt) and is_newer_attempt(env_value(Path("/proc"), pid, ATTEMPT_NAME), attempt)
 
-    running = sorted(pid for pid in job_processes(job_id) if newer(pid))
+    running = sorted(pid for pid in job_processes(job_mark) if newer(pid))
     if running:
         raise StageFailed(f"{step or 'the job'} not started: a newer attempt of this job runs on this "
                           f"host (processes {running}); this attempt is stale")
     try:
         # Spared here too: a newer attempt's process that appeared after the check above.
-        ended = end_job_survivors(job_id, grace_s, spare=newer)
+        ended = end_job_survivors(job_mark, grace_s, spare=newer)
     except OSError as exc:
         raise StageFailed(f"{step or 'the job'} not started: {exc}") from exc
     if ended:
