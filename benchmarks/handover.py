@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sqs_bench import ROOT, LocalAws, session
 
-from worker.voice.store_sqlite import SqliteStore
+from worker.voice.records.sqlite import SqliteStore
 from worker.voice.submit import submit
 
 PIPELINE = """

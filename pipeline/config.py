@@ -21,7 +21,7 @@ from typing import Any
 
 from worker.core.errors import ConfigError
 
-# The five artifacts every pipeline must produce; the records (worker.voice.store) name the same keys.
+# The five artifacts every pipeline must produce; the records (worker.voice.records.rules) name the same keys.
 ASSET_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
 
 PLACEHOLDERS = frozenset(

@@ -27,7 +27,8 @@ from worker.core.metrics import Metrics
 from worker.core.queue import Queue
 from worker.core.reporting import Reporter
 from worker.settings import Settings
-from worker.voice.store import Store, clock_skew_problem, open_store
+from worker.voice.records.rules import clock_skew_problem
+from worker.voice.records import Store, open_store
 
 log = structlog.get_logger(__name__)
 

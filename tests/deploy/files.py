@@ -156,7 +156,7 @@ def settings_groups() -> list[str]:
 
 # --- start-up budget
 
-# connect_mongo's serverSelectionTimeoutMS (worker/voice/mongo_connect.py): the longest one ping may take.
+# connect_mongo's serverSelectionTimeoutMS (worker/voice/records/mongo.py): the longest one ping may take.
 MONGO_PING_TIMEOUT_S = 5.0
 
 

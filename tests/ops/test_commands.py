@@ -17,8 +17,9 @@ from tests.support import create_queues
 from worker.ops.commands import cmd_cancel, cmd_health, cmd_status, cmd_submit
 from worker.ops.doctor import report, run_checks
 from worker.settings import load_settings
-from worker.voice.store import COMMITTING, open_store
-from worker.voice.store_sqlite import SqliteStore
+from worker.voice.records.rules import COMMITTING
+from worker.voice.records import open_store
+from worker.voice.records.sqlite import SqliteStore
 
 PAYLOAD = {
     "profileId": "665f1c2e9b1e8a0012ab34ce",
@@ -238,7 +239,7 @@ def test_cancel_judges_the_running_lease_on_the_stores_clock(store, job_id, monk
     """An operator host whose clock runs 300 s ahead still sees the 60 s lease as live: it is the store's clock that counts."""
     from datetime import datetime, timedelta, timezone
 
-    from worker.voice import store as rules
+    from worker.voice.records import rules
 
     store.claim(job_id, owner="gpu-3:412", token="t", lease_s=60)
     monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=300))

@@ -16,7 +16,7 @@ import boto3
 import pytest
 
 from tests.support import create_queues
-from worker.voice.store_sqlite import SqliteStore
+from worker.voice.records.sqlite import SqliteStore
 from worker.voice.submit import submit
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.job.conftest import message_body
+from tests.voice.conftest import message_body
 from tests.support import FaultyClient, client_error, create_queues
 from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
 from worker.ops.dlq import (

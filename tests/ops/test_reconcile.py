@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tests.deploy.files import REPO, read_unit, timespan_s
-from tests.job.conftest import message_body
-from tests.store.conftest import FakeClock, make_store
+from tests.voice.conftest import message_body
+from tests.voice.records.conftest import FakeClock, make_store
 from tests.support import FaultyClient, client_error
 from worker.core.errors import BadRecording
 from worker.voice.message import parse_job
@@ -371,7 +371,7 @@ def test_queue_without_a_dlq_is_noted(store, sqs, clock):
 def test_cli_reconcile_runs_one_pass_from_the_environment(queues, tmp_path, monkeypatch, capsys):
     """`python -m worker reconcile` reads the settings, runs a pass and prints its summary."""
     from worker.ops import cli
-    from worker.voice.store_sqlite import SqliteStore
+    from worker.voice.records.sqlite import SqliteStore
 
     db = tmp_path / "records.db"
     with SqliteStore(str(db)) as store:

@@ -14,7 +14,7 @@ from pipeline.config import (
     render_argv,
 )
 from worker.core.errors import ConfigError
-from worker.voice.store import ASSET_KEYS as ARTIFACT_KEYS
+from worker.voice.records.rules import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

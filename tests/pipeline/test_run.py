@@ -18,7 +18,7 @@ from pipeline.run import run_pipeline, verify_artifacts
 from tests.pipeline.test_dataset import write_inputs
 from worker.core.errors import BadRecording, DownloadError, StageFailed, Stopped
 from worker.core.stop import StopSignal
-from worker.voice.store import ASSET_KEYS as ARTIFACT_KEYS
+from worker.voice.records.rules import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from tests.pipeline.test_dataset import write_inputs
 from worker.core.errors import ConfigError
 from worker.settings import load_settings
 from worker.core.stop import StopSignal
-from worker.voice.store import ASSET_KEYS
+from worker.voice.records.rules import ASSET_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 DUMP_ENV = "import json, os, sys\nopen(sys.argv[1], 'w').write(json.dumps(dict(os.environ)))\n"

@@ -33,7 +33,7 @@ from worker.voice.job import VoiceJobHandler
 from worker.core.loop import Worker
 from worker.core.queue import Queue
 from worker.settings import Settings, load_settings
-from worker.voice.store_sqlite import SqliteStore
+from worker.voice.records.sqlite import SqliteStore
 
 VISIBILITY_S = 2
 RIG_ENV = {

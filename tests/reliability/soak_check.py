@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tests.reliability.soak_trainer import TICK_S
 from tests.support import SHIPPED_ARTIFACTS
-from worker.voice.store import ASSET_KEYS
+from worker.voice.records.rules import ASSET_KEYS
 
 COMPLETION, S3, OVERLAP, LOST, DLQ = "completion", "s3", "overlap", "lost", "dlq"
 KINDS = (COMPLETION, S3, OVERLAP, LOST, DLQ)

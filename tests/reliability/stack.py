@@ -20,8 +20,8 @@ import soundfile as sf
 from pipeline.config import load_pipeline_config
 from pipeline.manifest import manifest_path, manifest_problem
 from tests.support import SHIPPED_ARTIFACTS, Queues, create_queues
-from worker.voice.store import ASSET_KEYS
-from worker.voice.store_sqlite import READ_ONLY, SqliteStore
+from worker.voice.records.rules import ASSET_KEYS
+from worker.voice.records.sqlite import READ_ONLY, SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
 ENVIRONMENT = "production"

@@ -34,8 +34,8 @@ from worker.core.loop import Worker
 from worker.voice.message import is_safe_name
 from worker.core.queue import Queue
 from worker.settings import load_settings
-from worker.voice.store import is_complete
-from worker.voice.store_sqlite import SqliteStore
+from worker.voice.records.rules import is_complete
+from worker.voice.records.sqlite import SqliteStore
 
 MAX_EXAMPLES = 200
 PERMANENT = {"InvalidMessage", "BadRecording", "StageFailedPermanently", "TimeLimitExceeded"}

@@ -30,8 +30,8 @@ from tests.support import SHIPPED_ARTIFACTS
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.input_policy import InputPolicy
 from worker.voice.job import VoiceJobHandler, work_root_problem
-from worker.voice.store import ASSET_KEYS
-from worker.voice.store_sqlite import SqliteStore
+from worker.voice.records.rules import ASSET_KEYS
+from worker.voice.records.sqlite import SqliteStore
 
 RECORDINGS = "recordings"
 MODELS = "models"

@@ -21,7 +21,7 @@ from tests.reliability.rig import (
 )
 from tests.reliability.stack import REPO
 from worker.ops import cli
-from worker.voice import store_mongo
+from worker.voice.records import mongo as store_mongo
 from worker.core.daemon import EXIT_CRASHED
 
 SQS_OPERATIONS = ("ReceiveMessage", "ChangeMessageVisibility", "DeleteMessage", "GetQueueAttributes",

@@ -17,7 +17,7 @@ import pytest
 
 from tests.reliability.procs import WorkerProcess, wait_until
 from tests.reliability.stack import make_stack, quick_pipeline
-from worker.voice.store import ASSET_KEYS
+from worker.voice.records.rules import ASSET_KEYS
 
 WORKERS = 4
 SINGLES, DOUBLES, TRIPLES = 90, 40, 10

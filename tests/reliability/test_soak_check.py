@@ -8,7 +8,7 @@ from collections import Counter
 from tests.reliability.soak import FAULT_KINDS, SoakConfig, fault_schedule
 from tests.reliability.soak_check import COMPLETION, DLQ, LOST, OVERLAP, S3, SoakState, check, trainings
 from tests.support import SHIPPED_ARTIFACTS
-from worker.voice.store import ASSET_KEYS
+from worker.voice.records.rules import ASSET_KEYS
 
 JOB, PROFILE, MESSAGE = "job-1", "profile-1", "message-1"
 

@@ -32,7 +32,7 @@ def _fail(problems: list[str]) -> int:
 
 
 def _store(settings: Settings, access: str = "create"):
-    from worker.voice.store import open_store
+    from worker.voice.records import open_store
 
     return open_store(settings, access=access)
 

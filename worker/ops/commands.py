@@ -23,7 +23,8 @@ from worker.core.health import liveness_problem
 from worker.core.logs import scrub
 from worker.core.redact import strip_control
 from worker.settings import Settings
-from worker.voice.store import ERROR, FINAL_STATUSES, PENDING, PROCESSING, Store, committing, lease_live
+from worker.voice.records.rules import ERROR, FINAL_STATUSES, PENDING, PROCESSING, committing, lease_live
+from worker.voice.records import Store
 from worker.voice.submit import prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5

@@ -40,8 +40,8 @@ from worker.core.errors import InvalidMessage, QueueError, WorkerError
 from worker.core.logs import scrub
 from worker.voice.message import parse_job
 from worker.core.metrics import COUNT, NULL_METRICS, RECONCILE_METRICS, Metrics
-from worker.voice.store import Store
-from worker.voice.store_recovery import may_record_dead_letter, worker_lost
+from worker.voice.records import Store
+from worker.voice.records.recovery import may_record_dead_letter, worker_lost
 
 log = structlog.get_logger(__name__)
 

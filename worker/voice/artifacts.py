@@ -38,7 +38,7 @@ from pipeline.files import (
 from worker.core.errors import StageFailed, StorageError
 from worker.voice.message import is_safe_name
 from worker.core.redact import redact_urls_in_text
-from worker.voice.store import ASSET_KEYS
+from worker.voice.records.rules import ASSET_KEYS
 
 log = structlog.get_logger(__name__)
 

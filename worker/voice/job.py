@@ -87,10 +87,10 @@ from worker.voice.message import Job, job_id_hint, parse_job
 from worker.core.metrics import NULL_METRICS, Metrics
 from worker.core.queue import Message
 from worker.core.stop import StopSignal
-from worker.voice.attempt import Attempt, ProgressReporter, StoreLease
+from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
 from worker.voice.publish import models_dir_for, publish_all, published_rel
-from worker.voice.store import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, Store, is_complete,
-                                 utc_now)
+from worker.voice.records.rules import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, is_complete, utc_now)
+from worker.voice.records import Store
 
 log = structlog.get_logger(__name__)
 

@@ -17,7 +17,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from worker.core.errors import InvalidMessage, QueueError, WorkerError
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.message import Job, parse_job
-from worker.voice.store import Store
+from worker.voice.records import Store
 
 log = structlog.get_logger(__name__)
 

@@ -1,0 +1,116 @@
+"""Shutdown: stop receiving at once, finish within the grace, otherwise hand the message back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import boto3
+import pytest
+
+from tests.support import create_queues
+
+
+def test_job_finishing_within_the_grace_is_acked(queues, make_worker):
+    """A shutdown requested mid-job lets the job finish within the grace and acks it."""
+    def handler(message, lease):
+        threading.Timer(0.1, worker.stop).start()
+        time.sleep(0.5)
+        assert not lease.stop.is_set()
+
+    worker, client = make_worker(handler, SHUTDOWN_GRACE_SECONDS=3)
+    queues.send()
+    assert worker.run_once() == "ack"
+    assert queues.counts() == (0, 0)
+
+
+def test_job_past_the_grace_is_stopped_and_released(queues, make_worker):
+    """Past the grace the handler is told to stop and the message becomes visible at once."""
+    seen = {}
+
+    def handler(message, lease):
+        threading.Timer(0.1, worker.stop).start()
+        assert lease.stop.wait(5)
+        seen["after_s"] = time.monotonic() - message.received_at_s
+        lease.stop.raise_if_set()
+
+    worker, client = make_worker(handler, SHUTDOWN_GRACE_SECONDS=0.5)
+    queues.send()
+    assert worker.run_once() == "release"
+    assert 0.5 <= seen["after_s"] < 1.5
+    assert client.calls[-1][0] == "change_message_visibility" and client.calls[-1][1]["VisibilityTimeout"] == 0
+    assert len(queues.receive_now()) == 1
+
+
+def test_second_signal_skips_the_grace(queues, make_worker):
+    """A second stop request ends the grace immediately."""
+    seen = {}
+
+    def handler(message, lease):
+        worker.stop()
+        threading.Timer(0.2, worker.stop).start()
+        assert lease.stop.wait(5)
+        seen["after_s"] = time.monotonic() - message.received_at_s
+        lease.stop.raise_if_set()
+
+    worker, _ = make_worker(handler, SHUTDOWN_GRACE_SECONDS=60)
+    queues.send()
+    assert worker.run_once() == "release"
+    assert seen["after_s"] < 1.0
+
+
+def test_message_arriving_during_shutdown_is_handed_back_unworked(queues, make_worker):
+    """A message received after the stop request is released without running the handler."""
+    ran = []
+    worker, client = make_worker(lambda m, l: ran.append(1))
+    worker.stop()
+    queues.send()
+    assert worker.run_once() == "release"
+    assert ran == []
+    worker.run()  # returns at once: the loop does not receive again
+    assert client.ops().count("receive_message") == 1
+
+
+@pytest.mark.server
+def test_sigterm_past_grace_releases_and_exits_zero(moto_server, tmp_path):
+    """A real worker process given SIGTERM mid-job past its grace releases the message (visible within a second) and exits 0."""
+    sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=moto_server)
+    q = create_queues(sqs, name=f"sigterm-{os.getpid()}-{time.monotonic_ns()}")
+    q.send('{"job": 1}')
+    env = {
+        **os.environ,
+        "SQS_QUEUE_URL": q.url,
+        "AWS_ENDPOINT_URL": moto_server,
+        "AWS_REGION": "us-east-1",
+        "SQS_VISIBILITY_TIMEOUT_SECONDS": "30",
+        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
+        "SQS_WAIT_TIME_SECONDS": "1",
+        "SHUTDOWN_GRACE_SECONDS": "1",
+        "TEST_JOB_SECONDS": "120",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.core.sleepy_worker"], env=env,
+        stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
+    )
+    events = []
+    try:
+        for line in proc.stderr:
+            events.append(json.loads(line))
+            if events[-1]["event"] == "message.received":
+                break
+        assert events[-1]["message_id"] and events[-1]["receive_count"] == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        exited_at = time.monotonic()
+        rest = [json.loads(line) for line in proc.stderr.read().splitlines()]
+    finally:
+        proc.kill()
+    assert [e["event"] for e in rest if e["event"].startswith("message.")][-1] == "message.released"
+    [again] = q.receive_now(wait_s=1)
+    assert time.monotonic() - exited_at < 1.0
+    assert again["Attributes"]["ApproximateReceiveCount"] == "2"

@@ -1,0 +1,213 @@
+"""How the process ends: exit codes and logged reasons for crashes and failed start-ups."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import structlog
+
+from worker.core.aws import client_config, make_client
+from worker.core.daemon import EXIT_CRASHED, run_worker
+from worker.core.logs import configure_logging
+from worker.settings import load_settings
+
+
+class ExplodingWorker:
+    def __init__(self):
+        self.stopped = False
+
+    def run(self):
+        raise RuntimeError("the loop broke")
+
+    def stop(self):
+        self.stopped = True
+
+
+class RecordingPulse:
+    def __init__(self):
+        self.states = []
+
+    def ready(self):
+        self.states.append("READY")
+
+    def stopping(self):
+        self.states.append("STOPPING")
+
+
+def test_unexpected_loop_end_exits_non_zero_with_the_reason_logged():
+    """A loop that raises ends the process with exit 1, the reason logged, and the store still closed."""
+    stream = io.StringIO()
+    configure_logging("INFO", "json", stream=stream)
+    closed, pulse = [], RecordingPulse()
+    try:
+        code = run_worker(ExplodingWorker(), close=lambda: closed.append(True), pulse=pulse)
+    finally:
+        structlog.reset_defaults()
+    assert code == EXIT_CRASHED
+    crash = [json.loads(l) for l in stream.getvalue().splitlines() if '"worker.crashed"' in l]
+    assert crash and "the loop broke" in crash[0]["error"]
+    assert closed == [True] and pulse.states == ["READY", "STOPPING"]
+
+
+def _run(env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SQS_", "MONGO_", "STORE_", "S3_"))}
+    env.update({"SQS_QUEUE_URL": "http://127.0.0.1:9/000000000000/q", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+                "S3_BUCKET": "b", **env_extra})
+    return subprocess.run([sys.executable, "-m", "worker", "run"], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.server
+def test_unreachable_store_at_start_exits_one_with_the_reason(moto_server):
+    """A store that cannot be reached within the connect budget stops the start-up with exit 1 and a logged reason."""
+    import boto3
+
+    # The queue is checked first: it has to exist for the start-up to reach the store.
+    sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=moto_server,
+                       aws_access_key_id="test", aws_secret_access_key="test")
+    queue_url = sqs.create_queue(QueueName=f"exits-{os.getpid()}")["QueueUrl"]
+    proc = _run({"MONGO_URI": "mongodb://127.0.0.1:9/voice", "MONGO_CONNECT_MAX_ATTEMPTS": "1",
+                 "SQS_QUEUE_URL": queue_url, "AWS_ENDPOINT_URL": moto_server, "AWS_REGION": "us-east-1",
+                 "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"})
+    assert proc.returncode == 1
+    lines = [json.loads(l) for l in proc.stderr.splitlines() if l.startswith("{")]
+    failed = [l for l in lines if l["event"] == "worker.startup_failed"]
+    assert failed and failed[0]["error_type"] == "StoreError"
+
+
+def test_bad_pipeline_config_stops_the_start_up_with_its_line(tmp_path):
+    """An unusable pipeline config is a configuration error: one line, exit 2, no AWS call."""
+    bad = tmp_path / "pipeline.toml"
+    bad.write_text('[artifacts]\nfullModel = "../escape.pth"\n')
+    proc = _run({"STORE_URL": f"sqlite:///{tmp_path}/r.db", "PIPELINE_CONFIG": str(bad)})
+    assert proc.returncode == 2
+    assert "pipeline" in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
+def test_aws_clients_retry_in_standard_mode_and_outlast_the_long_poll():
+    """Clients use botocore's standard retries, a read timeout longer than the wait, and AWS_ENDPOINT_URL."""
+    settings = load_settings({"SQS_WAIT_TIME_SECONDS": "20", "AWS_ENDPOINT_URL": "http://127.0.0.1:4566",
+                              "SQS_QUEUE_URL": "https://sqs.eu-west-2.amazonaws.com/1/q"})
+    config = client_config(settings)
+    assert config.retries["mode"] == "standard"
+    assert config.read_timeout > 20
+    client = make_client("sqs", settings)
+    assert client.meta.endpoint_url == "http://127.0.0.1:4566"
+    assert client.meta.region_name == "eu-west-2"
+
+
+def test_the_app_makes_every_client_from_one_session_and_s3_only_when_used(queues, tmp_path, monkeypatch):
+    """build_app creates one boto3 session for all its clients, and no S3 client until something uses S3."""
+    import boto3
+
+    from worker import app as app_module
+
+    sessions, made = [], []
+
+    def counting_session():
+        session = boto3.session.Session()
+        real_client = session.client
+        session.client = lambda service, **kw: (made.append(service), real_client(service, **kw))[1]
+        sessions.append(session)
+        return session
+
+    monkeypatch.setattr(app_module, "new_session", counting_session)
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1"})
+    app = app_module.build_app(settings)
+    try:
+        assert len(sessions) == 1 and made == ["sqs", "sqs"]
+        uploader = app.worker._handler._uploader
+        uploader._s3.meta  # the first use
+        assert made == ["sqs", "sqs", "s3"]
+    finally:
+        app.close()
+
+
+def test_a_lazy_client_is_made_once_when_threads_race_to_use_it():
+    """Many threads using a LazyClient first at the same moment make exactly one client."""
+    import threading
+    import time
+
+    from worker.core.aws import LazyClient
+
+    made = []
+
+    def make():
+        time.sleep(0.05)  # wide enough for every thread to arrive while the first one builds
+        made.append(object())
+        return type("Client", (), {"name": "c"})()
+
+    lazy = LazyClient(make)
+    threads = [threading.Thread(target=lambda: lazy.name) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and lazy.name == "c"
+
+
+@pytest.mark.parametrize("skew_s", [30, -300])
+def test_run_refuses_to_start_on_a_clock_off_from_the_stores(queues, tmp_path, monkeypatch, capsys, skew_s):
+    """A host clock further from the store's than MAX_CLOCK_SKEW_SECONDS: one line on stderr, exit 2, store closed."""
+    from datetime import datetime, timedelta, timezone
+
+    from worker.app import build_app
+    from worker.core.errors import ConfigError
+    from worker.ops import cli
+    from worker.voice.records import rules
+
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1",
+        "MAX_CLOCK_SKEW_SECONDS": "10"})
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=skew_s))
+    monkeypatch.setattr(os, "umask", lambda _mask: 0o022)  # cmd_run's umask must not outlive the test
+    assert cli.cmd_run(settings, None) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "MAX_CLOCK_SKEW_SECONDS=10" in lines[0]
+    assert ("behind" if skew_s < 0 else "ahead of") in lines[0]
+    closed = []
+    monkeypatch.setattr("worker.voice.records.sqlite.SqliteStore.close", lambda self: closed.append(self))
+    with pytest.raises(ConfigError):
+        build_app(settings)
+    assert len(closed) == 1
+
+
+def test_run_starts_on_a_clock_within_the_margin(queues, tmp_path, monkeypatch):
+    """A host clock 5 s off from the store's, under the 10 s margin, starts."""
+    from datetime import datetime, timedelta, timezone
+
+    from worker.app import build_app
+    from worker.voice.records import rules
+
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1"})
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=5))
+    build_app(settings).close()
+
+
+def test_the_start_up_clock_check_reads_mongodbs_server_time():
+    """On MongoDB the host's clock is compared with the server's (here an injected server clock 30 s ahead)."""
+    from datetime import datetime, timedelta, timezone
+
+    import mongomock
+
+    from worker.app import refuse_clock_skew
+    from worker.core.errors import ConfigError
+    from worker.voice.records.mongo import MongoStore, ServerClock
+
+    client = mongomock.MongoClient()
+    server = ServerClock(lambda: datetime.now(timezone.utc) + timedelta(seconds=30))
+    with MongoStore(client["voice"], clock=server, client=client) as store:
+        with pytest.raises(ConfigError) as caught:
+            refuse_clock_skew(store, 10)
+        refuse_clock_skew(store, 60)
+    assert caught.value.problems[0].startswith("this host's clock is 30.0 s behind the store's")

@@ -1,0 +1,536 @@
+"""The artifacts: content-addressed keys, local checks, conditional checksummed uploads to (moto) S3 that
+never replace an object, guarded by the caller's proof of its claim."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections import Counter
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
+
+from worker.voice.artifacts import (
+    ArtifactUploader,
+    artifact_key,
+    job_key_prefix,
+    object_matches,
+    stale_leftovers,
+    unreferenced,
+    verify_local,
+)
+from worker.core.errors import LeaseLost, StageFailed, StorageError
+from worker.voice.records.rules import ASSET_KEYS as ASSET_NAMES
+
+BUCKET = "voice-artifacts"
+MIB = 1024 * 1024
+COUNTED = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
+           "HeadObject", "AbortMultipartUpload")
+SHA = "ab" * 32
+
+
+@pytest.fixture
+def s3(aws):
+    """A moto-backed S3 client with the bucket (shadows the handler tests' recording one)."""
+    client = boto3.client("s3", region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+@pytest.fixture
+def calls(s3) -> Counter:
+    """Counts the S3 operations the client makes, by name."""
+    counter: Counter = Counter()
+
+    def count(model, **_kwargs):
+        counter[model.name] += 1
+
+    for op in COUNTED:
+        s3.meta.events.register(f"before-call.s3.{op}", count)
+    return counter
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def small_parts_uploader(s3, **options) -> ArtifactUploader:
+    # 5 MiB is S3's smallest allowed part, so an 11 MiB file becomes three parts.
+    return ArtifactUploader(
+        s3, BUCKET, multipart_threshold_bytes=5 * MIB, multipart_chunk_bytes=5 * MIB, **options
+    )
+
+
+def five_files(root: Path) -> dict[str, Path]:
+    return {name: write(root / f"{name}.bin", f"{name} bytes".encode()) for name in ASSET_NAMES}
+
+
+def key_under(prefix: str):
+    """A key_for callable: ``<prefix>/<sha256>/<relative path>``."""
+    return lambda sha256_hex, rel: f"{prefix}/{sha256_hex}/{rel}"
+
+
+def upload(uploader: ArtifactUploader, root: Path, rel: str, prefix: str = "k", **guards):
+    return uploader.upload(root, rel, lambda sha256_hex: f"{prefix}/{sha256_hex}/{rel}", **guards)
+
+
+def body(s3, key: str) -> bytes:
+    return s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def headers_of(s3, operation: str) -> list[dict]:
+    """The HTTP headers of each ``operation`` request the client sends, as a list filled in later."""
+    seen: list[dict] = []
+    s3.meta.events.register(f"before-call.s3.{operation}", lambda params, **_: seen.append(dict(params["headers"])))
+    return seen
+
+
+def other_client():
+    """A second client on the same (moto) S3 that the test's hooks do not see: another worker."""
+    return boto3.client("s3", region_name="us-east-1")
+
+
+def fail_on_call(number: int, exc: Exception):
+    """A guard that passes ``number - 1`` times, then raises ``exc`` every time; counts its calls."""
+    calls = []
+
+    def guard():
+        calls.append(1)
+        if len(calls) >= number:
+            raise exc
+
+    guard.calls = calls
+    return guard
+
+
+# ---------------------------------------------------------------- keys
+
+
+def test_key_with_prefix():
+    """The key is prefix/environment/profile/job/sha256/relative path."""
+    key = artifact_key("models", "production", "p1", "j1", SHA, "full/model.pth")
+    assert key == f"models/production/p1/j1/{SHA}/full/model.pth"
+
+
+def test_key_without_prefix_has_no_leading_slash():
+    """An empty prefix adds nothing, not a leading '/'."""
+    key = artifact_key("", "staging", "p1", "j1", SHA, "light/model.onnx")
+    assert key == f"staging/p1/j1/{SHA}/light/model.onnx"
+
+
+def test_key_never_has_double_slashes():
+    """Slashes around the prefix and inside the path collapse to single separators."""
+    key = artifact_key("/a//b/", "development", "p1", "j1", SHA, "./full//config.json")
+    assert key == f"a/b/development/p1/j1/{SHA}/full/config.json"
+
+
+def test_every_key_of_a_job_is_under_its_job_prefix():
+    """The job's key prefix ends with its id and a slash, and every artifact key of the job starts with it."""
+    prefix = job_key_prefix("models", "production", "p1", "j1")
+    assert prefix == "models/production/p1/j1/"
+    assert artifact_key("models", "production", "p1", "j1", SHA, "full/model.pth").startswith(prefix)
+
+
+@pytest.mark.parametrize("sha", ["", "AB" * 32, "ab" * 31, "../" + "a" * 61, "g" * 64])
+def test_key_rejects_a_digest_that_is_not_sha256_hex(sha):
+    """The content part of the key is exactly 64 lower-case hex digits."""
+    with pytest.raises(ValueError):
+        artifact_key("models", "production", "p1", "j1", sha, "full/model.pth")
+
+
+@pytest.mark.parametrize(
+    "relative", ["/etc/passwd", "../other/model.pth", "full/../../x", "", ".", "a\\b"]
+)
+def test_key_rejects_paths_outside_the_output_dir(relative):
+    """Absolute, climbing or empty relative paths are refused with ValueError."""
+    with pytest.raises(ValueError):
+        artifact_key("models", "production", "p1", "j1", SHA, relative)
+
+
+@pytest.mark.parametrize(
+    ("env", "profile", "job"),
+    [("prod/x", "p", "j"), ("production", "..", "j"), ("production", "p", "a/b"), ("", "p", "j")],
+)
+def test_key_rejects_unsafe_parts(env, profile, job):
+    """Environment, profile and job ids that are not safe names are refused."""
+    with pytest.raises(ValueError):
+        artifact_key("", env, profile, job, SHA, "full/model.pth")
+
+
+# ---------------------------------------------------------------- local verification
+
+
+def test_verify_local_accepts_five_non_empty_files(tmp_path):
+    """Five non-empty regular files pass."""
+    verify_local(tmp_path, five_files(tmp_path))
+
+
+def test_verify_local_names_a_missing_asset(tmp_path):
+    """A missing file fails with the asset's name and 'missing'."""
+    files = five_files(tmp_path)
+    files["speakerEmbeddings"].unlink()
+    with pytest.raises(StageFailed, match=r"speakerEmbeddings \(.*\): missing"):
+        verify_local(tmp_path, files)
+
+
+def test_verify_local_names_an_empty_asset(tmp_path):
+    """An empty file fails with the asset's name and 'empty'."""
+    files = five_files(tmp_path)
+    files["lightConfig"].write_bytes(b"")
+    with pytest.raises(StageFailed, match=r"lightConfig \(.*\): empty"):
+        verify_local(tmp_path, files)
+
+
+def test_verify_local_rejects_a_directory(tmp_path):
+    """A directory where a model file should be is not a regular file."""
+    files = five_files(tmp_path)
+    files["fullModel"].unlink()
+    files["fullModel"].mkdir()
+    with pytest.raises(StageFailed, match=r"fullModel \(.*\): not a regular file"):
+        verify_local(tmp_path, files)
+
+
+def test_verify_local_rejects_a_symlink(tmp_path):
+    """A symlink (which could point anywhere on the host) is not accepted as a trained output."""
+    files = five_files(tmp_path)
+    files["fullConfig"].unlink()
+    files["fullConfig"].symlink_to(files["fullModel"])
+    with pytest.raises(StageFailed, match=r"fullConfig \(.*\): not a regular file"):
+        verify_local(tmp_path, files)
+
+
+def test_verify_local_rejects_a_file_reached_through_a_symlinked_directory(tmp_path):
+    """output/full linked to a directory outside the job makes the real files inside it not outputs."""
+    outside = tmp_path / "outside"
+    write(outside / "model.pth", b"someone else's file")
+    output = tmp_path / "output"
+    output.mkdir()
+    (output / "full").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StageFailed, match=r"fullModel \(.*\): reached through a symbolic link \(full\)"):
+        verify_local(output, {"fullModel": output / "full" / "model.pth"})
+
+
+def test_verify_local_rejects_a_file_outside_the_output_dir(tmp_path):
+    """A path that is not under the output directory is refused, whatever it holds."""
+    stray = write(tmp_path / "elsewhere" / "model.pth", b"x")
+    with pytest.raises(StageFailed, match="outside the output directory"):
+        verify_local(tmp_path / "output", {"fullModel": stray})
+
+
+def test_verify_local_reports_every_bad_asset(tmp_path):
+    """Two bad files give one error naming both."""
+    files = five_files(tmp_path)
+    files["fullModel"].unlink()
+    files["lightModel"].write_bytes(b"")
+    with pytest.raises(StageFailed) as info:
+        verify_local(tmp_path, files)
+    assert "fullModel" in str(info.value) and "lightModel" in str(info.value)
+
+
+# ---------------------------------------------------------------- uploads
+
+
+def test_upload_stores_bytes_with_sha256_under_their_digest(s3, tmp_path):
+    """An upload keys the object by its SHA-256, and stores the bytes with their sha256 and an S3 checksum."""
+    data = os.urandom(4096)
+    write(tmp_path / "full/model.pth", data)
+    digest = hashlib.sha256(data).hexdigest()
+    stored = upload(ArtifactUploader(s3, BUCKET), tmp_path, "full/model.pth", prefix="p/j")
+    assert stored.key == f"p/j/{digest}/full/model.pth" and stored.written
+    assert stored.uri == f"s3://{BUCKET}/p/j/{digest}/full/model.pth"
+    head = s3.head_object(Bucket=BUCKET, Key=stored.key, ChecksumMode="ENABLED")
+    assert head["Metadata"]["sha256"] == digest
+    assert head["ChecksumSHA256"] == base64.b64encode(hashlib.sha256(data).digest()).decode()
+    assert body(s3, stored.key) == data
+
+
+def test_every_write_is_conditional_on_no_object_at_the_key(s3, tmp_path):
+    """PutObject and CompleteMultipartUpload both carry If-None-Match: *, so no write replaces an object."""
+    write(tmp_path / "small.json", b"{}")
+    write(tmp_path / "big.pth", os.urandom(11 * MIB))
+    puts, completes = headers_of(s3, "PutObject"), headers_of(s3, "CompleteMultipartUpload")
+    uploader = small_parts_uploader(s3)
+    upload(uploader, tmp_path, "small.json")
+    upload(uploader, tmp_path, "big.pth")
+    assert [h.get("If-None-Match") for h in puts] == ["*"]
+    assert [h.get("If-None-Match") for h in completes] == ["*"]
+
+
+def test_reupload_of_same_file_sends_nothing(s3, calls, tmp_path):
+    """A second upload of unchanged bytes only checks the object: no PutObject, no parts."""
+    write(tmp_path / "config.json", b'{"sample_rate": 22050}')
+    uploader = ArtifactUploader(s3, BUCKET)
+    first = upload(uploader, tmp_path, "config.json")
+    assert calls["PutObject"] == 1
+    calls.clear()
+    again = upload(uploader, tmp_path, "config.json")
+    assert again.uri == first.uri and not again.written
+    assert calls == Counter({"HeadObject": 1})
+
+
+def test_changed_bytes_go_to_a_new_key_and_leave_the_old_object(s3, calls, tmp_path):
+    """Same size, different bytes: a new key is written and the first object keeps its bytes."""
+    path = write(tmp_path / "model.pth", b"A" * 1000)
+    uploader = ArtifactUploader(s3, BUCKET)
+    first = upload(uploader, tmp_path, "model.pth")
+    path.write_bytes(b"B" * 1000)
+    second = upload(uploader, tmp_path, "model.pth")
+    assert calls["PutObject"] == 2 and first.key != second.key
+    assert body(s3, first.key) == b"A" * 1000 and body(s3, second.key) == b"B" * 1000
+
+
+def test_an_object_already_at_the_key_with_other_bytes_is_never_replaced(s3, calls, tmp_path):
+    """An object at the key without our recorded sha256 is not trusted and not overwritten: StorageError."""
+    data = b"same bytes"
+    write(tmp_path / "model.pth", data)
+    key = f"k/{hashlib.sha256(data).hexdigest()}/model.pth"
+    s3.put_object(Bucket=BUCKET, Key=key, Body=b"foreign")
+    calls.clear()
+    with pytest.raises(StorageError, match="already holds other bytes"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+    assert body(s3, key) == b"foreign"
+
+
+def test_a_put_that_loses_the_race_to_the_same_bytes_reuses_the_winner(s3, tmp_path):
+    """Another writer storing the same bytes between our check and our put: the 412 is read as a reuse."""
+    data = b"model bytes"
+    write(tmp_path / "model.pth", data)
+    digest = hashlib.sha256(data).hexdigest()
+    rival = other_client()
+
+    def rival_first(**_kwargs):
+        rival.put_object(Bucket=BUCKET, Key=f"k/{digest}/model.pth", Body=data, Metadata={"sha256": digest})
+
+    s3.meta.events.register_first("before-call.s3.PutObject", rival_first)
+    stored = upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+    assert not stored.written and body(s3, stored.key) == data
+
+
+def test_a_put_that_loses_the_race_to_other_bytes_fails_and_keeps_them(s3, tmp_path):
+    """A late conditional put to a key another writer filled with other bytes fails; theirs stay."""
+    write(tmp_path / "model.pth", b"our bytes")
+    digest = hashlib.sha256(b"our bytes").hexdigest()
+    rival = other_client()
+
+    def rival_first(**_kwargs):
+        rival.put_object(Bucket=BUCKET, Key=f"k/{digest}/model.pth", Body=b"their bytes")
+
+    s3.meta.events.register_first("before-call.s3.PutObject", rival_first)
+    with pytest.raises(StorageError, match="already holds other bytes"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+    assert body(s3, f"k/{digest}/model.pth") == b"their bytes"
+
+
+def test_large_file_goes_multipart_then_is_reused(s3, calls, tmp_path):
+    """A file above the threshold goes in SHA-256-checked parts, with whole-file sha256, then is reused."""
+    data = os.urandom(11 * MIB)
+    write(tmp_path / "big.pth", data)
+    algorithms = []
+    s3.meta.events.register(
+        "before-call.s3.UploadPart",
+        lambda params, **_: algorithms.append(params["headers"]["x-amz-sdk-checksum-algorithm"]),
+    )
+    uploader = small_parts_uploader(s3)
+    stored = upload(uploader, tmp_path, "big.pth")
+    assert algorithms == ["SHA256"] * 3
+    assert calls["CreateMultipartUpload"] == 1
+    assert calls["UploadPart"] == 3
+    assert calls["PutObject"] == 0
+    head = s3.head_object(Bucket=BUCKET, Key=stored.key)
+    assert head["ContentLength"] == len(data)
+    assert head["Metadata"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert body(s3, stored.key) == data
+    calls.clear()
+    upload(uploader, tmp_path, "big.pth")
+    assert calls == Counter({"HeadObject": 1})
+
+
+def test_a_completion_that_finds_other_bytes_at_the_key_fails_and_aborts(s3, tmp_path):
+    """An object appearing at the key while the parts went up: the conditional completion fails, the upload is
+    aborted and the other object is left as it is."""
+    data = os.urandom(11 * MIB)
+    write(tmp_path / "big.pth", data)
+    key = f"k/{hashlib.sha256(data).hexdigest()}/big.pth"
+    rival = other_client()
+
+    def rival_first(**_kwargs):
+        rival.put_object(Bucket=BUCKET, Key=key, Body=b"their bytes")
+
+    s3.meta.events.register_first("before-call.s3.CompleteMultipartUpload", rival_first)
+    with pytest.raises(StorageError, match="already holds other bytes"):
+        upload(small_parts_uploader(s3), tmp_path, "big.pth")
+    assert body(s3, key) == b"their bytes"
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_the_proof_runs_before_each_object_and_a_failed_one_writes_nothing(s3, calls, tmp_path):
+    """upload_all proves the claim before each object; once the proof fails nothing more is written."""
+    files = five_files(tmp_path)
+    written: list[str] = []
+    proof = fail_on_call(3, LeaseLost("claim taken over"))
+    with pytest.raises(LeaseLost):
+        ArtifactUploader(s3, BUCKET).upload_all(tmp_path, files, key_under("k"), proof=proof, written=written)
+    assert calls["PutObject"] == 2 and len(proof.calls) == 3
+    assert len(written) == 2 and sorted(written) == sorted(
+        o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
+
+
+def test_the_part_proof_runs_before_each_part_and_a_failed_one_aborts(s3, calls, tmp_path):
+    """A part guard failing on the second part stops the multipart upload: no more parts, no object, aborted."""
+    write(tmp_path / "big.pth", os.urandom(11 * MIB))
+    guard = fail_on_call(2, LeaseLost("record lease past its deadline"))
+    with pytest.raises(LeaseLost):
+        upload(small_parts_uploader(s3, max_concurrency=1), tmp_path, "big.pth", part_proof=guard)
+    assert calls["UploadPart"] == 1 and calls["CompleteMultipartUpload"] == 0
+    assert calls["AbortMultipartUpload"] == 1
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET)
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_a_file_rewritten_during_a_multipart_upload_is_not_completed(s3, calls, tmp_path):
+    """Bytes that no longer hash to the key's digest are never completed under it: StageFailed, aborted."""
+    path = write(tmp_path / "big.pth", os.urandom(11 * MIB))
+
+    def rewrite_tail(params, **_kwargs):
+        if params["query_string"].get("partNumber") == 1:
+            with open(path, "r+b") as handle:
+                handle.seek(-1024, os.SEEK_END)
+                handle.write(b"\0" * 1024)
+
+    s3.meta.events.register("before-call.s3.UploadPart", rewrite_tail)
+    with pytest.raises(StageFailed, match="changed while it was uploaded"):
+        upload(small_parts_uploader(s3, max_concurrency=1), tmp_path, "big.pth")
+    assert calls["CompleteMultipartUpload"] == 0
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_missing_bucket_raises_storage_error(s3, tmp_path):
+    """Uploading to a bucket that does not exist is a StorageError with the cause chained."""
+    write(tmp_path / "model.pth", b"x")
+    with pytest.raises(StorageError, match="no-such-bucket") as info:
+        upload(ArtifactUploader(s3, "no-such-bucket"), tmp_path, "model.pth")
+    assert info.value.__cause__ is not None
+    assert info.value.retryable
+
+
+def test_failed_part_raises_storage_error_and_leaves_no_object(s3, tmp_path):
+    """A network failure mid-multipart is a StorageError; no object and no open upload remain."""
+    write(tmp_path / "big.pth", os.urandom(11 * MIB))
+
+    def fail_second_part(params, **_kwargs):
+        # before-call sees the serialized request: the part number is in its query string.
+        if params["query_string"].get("partNumber") == 2:
+            url = "https://s3.example/k?partNumber=2&uploadId=SECRET"
+            raise EndpointConnectionError(endpoint_url=url)
+
+    s3.meta.events.register("before-call.s3.UploadPart", fail_second_part)
+    uploader = small_parts_uploader(s3)
+    with pytest.raises(StorageError) as info:
+        upload(uploader, tmp_path, "big.pth")
+    assert "SECRET" not in str(info.value)
+    assert "big.pth" in str(info.value)
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET)
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_refused_put_raises_storage_error(s3, tmp_path):
+    """A PutObject S3 refuses becomes a StorageError."""
+    write(tmp_path / "model.pth", b"x")
+
+    def refuse(**_kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "PutObject")
+
+    s3.meta.events.register("before-call.s3.PutObject", refuse)
+    with pytest.raises(StorageError, match="AccessDenied"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+
+
+def test_head_failure_other_than_404_raises_storage_error(s3, tmp_path):
+    """A refused HeadObject (403) is an error, not a reason to assume the object is absent."""
+    write(tmp_path / "model.pth", b"x")
+
+    def forbid(**_kwargs):
+        raise ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadObject")
+
+    s3.meta.events.register("before-call.s3.HeadObject", forbid)
+    with pytest.raises(StorageError, match="403"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+
+
+def test_missing_local_file_is_stage_failed(s3, tmp_path):
+    """A local artifact that vanished before upload is reported as a failed output, not a crash."""
+    with pytest.raises(StageFailed, match="cannot be uploaded: missing"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "gone.pth")
+
+
+def test_a_file_behind_a_symlinked_directory_is_never_uploaded(s3, calls, tmp_path):
+    """The uploader reads through the same no-follow rule: output/full -> outside sends nothing."""
+    outside = tmp_path / "outside"
+    write(outside / "model.pth", b"host secrets")
+    output = tmp_path / "output"
+    output.mkdir()
+    (output / "full").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StageFailed, match="symbolic link"):
+        upload(ArtifactUploader(s3, BUCKET), output, "full/model.pth")
+    assert calls == Counter()
+
+
+def test_upload_all_returns_uris_in_fixed_order(s3, tmp_path):
+    """upload_all uploads every asset and returns asset -> URI in the five assets' fixed order."""
+    files = five_files(tmp_path)
+    reversed_files = dict(reversed(list(files.items())))
+    uris = ArtifactUploader(s3, BUCKET).upload_all(tmp_path, reversed_files, key_under("m"))
+    assert list(uris) == list(ASSET_NAMES)
+    digest = hashlib.sha256(b"fullModel bytes").hexdigest()
+    assert uris["fullModel"] == f"s3://{BUCKET}/m/{digest}/fullModel.bin"
+    for name, uri in uris.items():
+        assert body(s3, uri.removeprefix(f"s3://{BUCKET}/")) == f"{name} bytes".encode()
+
+
+def test_upload_all_refuses_a_file_outside_the_output_dir_before_any_upload(s3, calls, tmp_path):
+    """An asset path that is not under the output directory is a failed output, caught before S3 is asked."""
+    stray = write(tmp_path / "elsewhere" / "fullModel.bin", b"x")
+    with pytest.raises(StageFailed, match="outside the output directory"):
+        ArtifactUploader(s3, BUCKET).upload_all(tmp_path / "output", {"fullModel": stray}, key_under("m"))
+    assert calls == Counter()
+
+
+def test_key_of_reads_only_this_buckets_uris(s3):
+    """key_of gives the key of an s3:// URI in the uploader's bucket, None for another bucket or scheme."""
+    uploader = ArtifactUploader(s3, BUCKET)
+    assert uploader.key_of(f"s3://{BUCKET}/a/b.pth") == "a/b.pth"
+    assert uploader.key_of("s3://other/a/b.pth") is None
+    assert uploader.key_of(f"https://{BUCKET}/a/b.pth") is None
+    assert uploader.key_of(f"s3://{BUCKET}/") is None
+
+
+def test_object_matches_needs_both_sha_and_size():
+    """Reuse requires the recorded sha256 and the size to both match."""
+    head = {"Metadata": {"sha256": "ab"}, "ContentLength": 3}
+    assert object_matches(head, "ab", 3)
+    assert not object_matches(head, "ab", 4)
+    assert not object_matches(head, "cd", 3)
+    assert not object_matches({"ContentLength": 3}, "ab", 3)
+    assert not object_matches(None, "ab", 3)
+
+
+def test_cleanup_keeps_every_referenced_key():
+    """unreferenced lists, in order, the keys no committed path names."""
+    assert unreferenced(["a", "b", "c"], ["b"]) == ["a", "c"]
+    assert unreferenced(["a"], ["a"]) == []
+
+
+@pytest.mark.parametrize("status", ["processing", "error", "cancelled", None])
+def test_a_stale_attempt_deletes_nothing_before_the_job_is_committed(status):
+    """Until the job record says completed, a stale attempt keeps what it wrote (the holder cleans up)."""
+    assert stale_leftovers(["a"], {"status": status} if status else None, []) == []
+
+
+def test_a_stale_attempt_never_deletes_a_key_the_committed_profile_names():
+    """Once committed, a stale attempt deletes only its keys the committed paths do not name."""
+    assert stale_leftovers(["same-bytes", "own"], {"status": "completed"}, ["same-bytes", "x"]) == ["own"]

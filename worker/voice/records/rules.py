@@ -1,0 +1,287 @@
+"""The pure rules both stores share: what a record looks like, who may change it, and into what.
+
+Each store decides with the same small functions here (is this job claimable? does this token hold
+it? what does the record look like after a claim?) and enforces the same conditions again inside its
+own atomic conditional write, so the two implementations cannot drift apart in what they allow.
+Records are plain dicts with DESIGN.md's camelCase field names, ``_id`` as ``str`` and timezone-aware
+UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores return identical records.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from pipeline.config import ASSET_KEYS
+from worker.core.errors import InvalidMessage
+from worker.core.redact import redact_text
+
+PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED = (
+    "pending", "processing", "completed", "error", "cancelled")
+# No claim, error or cancel request ever moves a job out of these.
+FINAL_STATUSES = (COMPLETED, CANCELLED)
+HISTORY_LIMIT = 20
+# A record is not a log file: an unbounded message (a stage's whole stderr) must not bloat it.
+ERROR_MESSAGE_MAX_CHARS = 2000
+# The profile's per-job claim tokens (see holds_profile_claim), and the field they replaced.
+CLAIMS, LEGACY_CLAIM_TOKEN = "claims", "claimToken"
+# Distinct jobs whose claims a profile keeps: a job is fenced out only after this many other jobs of
+# its profile were claimed since its own claim, far beyond any real re-train overlap.
+CLAIMS_KEPT = 20
+# The progress stage an attempt writes (fenced) just before it persists; no stage can be named so.
+COMMITTING = "(committing)"
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def to_ms(moment: datetime) -> datetime:
+    """Aware UTC at millisecond precision, the resolution MongoDB stores."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    moment = moment.astimezone(timezone.utc)
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+def is_complete(job: dict | None, profile: dict | None) -> bool:
+    """Both records status 'completed' and the profile holds all five modelPaths and all five s3Paths (non-empty)."""
+    if not job or not profile:
+        return False
+    if job.get("status") != COMPLETED or profile.get("status") != COMPLETED:
+        return False
+    for field in ("modelPaths", "s3Paths"):
+        paths = profile.get(field) or {}
+        if not all(isinstance(paths.get(key), str) and paths.get(key) for key in ASSET_KEYS):
+            return False
+    return True
+
+
+
+# ---------------------------------------------------------------- decisions (pure)
+
+def lease_live(job: dict, now: datetime) -> bool:
+    lease = job.get("lease")
+    return bool(lease) and lease["expiresAt"] > now
+
+
+def holds_lease(job: dict, token: str) -> bool:
+    """The fence of every write made during an attempt: our token, and the job still being worked."""
+    lease = job.get("lease")
+    return job.get("status") == PROCESSING and bool(lease) and lease.get("token") == token
+
+
+def claim_refusal(job: dict | None, now: datetime) -> str | None:
+    """Why a claim cannot take this job now, or None when it can."""
+    if job is None:
+        return "missing"
+    if job.get("status") in FINAL_STATUSES:
+        return job["status"]
+    if lease_live(job, now):
+        return "held"
+    return None
+
+
+def may_record_error(job: dict, token: str | None, now: datetime) -> bool:
+    if job.get("status") in FINAL_STATUSES:
+        return False
+    if token is not None:
+        return holds_lease(job, token)
+    # An error found before any claim must not trample an attempt that is alive elsewhere.
+    return not lease_live(job, now)
+
+
+def committing(job: dict, now: datetime) -> bool:
+    """A live attempt has begun persisting (its COMMITTING stage is newer than its claim): too late to cancel."""
+    progress, started = job.get("progress") or {}, job.get("startedAt")
+    return (job.get("status") == PROCESSING and lease_live(job, now) and progress.get("stage") == COMMITTING
+            and started is not None and progress.get("updatedAt") is not None
+            and progress["updatedAt"] >= started)
+
+
+def may_request_cancel(job: dict, now: datetime) -> bool:
+    # Refused once committing: the attempt no longer reads the flag, so accepting it would be a lie.
+    return job.get("status") not in FINAL_STATUSES and not committing(job, now)
+
+
+def close_attempt(history: list, outcome: str, now: datetime, token: str | None = None) -> list:
+    """Close the newest history entry if it is still running (and is ``token``'s, when given)."""
+    history = [dict(entry) for entry in history or []]
+    if history and history[-1].get("outcome") == "running":
+        if token is None or history[-1].get("token") == token:
+            history[-1].update(end=now, outcome=outcome)
+    return history
+
+
+def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
+            message_id: str | None = None) -> dict:
+    # A "running" entry left behind is an attempt that died without saying so.
+    history = close_attempt(job.get("history"), "abandoned", now)
+    history.append({"worker": owner, "token": token, "start": now, "end": None, "outcome": "running"})
+    return {
+        **job,
+        "status": PROCESSING,
+        # messageId tells a second delivery of this same message (our SQS lease lapsed) from a
+        # duplicate message for the job (ours is still alive).
+        "lease": {"owner": owner, "token": token, "expiresAt": to_ms(now + timedelta(seconds=lease_s)),
+                  "messageId": message_id},
+        "heartbeatAt": now,
+        "startedAt": now,
+        "attempts": int(job.get("attempts") or 0) + 1,
+        "history": history[-HISTORY_LIMIT:],
+    }
+
+
+def renewed(job: dict, lease_s: float, now: datetime) -> dict:
+    lease = {**job["lease"], "expiresAt": to_ms(now + timedelta(seconds=lease_s))}
+    return {**job, "lease": lease, "heartbeatAt": now}
+
+
+def with_progress(job: dict, stage: str, percent: float, now: datetime) -> dict:
+    return {**job, "progress": {"stage": stage, "percent": float(percent), "updatedAt": now}}
+
+
+def errored(job: dict, *, token: str | None, error_type: str, message: str, retryable: bool,
+            now: datetime) -> dict:
+    if token is not None:
+        history = close_attempt(job.get("history"), "retry" if retryable else "error", now, token)
+    else:
+        history = close_attempt(job.get("history"), "abandoned", now)
+    # Every recorded message is redacted here, whatever built it: a library's text may quote a secret.
+    error = {"type": error_type, "message": redact_text(str(message))[:ERROR_MESSAGE_MAX_CHARS],
+             "retryable": bool(retryable), "at": now}
+    if token is not None and (job.get("lease") or {}).get("messageId"):
+        # Which SQS message met this error: its own redelivery is told from a new message for the job.
+        error["messageId"] = job["lease"]["messageId"]
+    return {**job, "status": ERROR, "error": error, "lease": None, "history": history}
+
+
+def completed(job: dict, token: str, now: datetime) -> dict:
+    history = close_attempt(job.get("history"), "completed", now, token)
+    return {**job, "status": COMPLETED, "completedAt": now, "lease": None, "error": None,
+            "history": history}
+
+
+def cancelled(job: dict, token: str, now: datetime) -> dict:
+    history = close_attempt(job.get("history"), "cancelled", now, token)
+    return {**job, "status": CANCELLED, "lease": None, "history": history}
+
+
+def released(job: dict, token: str, now: datetime) -> dict:
+    # Status stays processing: the job is unfinished, and with no lease any worker may claim it now.
+    history = close_attempt(job.get("history"), "released", now, token)
+    return {**job, "lease": None, "history": history}
+
+
+def cancel_requested(job: dict) -> dict:
+    return {**job, "cancelRequested": True}
+
+
+def clock_skew_problem(offset_s: float, max_skew_s: float) -> str | None:
+    """Why a worker whose clock is ``offset_s`` behind the store's must not start, or None."""
+    if abs(offset_s) <= max_skew_s:
+        return None
+    direction = "behind" if offset_s > 0 else "ahead of"
+    return (f"this host's clock is {abs(offset_s):.1f} s {direction} the store's, more than "
+            f"MAX_CLOCK_SKEW_SECONDS={max_skew_s:g}: fix its time sync (NTP/chrony) before starting")
+
+
+def profile_claims(profile: dict | None) -> list[dict]:
+    """The profile's ``claims``: one ``{jobId, token, epoch}`` per job that claimed it, newest claim last."""
+    claims = (profile or {}).get(CLAIMS)
+    if not isinstance(claims, list):
+        return []
+    return [dict(entry) for entry in claims if isinstance(entry, dict)]
+
+
+def holds_profile_claim(profile: dict | None, job_id: str, token: str) -> bool:
+    """The fence of a profile write: ``token`` is the newest claim of job ``job_id`` on this profile.
+
+    Per job, not per profile: two jobs of one profile (a re-train while an earlier one runs) each
+    hold their own entry, so neither fences the other out, while a job's own later claim replaces
+    its entry and so fences out the attempt it took over.
+    """
+    return any(entry.get("jobId") == str(job_id) and entry.get("token") == token
+               for entry in profile_claims(profile))
+
+
+def may_stamp_claim(profile: dict | None, job_id: str, token: str, epoch: int) -> bool:
+    """The fence of a claim's profile stamp: no newer claim of ``job_id`` is on the profile already.
+
+    ``epoch`` is the job's ``attempts`` after this claim, assigned in the claim's job swap, so a
+    claimer paused between its job swap and its stamp cannot overwrite the entry of the claim that
+    took the job over from it. An entry without an epoch (written before epochs) never blocks a stamp.
+    """
+    for entry in profile_claims(profile):
+        if entry.get("jobId") != str(job_id):
+            continue
+        held = entry.get("epoch")
+        if isinstance(held, int) and (held > epoch or (held == epoch and entry.get("token") != token)):
+            return False
+    return True
+
+
+def with_claim(claims: list[dict], job_id: str, token: str, epoch: int) -> list[dict]:
+    """``claims`` with ``job_id``'s entry set to ``token`` at ``epoch`` and moved last; the oldest past the cap dropped."""
+    kept = [entry for entry in claims if entry.get("jobId") != str(job_id)]
+    return [*kept, {"jobId": str(job_id), "token": token, "epoch": int(epoch)}][-CLAIMS_KEPT:]
+
+
+def stamped_profile(profile: dict | None, profile_id: str, job_id: str, token: str,
+                    now: datetime, epoch: int) -> dict:
+    """The profile after a claim: this job's claim entry set to the new token, processing unless completed."""
+    base = profile if profile is not None else new_profile_record({"_id": profile_id}, job_id, now)
+    status = base.get("status") if base.get("status") == COMPLETED else PROCESSING
+    # The single profile-wide token fenced concurrent jobs of one profile out of each other's writes.
+    base = {key: value for key, value in base.items() if key != LEGACY_CLAIM_TOKEN}
+    return {**base, "status": status, CLAIMS: with_claim(profile_claims(base), job_id, token, epoch),
+            "jobId": str(job_id), "updatedAt": now}
+
+
+def new_job_record(job: dict, idempotency_key: str | None, now: datetime) -> dict:
+    """A fresh job: the caller's fields kept, the bookkeeping fields always start from zero."""
+    return {
+        **job,
+        "_id": str(job["_id"]),
+        "status": PENDING,
+        "attempts": 0,
+        "lease": None,
+        "progress": None,
+        "heartbeatAt": None,
+        "error": None,
+        "history": [],
+        "cancelRequested": False,
+        "startedAt": None,
+        "completedAt": None,
+        "idempotencyKey": idempotency_key,
+        "createdAt": now,
+    }
+
+
+def new_profile_record(profile: dict, job_id: str, now: datetime) -> dict:
+    return {
+        **profile,
+        "_id": str(profile["_id"]),
+        "status": PENDING,
+        "modelPaths": dict(profile.get("modelPaths") or {}),
+        "s3Paths": dict(profile.get("s3Paths") or {}),
+        CLAIMS: [],
+        "jobId": job_id,
+        "updatedAt": now,
+    }
+
+
+def submission(job: dict, profile: dict) -> tuple[dict, dict]:
+    """Check the caller's pair and link the job to its profile; returns copies."""
+    problems = []
+    if not job.get("_id"):
+        problems.append("job _id is required (the caller generates it)")
+    if not profile.get("_id"):
+        problems.append("profile _id is required")
+    job, profile = dict(job), dict(profile)
+    if profile.get("_id"):
+        job.setdefault("profileId", str(profile["_id"]))
+        if str(job["profileId"]) != str(profile["_id"]):
+            problems.append("job profileId does not match the profile's _id")
+    if problems:
+        raise InvalidMessage(problems)
+    return job, profile

@@ -1,0 +1,261 @@
+"""The embedded records store: one SQLite file, safe for several worker processes at once.
+
+It supplies the two swap primitives of ``worker.voice.records.transitions`` (which holds every rule): each
+runs inside ``BEGIN IMMEDIATE``, so the write lock is taken before the record is read, the decision
+and the write see the same row, and two processes cannot both claim a job. Each record is kept
+whole as a JSON document; the columns beside it serve the queries (stale leases, statuses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+
+import structlog
+
+from worker.voice.records import recovery, rules
+from worker.core.errors import ConfigError, StoreError
+from worker.voice.records.store import Clock
+from worker.voice.records.transitions import TransitionStore
+
+log = structlog.get_logger(__name__)
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS jobs (
+        id TEXT PRIMARY KEY,
+        doc TEXT NOT NULL,
+        status TEXT NOT NULL,
+        lease_token TEXT,
+        lease_expires_ms INTEGER,
+        heartbeat_ms INTEGER,
+        idempotency_key TEXT UNIQUE
+    )""",
+    "CREATE INDEX IF NOT EXISTS jobs_status_lease ON jobs (status, lease_expires_ms)",
+    # Files made before profile claims were per job also have a claim_token column: it is left unused.
+    """CREATE TABLE IF NOT EXISTS profiles (
+        id TEXT PRIMARY KEY,
+        doc TEXT NOT NULL,
+        status TEXT NOT NULL
+    )""",
+)
+
+_SQL_NOW = "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+
+def _epoch_ms(moment: datetime | None) -> int | None:
+    return None if moment is None else round(moment.timestamp() * 1000)
+
+
+def _default(value: object) -> object:
+    if isinstance(value, datetime):
+        return {"$date": rules.to_ms(value).isoformat()}
+    raise TypeError(f"cannot store a {type(value).__name__} in a record")
+
+
+def _decode_hook(obj: dict) -> object:
+    if len(obj) == 1 and "$date" in obj:
+        return datetime.fromisoformat(obj["$date"])
+    return obj
+
+
+def _encode(doc: dict) -> str:
+    return json.dumps(doc, default=_default, separators=(",", ":"))
+
+
+def _decode(text: str) -> dict:
+    return json.loads(text, object_hook=_decode_hook)
+
+
+# SQLite URI modes: create a missing file, write to an existing one, or only read. Only CREATE makes files.
+CREATE, EXISTING, READ_ONLY = "rwc", "rw", "ro"
+
+
+class SqliteStore(TransitionStore):
+    def __init__(self, path: str, *, clock: Clock | None = None, busy_timeout_s: float = 10.0,
+                 mode: str = CREATE):
+        """``clock`` replaces SQLite's own clock, for tests only: in production every process on the
+        host reads the one clock SQLite reads, so no worker's Python-level clock can move a lease."""
+        if mode not in (CREATE, EXISTING, READ_ONLY):
+            raise ValueError(f"unknown sqlite open mode {mode!r}")
+        self._clock = clock
+        # The heartbeat thread renews while the main thread works: one connection, one lock.
+        self._lock = threading.RLock()
+        self._closed = False
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode={mode}"
+        try:
+            self._conn = sqlite3.connect(uri, uri=True, timeout=busy_timeout_s, isolation_level=None,
+                                         check_same_thread=False)
+        except sqlite3.Error as exc:
+            # The URI mode is the guard (no check-then-create race); the check only picks the words.
+            if mode != CREATE and not os.path.exists(path):
+                shown = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
+                raise ConfigError(f"STORE_URL names {shown}, which does not exist") from None
+            raise StoreError(f"sqlite open failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            with self._guarded("open") as conn:
+                conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+                if mode != READ_ONLY:
+                    conn.execute("PRAGMA journal_mode = WAL")
+            if mode != READ_ONLY:
+                with self._transaction("init") as conn:
+                    for statement in _SCHEMA:
+                        conn.execute(statement)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    # ------------------------------------------------------------ plumbing
+
+    def _now(self) -> datetime:
+        if self._clock is not None:
+            return rules.to_ms(self._clock())
+        with self._guarded("now") as conn:
+            # The store's clock is SQLite's (the host's), read in the caller's transaction when in one.
+            (text,) = conn.execute(_SQL_NOW).fetchone()
+        return rules.to_ms(datetime.fromisoformat(text).replace(tzinfo=timezone.utc))
+
+    @contextmanager
+    def _guarded(self, op: str) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                yield self._conn
+            except sqlite3.Error as exc:
+                # "database is locked" past the busy timeout, disk I/O, a closed store: all transient
+                # or operational from the caller's view, and the message holds no secrets.
+                raise StoreError(f"sqlite {op} failed: {type(exc).__name__}: {exc}") from exc
+
+    @contextmanager
+    def _transaction(self, op: str) -> Iterator[sqlite3.Connection]:
+        with self._guarded(op) as conn:
+            # IMMEDIATE takes the write lock before the read, so decide-then-write is atomic across processes.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                # A transaction left open would make every later BEGIN on this connection fail.
+                if conn.in_transaction:
+                    try:
+                        conn.execute("ROLLBACK")
+                    except sqlite3.Error as exc:
+                        log.warning("store.rollback_failed", store="sqlite", error=str(exc))
+                raise
+
+    @staticmethod
+    def _read(conn: sqlite3.Connection, table: str, record_id: str) -> dict | None:
+        row = conn.execute(f"SELECT doc FROM {table} WHERE id = ?", (str(record_id),)).fetchone()
+        return None if row is None else _decode(row[0])
+
+    @staticmethod
+    def _job_columns(job: dict) -> tuple:
+        lease = job.get("lease") or None
+        return (
+            _encode(job),
+            job["status"],
+            lease["token"] if lease else None,
+            _epoch_ms(lease["expiresAt"]) if lease else None,
+            _epoch_ms(job.get("heartbeatAt")),
+        )
+
+    @staticmethod
+    def _put_profile(conn: sqlite3.Connection, profile: dict) -> None:
+        conn.execute(
+            "INSERT INTO profiles (id, doc, status) VALUES (?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, status = excluded.status",
+            (profile["_id"], _encode(profile), profile["status"]),
+        )
+
+    def _swap_job(self, op: str, job_id: str, allowed, change) -> tuple[dict | None, bool]:
+        """Read, decide, write in one IMMEDIATE transaction; returns (record now, whether it changed)."""
+        with self._transaction(op) as conn:
+            # Read the clock once the write lock is held: waiting for it must not shorten a new lease.
+            now = self._now()
+            job = self._read(conn, "jobs", job_id)
+            if job is None or not allowed(job, now):
+                return job, False
+            new = change(job, now)
+            conn.execute(
+                "UPDATE jobs SET doc = ?, status = ?, lease_token = ?, lease_expires_ms = ?, "
+                "heartbeat_ms = ? WHERE id = ?", (*self._job_columns(new), str(job_id)))
+            return new, True
+
+    def _swap_profile(self, op: str, profile_id: str, allowed, change) -> tuple[dict | None, bool]:
+        with self._transaction(op) as conn:
+            now = self._now()
+            profile = self._read(conn, "profiles", profile_id)
+            if not allowed(profile, now):
+                return profile, False
+            new = change(profile, now)
+            self._put_profile(conn, new)
+            return new, True
+
+    # ------------------------------------------------------------ reads
+
+    def get_job(self, job_id: str) -> dict | None:
+        with self._guarded("get_job") as conn:
+            return self._read(conn, "jobs", job_id)
+
+    def get_profile(self, profile_id: str) -> dict | None:
+        with self._guarded("get_profile") as conn:
+            return self._read(conn, "profiles", profile_id)
+
+    def find_stale(self, limit: int = 100) -> list[dict]:
+        now_ms = _epoch_ms(self._now())
+        with self._guarded("find_stale") as conn:
+            rows = conn.execute(
+                "SELECT doc FROM jobs WHERE status = 'processing' "
+                "AND (lease_token IS NULL OR lease_expires_ms <= ?) "
+                "ORDER BY heartbeat_ms IS NOT NULL, heartbeat_ms LIMIT ?",
+                (now_ms, int(limit))).fetchall()
+        return [_decode(row[0]) for row in rows]
+
+    # ------------------------------------------------------------ creation
+
+    def submit(self, job: dict, profile: dict, idempotency_key: str | None = None) -> tuple[str, bool]:
+        job, profile = rules.submission(job, profile)
+        job_id = str(job["_id"])
+        with self._transaction("submit") as conn:
+            now = self._now()
+            # Under the write lock, so a concurrent submit with the same key waits and then sees ours.
+            if idempotency_key is not None:
+                row = conn.execute("SELECT id FROM jobs WHERE idempotency_key = ?",
+                                   (idempotency_key,)).fetchone()
+                if row is not None:
+                    return row[0], False
+            if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is not None:
+                return job_id, False
+            record = rules.new_job_record(job, idempotency_key, now)
+            conn.execute(
+                "INSERT INTO jobs (doc, status, lease_token, lease_expires_ms, heartbeat_ms, id, "
+                "idempotency_key) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (*self._job_columns(record), job_id, idempotency_key))
+            if self._read(conn, "profiles", str(profile["_id"])) is None:
+                self._put_profile(conn, rules.new_profile_record(profile, job_id, now))
+            return job_id, True
+
+    # ------------------------------------------------------------ the reconciler's operations
+
+    def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
+        now = self._now()
+        with self._guarded("find_unenqueued") as conn:
+            rows = conn.execute("SELECT doc FROM jobs WHERE status = 'pending'").fetchall()
+        # The stamps live only in the JSON document: pending jobs are few, so filter them here.
+        jobs = [job for job in map(_decode, (row[0] for row in rows))
+                if recovery.awaiting_enqueue(job, now, older_than_s)]
+        return sorted(jobs, key=lambda job: job["createdAt"])[:int(limit)]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._conn.close()
+            except sqlite3.Error as exc:
+                log.warning("store.close_failed", store="sqlite", error=str(exc))

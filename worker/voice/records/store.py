@@ -1,0 +1,119 @@
+"""The records store's one narrow interface: domain operations, each fenced, on the store's clock."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from worker.voice.records.attempt import Attempt
+from worker.voice.records import rules
+
+Clock = Callable[[], datetime]
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: str  # "claimed" | "held" | "completed" | "cancelled" | "missing"
+    job: dict | None
+    cancel_requested: bool = False
+    attempt: Attempt | None = None  # set when the outcome is "claimed"
+    # The store's clock when it decided: a "held" job's lease end is judged on it, never on ours.
+    now: datetime | None = None
+
+
+
+
+class Store(ABC):
+    """Job and profile records. Fenced writes raise ``StaleWrite``; an unreachable store ``StoreError``.
+
+    Every lease is stamped and judged on the store's clock (``now()``), never on a worker's own.
+    """
+
+    @abstractmethod
+    def now(self) -> datetime:
+        """The store's clock: what every lease stamp and every lease decision uses."""
+
+    def clock_offset_s(self, local: Clock | None = None) -> float:
+        """How far ``local`` (default: this host's clock) is behind the store's clock, in seconds."""
+        return (self.now() - (local or rules.utc_now)()).total_seconds()
+
+    @abstractmethod
+    def get_job(self, job_id: str) -> dict | None: ...
+
+    @abstractmethod
+    def get_profile(self, profile_id: str) -> dict | None: ...
+
+    @abstractmethod
+    def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
+              message_id: str | None = None) -> Claim:
+        """Claim the job under ``token``; a "claimed" outcome carries the ``Attempt`` to write with."""
+
+    @abstractmethod
+    def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
+        """Extend our lease; returns the job's cancelRequested flag."""
+
+    @abstractmethod
+    def set_progress(self, job_id: str, token: str, stage: str, percent: float) -> None: ...
+
+    @abstractmethod
+    def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
+                     retryable: bool) -> bool: ...
+
+    @abstractmethod
+    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
+                    job_id: str) -> None:
+        """Set the profile's paths; fenced on ``job_id``'s claim on the profile being ``token``."""
+
+    @abstractmethod
+    def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
+        """Set the profile completed; fenced as ``write_paths``."""
+
+    @abstractmethod
+    def mark_job_completed(self, job_id: str, token: str) -> None:
+        """The commit marker."""
+
+    @abstractmethod
+    def mark_cancelled(self, job_id: str, token: str) -> None: ...
+
+    @abstractmethod
+    def release_lease(self, job_id: str, token: str) -> bool: ...
+
+    @abstractmethod
+    def request_cancel(self, job_id: str) -> bool: ...
+
+    @abstractmethod
+    def submit(self, job: dict, profile: dict, idempotency_key: str | None = None) -> tuple[str, bool]: ...
+
+    @abstractmethod
+    def find_stale(self, limit: int = 100) -> list[dict]:
+        """Jobs left processing with no live lease (their worker died or let go), oldest first."""
+
+    # --- the reconciler's operations (rules in worker.voice.records.recovery); each returns whether it wrote
+
+    @abstractmethod
+    def mark_enqueued(self, job_id: str, *, again: bool = False) -> bool:
+        """Stamp ``enqueuedAt`` (``reenqueuedAt`` when ``again``) once a message for the job was sent."""
+
+    @abstractmethod
+    def find_unenqueued(self, older_than_s: float, limit: int = 100) -> list[dict]:
+        """Pending jobs older than ``older_than_s`` with no message recorded as sent, oldest first."""
+
+    @abstractmethod
+    def mark_worker_lost(self, job_id: str, *, stale_after_s: float, worker: str) -> bool:
+        """Processing job whose lease ended over ``stale_after_s`` ago -> error WorkerLost (retryable)."""
+
+    @abstractmethod
+    def record_dead_letter(self, job_id: str, *, dead_letter: dict, worker: str) -> bool:
+        """Job not final and not leased, this DLQ message not yet applied -> error "dead-lettered …"."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
