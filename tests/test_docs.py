@@ -16,6 +16,7 @@ from worker.voice.submit import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+CHANGELOG = REPO / "CHANGELOG.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 SAMPLE_JOB = REPO / "samples" / "job.json"
 
@@ -78,9 +79,9 @@ def test_docs_exist():
     assert {p.name for p in DOCS} >= {"design.md", "trainer.md", "operations.md"}
 
 
-@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", [README, CHANGELOG, *DOCS], ids=lambda p: p.name)
 def test_relative_links_resolve_inside_the_repo(doc):
-    """Every relative link in README.md and docs/*.md names an existing file (and heading) in the repo."""
+    """Every relative link in README.md, CHANGELOG.md and docs/*.md names an existing file (and heading) in the repo."""
     problems = []
     for target in _relative_links(doc):
         file_part, _, anchor = target.partition("#")
@@ -102,9 +103,9 @@ def test_readme_refers_to_nothing_outside_the_repo():
 
 
 def test_settings_named_in_docs_exist():
-    """Every ALL_CAPS variable name in docs/*.md is a real setting or an allow-listed non-setting."""
+    """Every ALL_CAPS variable name in docs/*.md and CHANGELOG.md is a real setting or an allow-listed non-setting."""
     unknown = {}
-    for doc in DOCS:
+    for doc in [CHANGELOG, *DOCS]:
         for name in set(_CAPS_NAME.findall(doc.read_text(encoding="utf-8"))):
             if name not in ENV_NAMES and name not in NOT_SETTINGS:
                 unknown.setdefault(doc.name, []).append(name)
@@ -124,10 +125,10 @@ def test_sample_job_is_a_valid_submission():
 
 
 def test_documented_commands_exist():
-    """Every `python -m worker <cmd>` in README.md and docs/*.md names a real subcommand (and dlq action)."""
+    """Every `python -m worker <cmd>` in README.md, CHANGELOG.md and docs/*.md names a real subcommand (and dlq action)."""
     commands = _subcommands()
     problems = []
-    for doc in [README, *DOCS]:
+    for doc in [README, CHANGELOG, *DOCS]:
         for command, argument in _COMMAND.findall(doc.read_text(encoding="utf-8")):
             if command not in commands and command not in KNOWN_PENDING:
                 problems.append(f"{doc.name}: {command}")
