@@ -181,7 +181,8 @@ OPERATOR_UNCALLED = {("sqs:GetQueueUrl", JOB_QUEUE)}
 _PROBE = f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/.doctor/0123456789abcdef"
 DOCTOR_CALLS = _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("s3:PutObject", _PROBE),
                             ("s3:DeleteObject", _PROBE)}
-# The modules whose SQS calls the operator commands make (worker/ops/cli.py wires them).
+# The modules whose SQS calls the operator commands make (worker/ops/cli.py wires them), each call
+# through a worker.core.queue.Queue, named ``queue`` or ``..._queue`` there, or used where it is made.
 OPERATOR_CODE = ("worker/voice/submit.py", "worker/ops/reconcile.py", "worker/ops/dlq.py")
 
 
@@ -198,6 +199,18 @@ def _sqs_actions_called(source: str) -> set[str]:
     operations = re.findall(r"\b_?sqs\.([a-z_]+)\(", source)
     camel = ("".join(word.title() for word in op.split("_")) for op in operations)
     return {"sqs:" + name.removesuffix("Batch") for name in camel}
+
+
+def _queue_methods_source(source: str) -> str:
+    """The source of every Queue method ``source`` calls on a queue, and of the Queue methods those call."""
+    methods = {name for name, attr in vars(Queue).items() if inspect.isfunction(attr)}
+    todo = set(re.findall(r"(?:\w*queue|\bQueue\([^()]*\))\.([a-z_]+)\(", source)) & methods
+    done: set[str] = set()
+    while todo:
+        name = todo.pop()
+        done.add(name)
+        todo |= set(re.findall(r"\.([a-z_]+)\(", inspect.getsource(getattr(Queue, name)))) & methods - done
+    return "\n".join(inspect.getsource(getattr(Queue, name)) for name in sorted(done))
 
 
 def test_operator_statements_allow_exactly_the_listed_actions(operator_statements):
@@ -228,8 +241,7 @@ def test_operator_call_table_matches_the_code():
     """The SQS operations the operator modules call are the actions COMMAND_CALLS lists: a new call in
     the code (say ListMessageMoveTasks) fails here until the policy and the table have it."""
     source = "\n".join((REPO / path).read_text() for path in OPERATOR_CODE)
-    source += inspect.getsource(Queue.dead_letter_url)
-    called = _sqs_actions_called(source)
+    called = _sqs_actions_called(source + _queue_methods_source(source))
     assert called == {action for calls in COMMAND_CALLS.values() for action, _ in calls}
 
 

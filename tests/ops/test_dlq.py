@@ -11,9 +11,7 @@ import pytest
 from tests.voice.conftest import message_body
 from tests.support import FaultyClient, client_error, create_queues
 from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
-from worker.ops.dlq import (
-    MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue, dead_letter_receives, move_task_unsupported,
-)
+from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue, dead_letter_receives
 from worker.core.errors import BadRecording, QueueError
 from worker.core.queue import Message, Queue
 
@@ -46,15 +44,6 @@ def test_receive_count_prefers_the_worker_attribute_then_the_policy():
     assert dead_letter_receives(ours, 5, 9) == 3
     assert dead_letter_receives({}, 5, 9) == 5
     assert dead_letter_receives({}, None, 9) == 9
-
-
-def test_move_task_unsupported_only_for_answers_that_say_so():
-    """NotImplementedError and unsupported-operation codes fall back; throttling and 5xx do not."""
-    assert move_task_unsupported(NotImplementedError())
-    assert move_task_unsupported(client_error("UnsupportedOperation"))
-    assert move_task_unsupported(client_error("InvalidAction"))
-    assert not move_task_unsupported(client_error("ThrottlingException"))
-    assert not move_task_unsupported(client_error("500"))
 
 
 def test_age_reads_in_days_hours_minutes():
@@ -272,6 +261,15 @@ def test_a_failed_delete_after_the_send_is_reported_as_a_duplicate(queues, clien
     assert "in both queues" in out.getvalue()
     assert len(ops(client, "send_message")) == 1
     assert len(source_messages(queues)) == 1
+
+
+def test_a_delete_with_an_expired_hold_is_reported_as_a_duplicate(queues, client, dlq):
+    """A delete SQS refuses for a stale receipt handle is one more failed delete: reported, the run goes on."""
+    for n in range(2):
+        dead_letter(queues, n)
+    client.faults["delete_message"] = lambda kw: client_error("ReceiptHandleIsInvalid")
+    result = dlq.redrive(fallback=True)
+    assert result.moved == 2 and result.error is None and len(result.not_deleted) == 2
 
 
 def test_fifo_redrive_keeps_the_message_group(sqs):

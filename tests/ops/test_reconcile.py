@@ -13,7 +13,7 @@ from tests.deploy.files import REPO, read_unit, timespan_s
 from tests.voice.conftest import message_body
 from tests.voice.records.conftest import FakeClock, make_store
 from tests.support import FaultyClient, client_error
-from worker.core.errors import BadRecording
+from worker.core.errors import BadRecording, QueueError
 from worker.voice.message import parse_job
 from worker.core.queue import Message, Queue
 from worker.ops.reconcile import Reconciler, cmd_reconcile, message_body_for
@@ -177,6 +177,25 @@ def test_pending_job_whose_send_failed_is_enqueued_once(store, reconciler, sqs_c
     again = reconciler.run()
     assert again.reenqueued == [] and store.writes == []
     assert len(sends(sqs_client)) == 2  # the failed submit's try, and the reconciler's one
+
+
+def test_re_enqueue_to_a_fifo_queue_sends_the_job_as_its_own_group(store, sqs, clock):
+    """On a .fifo queue the re-enqueued message's group is the job id, its deduplication id not the submit's."""
+    fifo_url = sqs.create_queue(QueueName="jobs.fifo", Attributes={"FifoQueue": "true"})["QueueUrl"]
+    client = FaultyClient(sqs)
+    client.faults["send_message"] = lambda kw: client_error("ServiceUnavailable")
+    with pytest.raises(QueueError):
+        submit_job(store, client, fifo_url, PAYLOAD)
+    [job_id] = [j["_id"] for j in store.find_unenqueued(0)]
+    clock.advance(PENDING_S)
+
+    report = Reconciler(store, sqs, fifo_url, stale_after_s=STALE_S, pending_after_s=PENDING_S,
+                        dlq_wait_s=0).run()
+
+    assert report.reenqueued == [job_id]
+    [msg] = sqs.receive_message(QueueUrl=fifo_url, MessageSystemAttributeNames=["All"])["Messages"]
+    assert msg["Attributes"]["MessageGroupId"] == job_id
+    assert msg["Attributes"]["MessageDeduplicationId"] == f"{job_id}-reenqueue"
 
 
 def test_enqueued_and_young_pending_jobs_are_not_sent_again(store, reconciler, sqs_client, queues, clock):

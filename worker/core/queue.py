@@ -1,16 +1,25 @@
-"""The SQS adapter: receive, extend, release, delete, dead-letter. botocore errors stop here.
+"""The SQS adapter: every SQS call of the project is made here, and botocore errors stop here.
 
-Every method makes exactly the SQS calls its name says; botocore's own retry mode (see ``worker.core.aws``)
-handles throttling and 5xx, so there are no retry loops here. What is left after those retries becomes
-``QueueError`` (try again later) or ``LeaseLost`` (the receipt handle is no longer ours).
+The loop receives, extends, releases, deletes and dead-letters; ``submit`` and the reconciler send;
+the dead-letter tools (``worker.ops.dlq``) receive and release in batches, delete, read attributes
+and start message move tasks. Every method makes exactly the SQS calls its name says; botocore's own
+retry mode (see ``worker.core.aws``) handles throttling and 5xx, so there are no retry loops here.
+What is left after those retries becomes ``QueueError`` (try again later) or ``LeaseLost`` (the
+receipt handle is no longer ours).
+
+A FIFO queue (``.fifo``) needs a MessageGroupId and a MessageDeduplicationId on each send, so
+``send`` takes both from every caller and passes them where the queue is FIFO: the group is the
+job's (the message's own group when it had one), the deduplication id one the caller keeps stable
+for that send (a job id, a message id), so a retried send within SQS's five minutes is dropped.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -32,7 +41,15 @@ _LOST_PARAMETER_HINTS = ("receipt handle", "receipthandle", "12 hours", "43200",
                          "maximum visibility timeout")
 # The JSON protocol says QueueDoesNotExist, the query protocol the long form.
 _MISSING_QUEUE_CODES = frozenset({"QueueDoesNotExist", "AWS.SimpleQueueService.NonExistentQueue"})
+# Answers meaning "this endpoint has no StartMessageMoveTask", as opposed to a failure worth retrying.
+_UNSUPPORTED_CODES = frozenset({
+    "UnsupportedOperation", "AWS.SimpleQueueService.UnsupportedOperation", "InvalidAction",
+    "NotImplemented", "UnknownOperation", "UnknownOperationException",
+})
 MAX_ATTRIBUTE_TEXT = 1024  # SQS allows 256 KiB, but an error attribute is for humans and alarms.
+MAX_BATCH = 10  # SQS's most per receive and per batch call
+# A parse error can quote a whole HTML error page; the error is for a log line or a terminal.
+_MAX_ERROR_TEXT = 500
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,26 @@ class Message:
     message_attributes: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
+class Receipt(Protocol):
+    """Anything received from a queue: a ``Message``, or a tool's view of one (``worker.ops.dlq.DeadLetter``)."""
+
+    @property
+    def receipt_handle(self) -> str: ...
+
+
+def _message(raw: dict, received_at_s: float) -> Message:
+    attrs = raw.get("Attributes") or {}
+    return Message(
+        message_id=raw["MessageId"],
+        receipt_handle=raw["ReceiptHandle"],
+        body=raw.get("Body", ""),
+        receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
+        received_at_s=received_at_s,
+        attributes=dict(attrs),
+        message_attributes=dict(raw.get("MessageAttributes") or {}),
+    )
+
+
 def is_lease_lost_error(code: str, message: str) -> bool:
     """True when SQS answered that the receipt handle no longer holds the message."""
     if code in _LOST_CODES:
@@ -58,14 +95,22 @@ def is_lease_lost_error(code: str, message: str) -> bool:
     return False
 
 
+def move_task_unsupported(exc: BaseException) -> bool:
+    """True when the endpoint does not implement StartMessageMoveTask (moto raises NotImplementedError)."""
+    if isinstance(exc, NotImplementedError):
+        return True
+    return isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") in _UNSUPPORTED_CODES
+
+
 def _translate(exc: Exception, action: str) -> WorkerError:
+    """The one translation of botocore's exceptions into the project's errors."""
     if isinstance(exc, ClientError):
         err = exc.response.get("Error", {})
         code, text = str(err.get("Code", "")), str(err.get("Message", ""))
         if is_lease_lost_error(code, text):
-            return LeaseLost(f"{action}: receipt handle no longer valid ({code}: {text})")
-        return QueueError(f"{action} failed: {code}: {text}")
-    return QueueError(f"{action} failed: {type(exc).__name__}: {exc}")
+            return LeaseLost(f"{action}: receipt handle no longer valid ({code}: {text})"[:_MAX_ERROR_TEXT])
+        return QueueError(f"{action} failed: {code}: {text}"[:_MAX_ERROR_TEXT])
+    return QueueError(f"{action} failed: {type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT])
 
 
 class Queue:
@@ -92,19 +137,25 @@ class Queue:
             raise _translate(exc, "ReceiveMessage") from exc
         received_at_s = self._clock()
         messages = resp.get("Messages") or []
-        if not messages:
-            return None
-        raw = messages[0]
-        attrs = raw.get("Attributes") or {}
-        return Message(
-            message_id=raw["MessageId"],
-            receipt_handle=raw["ReceiptHandle"],
-            body=raw.get("Body", ""),
-            receive_count=int(attrs.get("ApproximateReceiveCount", "1")),
-            received_at_s=received_at_s,
-            attributes=dict(attrs),
-            message_attributes=dict(raw.get("MessageAttributes") or {}),
-        )
+        return _message(messages[0], received_at_s) if messages else None
+
+    def receive_batch(self, max_messages: int, *, wait_s: int, visibility_timeout_s: int,
+                      action: str = "ReceiveMessage") -> list[Message]:
+        """Up to ``max_messages`` (at most ``MAX_BATCH``) messages with all their attributes, each
+        invisible for ``visibility_timeout_s``; ``action`` names the call in the error."""
+        try:
+            resp = self._sqs.receive_message(
+                QueueUrl=self.url,
+                MaxNumberOfMessages=max(1, min(MAX_BATCH, max_messages)),
+                WaitTimeSeconds=wait_s,
+                VisibilityTimeout=visibility_timeout_s,
+                MessageSystemAttributeNames=["All"],
+                MessageAttributeNames=["All"],
+            )
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, action) from exc
+        received_at_s = self._clock()
+        return [_message(raw, received_at_s) for raw in resp.get("Messages") or []]
 
     def set_visibility(self, message: Message, timeout_s: int) -> None:
         """Reset (not add to) the message's visibility: it becomes visible ``timeout_s`` from now."""
@@ -128,7 +179,25 @@ class Queue:
         """Make the message visible now, so another worker can take it at once."""
         self.set_visibility(message, 0)
 
-    def delete(self, message: Message) -> None:
+    def release_batch(self, messages: Sequence[Receipt]) -> list[dict]:
+        """Make up to ``MAX_BATCH`` received messages visible now in one call; the entries SQS refused.
+
+        A failure of the call itself raises; one entry's failure (its handle expired, say) is only
+        listed, as SQS answers it.
+        """
+        if len(messages) > MAX_BATCH:
+            raise ValueError(f"at most {MAX_BATCH} messages per batch, got {len(messages)}")
+        if not messages:
+            return []
+        entries = [{"Id": str(i), "ReceiptHandle": m.receipt_handle, "VisibilityTimeout": 0}
+                   for i, m in enumerate(messages)]
+        try:
+            resp = self._sqs.change_message_visibility_batch(QueueUrl=self.url, Entries=entries)
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "ChangeMessageVisibilityBatch") from exc
+        return list(resp.get("Failed") or [])
+
+    def delete(self, message: Receipt) -> None:
         try:
             self._sqs.delete_message(QueueUrl=self.url, ReceiptHandle=message.receipt_handle)
         except (ClientError, BotoCoreError) as exc:
@@ -145,14 +214,23 @@ class Queue:
         except BotoCoreError as exc:
             raise _translate(exc, "GetQueueAttributes") from exc
 
-    def dead_letter_url(self) -> str | None:
-        """The DLQ named by this queue's RedrivePolicy, or None when the queue has none."""
+    def attributes(self, *names: str, action: str = "GetQueueAttributes") -> dict[str, str]:
+        """The queue's attributes of those ``names`` (``"All"`` for every one) that it has."""
         try:
-            attrs = self._sqs.get_queue_attributes(
-                QueueUrl=self.url, AttributeNames=["RedrivePolicy", "QueueArn"]
-            )["Attributes"]
+            return dict(self._sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=list(names))
+                        .get("Attributes") or {})
         except (ClientError, BotoCoreError) as exc:
-            raise _translate(exc, "GetQueueAttributes") from exc
+            raise _translate(exc, action) from exc
+
+    def arn(self) -> str:
+        return self.attributes("QueueArn")["QueueArn"]
+
+    def dead_letter_url(self, attributes: dict[str, str] | None = None) -> str | None:
+        """The DLQ named by this queue's RedrivePolicy, or None when the queue has none.
+
+        Read from ``attributes`` when the caller holds the queue's already (``doctor``), else asked for.
+        """
+        attrs = self.attributes("RedrivePolicy", "QueueArn") if attributes is None else attributes
         policy = attrs.get("RedrivePolicy")
         if not policy:
             return None
@@ -170,19 +248,48 @@ class Queue:
         dlq_url = self.dead_letter_url()
         if dlq_url is None:
             return False
-        params: dict[str, Any] = {
-            "QueueUrl": dlq_url,
-            "MessageBody": message.body,
-            "MessageAttributes": dead_letter_attributes(message, error, self.url),
-        }
-        if dlq_url.endswith(".fifo"):
-            params["MessageGroupId"] = message.attributes.get("MessageGroupId", message.message_id)
-            params["MessageDeduplicationId"] = message.message_id
-        try:
-            self._sqs.send_message(**params)
-        except (ClientError, BotoCoreError) as exc:
-            raise _translate(exc, "SendMessage to the dead-letter queue") from exc
+        Queue(self._sqs, dlq_url).send(
+            message.body, attributes=dead_letter_attributes(message, error, self.url),
+            group_id=message.attributes.get("MessageGroupId", message.message_id),
+            dedup_id=message.message_id, action="SendMessage to the dead-letter queue")
         return True
+
+    @property
+    def is_fifo(self) -> bool:
+        return self.url.endswith(".fifo")
+
+    def send(self, body: str, *, group_id: str, dedup_id: str, attributes: dict | None = None,
+             action: str = "SendMessage") -> str:
+        """Send ``body`` (with ``attributes``, when any); the new message's id.
+
+        ``group_id`` and ``dedup_id`` become the MessageGroupId and MessageDeduplicationId where the
+        queue is FIFO, and are left out elsewhere. ``action`` names the call in the error.
+        """
+        params: dict[str, Any] = {"QueueUrl": self.url, "MessageBody": body}
+        if attributes:
+            params["MessageAttributes"] = attributes
+        if self.is_fifo:
+            params["MessageGroupId"] = group_id
+            params["MessageDeduplicationId"] = dedup_id
+        try:
+            return self._sqs.send_message(**params)["MessageId"]
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, action) from exc
+
+    def start_move_task(self, destination: Queue, *, action: str = "StartMessageMoveTask") -> str | None:
+        """Have SQS move every message of this queue to ``destination`` in the background; the task's
+        handle, or None where the endpoint does not implement StartMessageMoveTask (local emulators).
+
+        The destination is always named: the worker's own dead-letter sends have no "original source".
+        """
+        source_arn, destination_arn = self.arn(), destination.arn()
+        try:
+            resp = self._sqs.start_message_move_task(SourceArn=source_arn, DestinationArn=destination_arn)
+        except (ClientError, BotoCoreError, NotImplementedError) as exc:
+            if move_task_unsupported(exc):
+                return None
+            raise _translate(exc, action) from exc
+        return resp["TaskHandle"]
 
 
 def dead_letter_attributes(message: Message, error: WorkerError, source_queue_url: str) -> dict:
@@ -208,8 +315,7 @@ def sendable_attribute(attr: dict) -> dict:
 def dead_letter_target(redrive_policy: str) -> tuple[str, str]:
     """(account, queue name) of the DLQ named by a RedrivePolicy's ``deadLetterTargetArn``.
 
-    Read exactly as ``Queue.dead_letter_url`` reads it; tools that already hold the queue's
-    attributes resolve the DLQ with this instead of asking SQS for them again.
+    How ``Queue.dead_letter_url`` reads it.
     """
     arn = json.loads(redrive_policy)["deadLetterTargetArn"]
     # arn:aws:sqs:<region>:<account>:<name>

@@ -17,7 +17,8 @@ emulators), it receives, sends to the source queue, and deletes from the DLQ onl
 succeeded: a failure can leave a message in both queues (the worker acknowledges the duplicate
 without work), never in neither. Such a run moves at most the ApproximateNumberOfMessages of its
 start and never the same message twice: one a worker dead-letters again during the run stays.
-The operator's commands over this (``dlq list``, ``dlq redrive``) are in ``worker.ops.commands``.
+The operator's commands over this (``dlq list``, ``dlq redrive``) are in ``worker.ops.commands``;
+every SQS call goes through the adapter, ``worker.core.queue.Queue``.
 """
 
 from __future__ import annotations
@@ -27,41 +28,22 @@ import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
-from botocore.exceptions import BotoCoreError, ClientError
 
-from worker.core.errors import QueueError
+from worker.core.errors import LeaseLost, QueueError
 from worker.core.logs import scrub
 from worker.voice.message import job_id_hint
-from worker.core.queue import Queue, sendable_attribute
+from worker.core.queue import MAX_BATCH, Message, Queue, sendable_attribute
 
 log = structlog.get_logger(__name__)
 
 # The attributes worker.core.queue.dead_letter_attributes adds; a redriven message goes back without them.
 OUR_ATTRIBUTES = ("ErrorType", "ErrorMessage", "ReceiveCount", "SourceQueue")
-# Answers meaning "this endpoint has no StartMessageMoveTask", as opposed to a failure worth retrying.
-_UNSUPPORTED_CODES = frozenset({
-    "UnsupportedOperation", "AWS.SimpleQueueService.UnsupportedOperation", "InvalidAction",
-    "NotImplemented", "UnknownOperation", "UnknownOperationException",
-})
-BATCH = 10  # SQS's most per receive and per batch call
 MOVE_TASK, RECEIVE_SEND_DELETE = "move_task", "receive_send_delete"
-
-
-def _queue_error(exc: Exception, action: str) -> QueueError:
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        return QueueError(f"{action} failed: {err.get('Code', '')}: {err.get('Message', '')}"[:500])
-    return QueueError(f"{action} failed: {type(exc).__name__}: {exc}"[:500])
-
-
-def move_task_unsupported(exc: BaseException) -> bool:
-    """True when the endpoint does not implement StartMessageMoveTask (moto raises NotImplementedError)."""
-    if isinstance(exc, NotImplementedError):
-        return True
-    return isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") in _UNSUPPORTED_CODES
+# What the adapter raises for a failed SQS call: a stale receipt handle is LeaseLost there, and here
+# only one more failed call.
+SQS_FAILED = (QueueError, LeaseLost)
 
 
 def _digest(body: str) -> str:
@@ -143,7 +125,7 @@ class RedriveResult:
 class DeadLetterQueue:
     def __init__(self, sqs, source_url: str, url: str, *, max_receive_count: int | None = None,
                  clock: Callable[[], float] = time.time, wait_s: int = 1):
-        self._sqs = sqs
+        self._queue, self._source_queue = Queue(sqs, url), Queue(sqs, source_url)
         self.source_url = source_url
         self.url = url
         self.max_receive_count = max_receive_count
@@ -156,14 +138,11 @@ class DeadLetterQueue:
     def of(cls, sqs, source_url: str, *, clock: Callable[[], float] = time.time,
            wait_s: int = 1) -> DeadLetterQueue | None:
         """The DLQ of ``source_url`` from its RedrivePolicy, or None when it has none."""
-        url = Queue(sqs, source_url).dead_letter_url()
+        source_queue = Queue(sqs, source_url)
+        url = source_queue.dead_letter_url()
         if url is None:
             return None
-        try:
-            policy = json.loads(sqs.get_queue_attributes(
-                QueueUrl=source_url, AttributeNames=["RedrivePolicy"])["Attributes"]["RedrivePolicy"])
-        except (ClientError, BotoCoreError) as exc:
-            raise _queue_error(exc, "GetQueueAttributes") from exc
+        policy = json.loads(source_queue.attributes("RedrivePolicy")["RedrivePolicy"])
         max_receives = str(policy.get("maxReceiveCount", ""))
         return cls(sqs, source_url, url, clock=clock, wait_s=wait_s,
                    max_receive_count=int(max_receives) if max_receives.isdigit() else None)
@@ -174,22 +153,17 @@ class DeadLetterQueue:
     # ------------------------------------------------------------ looking
 
     def _receive(self, count: int, hold_s: int) -> list[DeadLetter]:
-        try:
-            resp = self._sqs.receive_message(
-                QueueUrl=self.url, MaxNumberOfMessages=max(1, min(BATCH, count)), WaitTimeSeconds=self._wait_s,
-                VisibilityTimeout=hold_s, MessageSystemAttributeNames=["All"], MessageAttributeNames=["All"])
-        except (ClientError, BotoCoreError) as exc:
-            raise _queue_error(exc, "ReceiveMessage from the dead-letter queue") from exc
-        return [self._letter(raw) for raw in resp.get("Messages") or []]
+        messages = self._queue.receive_batch(count, wait_s=self._wait_s, visibility_timeout_s=hold_s,
+                                             action="ReceiveMessage from the dead-letter queue")
+        return [self._letter(message) for message in messages]
 
-    def _letter(self, raw: dict) -> DeadLetter:
-        attrs, msg_attrs = raw.get("Attributes") or {}, raw.get("MessageAttributes") or {}
+    def _letter(self, message: Message) -> DeadLetter:
+        attrs, msg_attrs = message.attributes, message.message_attributes
         sent = attrs.get("SentTimestamp", "")
-        approximate = int(attrs.get("ApproximateReceiveCount", "1"))
         return DeadLetter(
-            message_id=raw["MessageId"], receipt_handle=raw["ReceiptHandle"], body=raw.get("Body", ""),
-            receive_count=dead_letter_receives(msg_attrs, self.max_receive_count, approximate),
-            sent_at_ms=int(sent) if sent.isdigit() else None, job_id=job_id_hint(raw.get("Body", "")),
+            message_id=message.message_id, receipt_handle=message.receipt_handle, body=message.body,
+            receive_count=dead_letter_receives(msg_attrs, self.max_receive_count, message.receive_count),
+            sent_at_ms=int(sent) if sent.isdigit() else None, job_id=job_id_hint(message.body),
             error_type=_attr_text(msg_attrs, "ErrorType"),
             error_message=_attr_text(msg_attrs, "ErrorMessage"),
             source_queue=_attr_text(msg_attrs, "SourceQueue"), message_attributes=dict(msg_attrs),
@@ -205,7 +179,7 @@ class DeadLetterQueue:
                 seen.update((letter.message_id, letter) for letter in batch)
                 if not fresh:  # empty, or only repeats: the whole queue has been seen
                     break
-        except QueueError:
+        except SQS_FAILED:
             self.release(seen.values())
             raise
         return list(seen.values())
@@ -213,17 +187,12 @@ class DeadLetterQueue:
     def release(self, letters: Iterable[DeadLetter]) -> None:
         """Make looked-at messages visible again now; a failure only delays them by ``hold_s``."""
         letters = list(letters)
-        for start in range(0, len(letters), BATCH):
-            chunk = letters[start:start + BATCH]
-            entries = [{"Id": str(i), "ReceiptHandle": letter.receipt_handle, "VisibilityTimeout": 0}
-                       for i, letter in enumerate(chunk)]
+        for start in range(0, len(letters), MAX_BATCH):
             try:
-                resp = self._sqs.change_message_visibility_batch(QueueUrl=self.url, Entries=entries)
-            except (ClientError, BotoCoreError) as exc:
-                log.warning("dlq.release_failed",
-                            error=str(_queue_error(exc, "ChangeMessageVisibilityBatch")))
+                failed = self._queue.release_batch(letters[start:start + MAX_BATCH])
+            except SQS_FAILED as exc:
+                log.warning("dlq.release_failed", error=str(exc))
                 continue
-            failed = resp.get("Failed")
             if failed:
                 log.warning("dlq.release_failed", messages=len(failed), code=failed[0].get("Code"))
 
@@ -242,29 +211,25 @@ class DeadLetterQueue:
         reason = "--fallback" if fallback else ("--max" if max_messages is not None else None)
         if reason is None:
             try:
-                return RedriveResult(MOVE_TASK, task_handle=self._start_move_task())
-            except QueueError as exc:
+                task_handle = self._queue.start_move_task(
+                    self._source_queue, action="StartMessageMoveTask (try again, or use --fallback)")
+            except SQS_FAILED as exc:
                 return RedriveResult(MOVE_TASK, error=str(exc))
-            except (ClientError, BotoCoreError, NotImplementedError) as exc:
-                if not move_task_unsupported(exc):
-                    error = _queue_error(exc, "StartMessageMoveTask (try again, or use --fallback)")
-                    return RedriveResult(MOVE_TASK, error=str(error))
-                reason = "StartMessageMoveTask is not supported by this endpoint"
-                log.info("dlq.move_task_unsupported", fallback=RECEIVE_SEND_DELETE)
+            if task_handle is not None:
+                return RedriveResult(MOVE_TASK, task_handle=task_handle)
+            reason = "StartMessageMoveTask is not supported by this endpoint"
+            log.info("dlq.move_task_unsupported", fallback=RECEIVE_SEND_DELETE)
         result = RedriveResult(RECEIVE_SEND_DELETE, fallback_reason=reason)
         try:
             self._receive_send_delete(result, max_messages, hold_s, progress or (lambda *_: None),
                                       stop or (lambda: False))
-        except QueueError as exc:
+        except SQS_FAILED as exc:
             result.error = str(exc)
         return result
 
     def _visible_count(self) -> int:
-        try:
-            attrs = self._sqs.get_queue_attributes(
-                QueueUrl=self.url, AttributeNames=["ApproximateNumberOfMessages"])["Attributes"]
-        except (ClientError, BotoCoreError) as exc:
-            raise _queue_error(exc, "GetQueueAttributes of the dead-letter queue") from exc
+        attrs = self._queue.attributes("ApproximateNumberOfMessages",
+                                       action="GetQueueAttributes of the dead-letter queue")
         return int(attrs.get("ApproximateNumberOfMessages", "0"))
 
     def _receive_send_delete(self, result: RedriveResult, max_messages: int | None, hold_s: int,
@@ -308,41 +273,19 @@ class DeadLetterQueue:
         result.unsettled = letter.message_id  # until the delete is settled either way
         try:
             seen_ids.add(self._send_to_source(letter))
-        except QueueError:
+        except SQS_FAILED:
             result.unsettled = None  # SQS said no: it is only in the DLQ
             raise
         try:
-            self._sqs.delete_message(QueueUrl=self.url, ReceiptHandle=letter.receipt_handle)
-        except (ClientError, BotoCoreError) as exc:
-            log.warning("dlq.delete_failed", message_id=letter.message_id,
-                        error=str(_queue_error(exc, "DeleteMessage")))
+            self._queue.delete(letter)
+        except SQS_FAILED as exc:
+            log.warning("dlq.delete_failed", message_id=letter.message_id, error=str(exc))
             result.not_deleted.append(letter.message_id)
         result.unsettled = None
         result.moved += 1
 
-    def _arn(self, url: str) -> str:
-        try:
-            attrs = self._sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]
-        except (ClientError, BotoCoreError) as exc:
-            raise _queue_error(exc, "GetQueueAttributes") from exc
-        return attrs["QueueArn"]
-
-    def _start_move_task(self) -> str:
-        # The destination is explicit: the worker's own dead-letter sends have no "original source".
-        resp = self._sqs.start_message_move_task(SourceArn=self._arn(self.url),
-                                                 DestinationArn=self._arn(self.source_url))
-        return resp["TaskHandle"]
-
     def _send_to_source(self, letter: DeadLetter) -> str:
-        params: dict[str, Any] = {"QueueUrl": self.source_url, "MessageBody": letter.body}
-        attributes = redrive_attributes(letter.message_attributes)
-        if attributes:
-            params["MessageAttributes"] = attributes
-        if self.source_url.endswith(".fifo"):
-            group = letter.attributes.get("MessageGroupId") or letter.job_id or letter.message_id
-            params["MessageGroupId"] = group
-            params["MessageDeduplicationId"] = letter.message_id
-        try:
-            return self._sqs.send_message(**params)["MessageId"]
-        except (ClientError, BotoCoreError) as exc:
-            raise _queue_error(exc, f"SendMessage of {letter.message_id} to the source queue") from exc
+        return self._source_queue.send(
+            letter.body, attributes=redrive_attributes(letter.message_attributes),
+            group_id=letter.attributes.get("MessageGroupId") or letter.job_id or letter.message_id,
+            dedup_id=letter.message_id, action=f"SendMessage of {letter.message_id} to the source queue")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from botocore.exceptions import BotoCoreError, ClientError
 
 from worker.core.errors import WorkerError
-from worker.core.queue import dead_letter_target
+from worker.core.queue import Queue
 from worker.settings import Settings
 
 
@@ -67,20 +67,20 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
         checks.append(Check("credentials", False, _aws_text(exc)))
 
     attrs = None
+    queue = Queue(sqs, settings.sqs_queue_url)
     try:
-        attrs = sqs.get_queue_attributes(QueueUrl=settings.sqs_queue_url, AttributeNames=["All"])["Attributes"]
+        attrs = queue.attributes("All")
         checks.append(Check("queue reachable", True, settings.sqs_queue_url))
-    except (ClientError, BotoCoreError) as exc:
-        checks.append(Check("queue reachable", False, _aws_text(exc)))
+    except WorkerError as exc:
+        checks.append(Check("queue reachable", False, str(exc)))
     if attrs is not None:
         dlq_attrs = None
-        if attrs.get("RedrivePolicy"):
-            account, name = dead_letter_target(attrs["RedrivePolicy"])
-            try:
-                dlq_url = sqs.get_queue_url(QueueName=name, QueueOwnerAWSAccountId=account)["QueueUrl"]
-                dlq_attrs = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["All"])["Attributes"]
-            except (ClientError, BotoCoreError) as exc:
-                checks.append(Check("dead-letter queue reachable", False, _aws_text(exc)))
+        try:
+            dlq_url = queue.dead_letter_url(attrs)
+            if dlq_url is not None:
+                dlq_attrs = Queue(sqs, dlq_url).attributes("All")
+        except WorkerError as exc:
+            checks.append(Check("dead-letter queue reachable", False, str(exc)))
         checks.extend(queue_checks(settings, attrs, dlq_attrs))
 
     key = f"{settings.s3_prefix.strip('/') + '/' if settings.s3_prefix.strip('/') else ''}.doctor/{uuid.uuid4().hex}"

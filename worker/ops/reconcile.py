@@ -33,11 +33,11 @@ from datetime import datetime
 from typing import TextIO
 
 import structlog
-from botocore.exceptions import BotoCoreError, ClientError
 
 from worker.ops.dlq import DeadLetterQueue
-from worker.core.errors import InvalidMessage, QueueError, WorkerError
+from worker.core.errors import InvalidMessage, WorkerError
 from worker.core.logs import scrub
+from worker.core.queue import Queue
 from worker.voice.message import parse_job
 from worker.core.metrics import COUNT, NULL_METRICS, RECONCILE_METRICS, Metrics
 from worker.voice.records import Store
@@ -98,6 +98,7 @@ class Reconciler:
                  clock: Callable[[], datetime] | None = None, worker_id: str = RECONCILER_ID,
                  limit: int = 1000, dlq_hold_s: int = 120, dlq_wait_s: int = 1):
         self._store, self._sqs, self._queue_url = store, sqs, queue_url
+        self._queue = Queue(sqs, queue_url)
         self._stale_after_s, self._pending_after_s = stale_after_s, pending_after_s
         self._dlq = dlq  # None: resolved from the queue's RedrivePolicy on each pass
         # The store's clock by default: leases were stamped on it, so they are judged on it too.
@@ -144,19 +145,12 @@ class Reconciler:
                 continue
             # Send first, stamp after: a crash in between re-sends next pass (a harmless duplicate);
             # the other order could lose the job's only message for good.
-            self._send(job_id, body)
+            # A FIFO deduplication id of its own: SQS must not drop this send as a repeat of the submit's.
+            self._queue.send(body, group_id=job_id, dedup_id=f"{job_id}-reenqueue",
+                             action=f"re-enqueue of job {job_id}")
             self._store.mark_enqueued(job_id, again=True)
             log.warning("reconcile.reenqueued", job_id=job_id)
             report.reenqueued.append(job_id)
-
-    def _send(self, job_id: str, body: str) -> None:
-        params = {"QueueUrl": self._queue_url, "MessageBody": body}
-        if self._queue_url.endswith(".fifo"):
-            params.update(MessageGroupId=job_id, MessageDeduplicationId=f"{job_id}-reenqueue")
-        try:
-            self._sqs.send_message(**params)
-        except (ClientError, BotoCoreError) as exc:
-            raise QueueError(f"re-enqueue of job {job_id} failed: {type(exc).__name__}: {exc}"[:500]) from exc
 
     def _dead_letters(self, report: ReconcileReport) -> None:
         dlq = self._dlq or DeadLetterQueue.of(self._sqs, self._queue_url, wait_s=self._dlq_wait_s)

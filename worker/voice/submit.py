@@ -12,9 +12,9 @@ import secrets
 from typing import Any
 
 import structlog
-from botocore.exceptions import BotoCoreError, ClientError
 
 from worker.core.errors import InvalidMessage, QueueError, WorkerError
+from worker.core.queue import Queue
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.message import Job, parse_job
 from worker.voice.records import Store
@@ -66,8 +66,10 @@ def submit_prepared(store: Store, sqs, queue_url: str,
     if not created and key is not None:
         return job_id, False
     try:
-        sqs.send_message(QueueUrl=queue_url, MessageBody=record["messageBody"])
-    except (ClientError, BotoCoreError) as exc:
+        # On a FIFO queue the job is its own group, and a second send of it within SQS's five
+        # minutes (a retried submit with the same jobId) is dropped as a duplicate.
+        Queue(sqs, queue_url).send(record["messageBody"], group_id=job_id, dedup_id=job_id)
+    except QueueError as exc:
         # The record stays pending; `reconcile` re-enqueues pending jobs whose message never arrived.
         raise QueueError(f"job {job_id} recorded but not enqueued: {exc}") from exc
     try:

@@ -1,0 +1,67 @@
+"""Submitting a job on moto: records first, then the message, on standard and FIFO queues alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support import FaultyClient, client_error, create_queues
+from worker.core.errors import QueueError
+from worker.voice.records.sqlite import SqliteStore
+from worker.voice.submit import submit
+
+PAYLOAD = {
+    "profileId": "665f1c2e9b1e8a0012ab34ce",
+    "environment": "staging",
+    "metadata": {"directoryName": "user-1-voice-1", "language": "en"},
+    "input": [{"recordingUrl": "s3://recordings/a.wav", "originalText": "Hello."}],
+}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = SqliteStore(str(tmp_path / "records.db"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def fifo_url(sqs):
+    # No content-based deduplication: every send must carry its own MessageDeduplicationId.
+    return sqs.create_queue(QueueName="jobs.fifo", Attributes={"FifoQueue": "true"})["QueueUrl"]
+
+
+def test_submit_to_a_fifo_queue_sends_the_job_as_its_own_group(store, sqs, fifo_url):
+    """On a .fifo queue the message's group and deduplication id are the job id, and the job is stamped enqueued."""
+    job_id, created = submit(store, sqs, fifo_url, PAYLOAD)
+
+    assert created
+    [msg] = sqs.receive_message(QueueUrl=fifo_url, MaxNumberOfMessages=10,
+                                MessageSystemAttributeNames=["All"])["Messages"]
+    assert json.loads(msg["Body"])["jobId"] == job_id
+    assert msg["Attributes"]["MessageGroupId"] == job_id
+    assert msg["Attributes"]["MessageDeduplicationId"] == job_id
+    assert store.get_job(job_id).get("enqueuedAt") is not None
+
+
+def test_a_second_submit_of_the_same_job_to_a_fifo_queue_is_deduplicated(store, sqs, fifo_url):
+    """Submitting the same jobId twice (no idempotency key) leaves one message on a FIFO queue."""
+    job_id, _ = submit(store, sqs, fifo_url, {**PAYLOAD, "jobId": "a" * 24})
+    submit(store, sqs, fifo_url, {**PAYLOAD, "jobId": "a" * 24})
+    messages = sqs.receive_message(QueueUrl=fifo_url, MaxNumberOfMessages=10)["Messages"]
+    assert [json.loads(m["Body"])["jobId"] for m in messages] == [job_id]
+
+
+def test_a_failed_send_leaves_the_job_recorded_but_not_enqueued(store, sqs):
+    """A send SQS refuses raises QueueError naming the job; the record stays pending without enqueuedAt."""
+    queues = create_queues(sqs, with_dlq=False)
+    client = FaultyClient(sqs)
+    client.faults["send_message"] = lambda kw: client_error("ServiceUnavailable")
+
+    with pytest.raises(QueueError, match=r"recorded but not enqueued: SendMessage failed: ServiceUnavailable") as caught:
+        submit(store, client, queues.url, {**PAYLOAD, "jobId": "b" * 24})
+
+    assert "b" * 24 in str(caught.value)
+    job = store.get_job("b" * 24)
+    assert job["status"] == "pending" and job.get("enqueuedAt") is None
