@@ -10,6 +10,7 @@ import time
 import pytest
 
 from worker.core.errors import ConfigError
+from worker.core.faults import CrashPoint
 from worker.settings import daemon_problems, load_settings
 
 BAD = [
@@ -28,6 +29,13 @@ BAD = [
     ({"LOG_FORMAT": "xml"}, "LOG_FORMAT=xml: Input should be 'json' or 'console'"),
     ({"MONGO_URI": "mongodb://h", "STORE_URL": "sqlite:///x.db"}, "MONGO_URI and STORE_URL are both set"),
     ({"STORE_URL": "postgres://x"}, "STORE_URL must look like sqlite:///path/to/file.db"),
+    ({"STORE_URL": "sqlite:///"}, "STORE_URL must look like sqlite:///path/to/file.db, got 'sqlite:///'"),
+    ({"STORE_URL": "sqlite:///x.db?mode=ro"}, "STORE_URL must look like sqlite:///path/to/file.db"),
+    ({"METRICS_DIMENSIONS": "Environment"}, "METRICS_DIMENSIONS: 'Environment' is not Name=Value"),
+    ({"STAGE_ENV_PASSTHROUGH": "HF_HOME,9X"}, "STAGE_ENV_PASSTHROUGH: '9X' is not an environment variable name"),
+    ({"VOICE_WORKER_CRASH_AT": "later"}, "VOICE_WORKER_CRASH_AT=later is not one of after_receive, "),
+    ({"RECORDINGS_S3_KEY_PREFIX": "recordings/{profileId}"},
+     "RECORDINGS_S3_KEY_PREFIX='recordings/{profileId}' must contain \"{profileId}/\""),
     ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w/models"}, "MODELS_ROOT=/w/models must not be WORK_ROOT or a directory below"),
     ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not be WORK_ROOT"),
     ({"WORK_ROOT": "/w/work", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not hold WORK_ROOT=/w/work"),
@@ -123,3 +131,23 @@ def test_time_limit_plus_the_longest_backoff_must_fit_twelve_hours():
         load_settings({"JOB_TIME_LIMIT_SECONDS": "42500", "SQS_VISIBILITY_TIMEOUT_SECONDS": "300",
                        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "60000"})
     assert info.value.problems[0].startswith("JOB_TIME_LIMIT_SECONDS=42500 plus SQS_RETRY_VISIBILITY_MAX_SECONDS=900")
+
+
+@pytest.mark.parametrize("url,path", [
+    ("sqlite:///var/records.db", "var/records.db"),
+    ("sqlite:////srv/voice/records.db", "/srv/voice/records.db"),
+])
+def test_store_url_is_kept_as_the_sqlite_path(url, path):
+    """STORE_URL=sqlite:///x is the relative path x, sqlite:////x the absolute path /x."""
+    assert load_settings({"STORE_URL": url}).sqlite_path == path
+
+
+def test_list_valued_settings_are_parsed_once_into_their_values():
+    """METRICS_DIMENSIONS, STAGE_ENV_PASSTHROUGH and VOICE_WORKER_CRASH_AT are held parsed, not as text."""
+    s = load_settings({"METRICS_DIMENSIONS": "Environment=production, Queue=jobs",
+                       "STAGE_ENV_PASSTHROUGH": " HF_HOME,,TORCH_HOME ", "VOICE_WORKER_CRASH_AT": "after_upload"})
+    assert s.metrics_dimensions == {"Environment": "production", "Queue": "jobs"}
+    assert s.stage_env_passthrough == ("HF_HOME", "TORCH_HOME")
+    assert s.crash_at is CrashPoint.AFTER_UPLOAD
+    assert (load_settings({}).metrics_dimensions, load_settings({}).stage_env_passthrough) == ({}, ())
+

@@ -59,10 +59,10 @@ def build_app(settings: Settings, *, session=None) -> App:
     """Check everything that can be checked before the first receive, then assemble the worker."""
     # Cheapest checks first: a bad pipeline file must not wait on a store connection.
     config = load_pipeline_config(settings.pipeline_config)
-    if problems := stage_env_problems(settings.stage_env_names):
+    if problems := stage_env_problems(settings.stage_env_passthrough):
         raise ConfigError(problems)
     # Read once, here: stages get this allow-listed copy, never the worker's own environment.
-    stage_env = stage_environment(os.environ, settings.stage_env_names)
+    stage_env = stage_environment(os.environ, settings.stage_env_passthrough)
     # One session for every client: each session loads and keeps its own copy of the service models.
     session = session or new_session()
     sqs = make_client("sqs", settings, session)

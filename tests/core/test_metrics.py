@@ -180,7 +180,7 @@ def test_bad_dimensions_are_refused_at_start(text, problem):
 def test_metrics_and_reconcile_defaults():
     """Metrics are on in namespace VoiceWorker; the stale age defaults well past time limit plus visibility."""
     s = load_settings({})
-    assert (s.metrics_enabled, s.metrics_namespace, s.metrics_dimensions) == (True, "VoiceWorker", "")
+    assert (s.metrics_enabled, s.metrics_namespace, s.metrics_dimensions) == (True, "VoiceWorker", {})
     assert s.reconcile_stale_s == 21_600 + 300 + 900 + 3600
     assert s.reconcile_stale_s > s.job_time_limit_s + s.sqs_visibility_timeout_s
     assert load_settings({"RECONCILE_STALE_AFTER_SECONDS": "30000"}).reconcile_stale_s == 30_000

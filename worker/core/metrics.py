@@ -153,7 +153,7 @@ class Metrics:
 
     @classmethod
     def from_settings(cls, settings: Settings, stream: TextIO | None = None) -> Metrics:
-        return cls(settings.metrics_namespace, parse_dimensions(settings.metrics_dimensions),
+        return cls(settings.metrics_namespace, settings.metrics_dimensions,
                    stream=stream, enabled=settings.metrics_enabled)
 
     def emit(self, values: Mapping[str, tuple[float, str]], *,

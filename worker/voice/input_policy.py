@@ -32,6 +32,18 @@ def show(value: object) -> str:
     return repr(text)
 
 
+def key_prefix_problem(prefix: str) -> str | None:
+    """Why ``prefix`` (RECORDINGS_S3_KEY_PREFIX) could let a job read another profile's keys, or None."""
+    rest = prefix.replace(PROFILE_PLACEHOLDER + "/", "")
+    segments = prefix.split("/")[:-1]  # what follows the last "/" is a key's name prefix: may be empty
+    # The "/" after the placeholder matters: without it profile "ab" could read the keys of profile "abc".
+    if (PROFILE_PLACEHOLDER + "/" not in prefix or "{" in rest or "}" in rest
+            or any(seg in ("", ".", "..") for seg in segments)):
+        return ("must contain \"{profileId}/\" and no other placeholder and no empty, \".\" or \"..\" "
+                "segment, so a job can only read its own profile's recordings")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class InputPolicy:
     """The limits ``parse_job`` enforces. ``InputPolicy()`` is what the settings' defaults give."""
@@ -46,10 +58,9 @@ class InputPolicy:
     scope_s3: bool = True
 
     def __post_init__(self) -> None:
-        # A policy built by hand skips the settings' validation; the "/" keeps profile "ab" out of "abc/".
-        if self.scope_s3 and PROFILE_PLACEHOLDER + "/" not in self.recordings_key_prefix:
-            raise ValueError(f"recordings_key_prefix must contain '{PROFILE_PLACEHOLDER}/', "
-                             f"got {self.recordings_key_prefix!r}")
+        # The settings' rule, for a policy built by hand (tests, tools) rather than from the settings.
+        if self.scope_s3 and (problem := key_prefix_problem(self.recordings_key_prefix)):
+            raise ValueError(f"recordings_key_prefix={self.recordings_key_prefix!r} {problem}")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> InputPolicy:

@@ -9,7 +9,7 @@ from pymongo.errors import ServerSelectionTimeoutError
 from tests.voice.records.conftest import JOB_ID, submit
 from worker.core.errors import ConfigError, StoreError
 from worker.settings import load_settings
-from worker.voice.records import open_store, sqlite_path_from_url
+from worker.voice.records import open_store
 from worker.voice.records.mongo import MongoStore
 from worker.voice.records.sqlite import SqliteStore
 
@@ -72,22 +72,6 @@ def test_no_store_configured_is_a_config_error():
     """Without MONGO_URI or STORE_URL there is no store to open."""
     with pytest.raises(ConfigError):
         open_store(load_settings({}))
-
-
-@pytest.mark.parametrize("url,path", [
-    ("sqlite:///var/records.db", "var/records.db"),
-    ("sqlite:////srv/voice/records.db", "/srv/voice/records.db"),
-])
-def test_sqlite_path_from_url(url, path):
-    """sqlite:/// URLs map to relative paths, sqlite://// to absolute ones."""
-    assert sqlite_path_from_url(url) == path
-
-
-@pytest.mark.parametrize("url", ["sqlite:///", "postgres://x", "sqlite:///x.db?mode=ro"])
-def test_bad_sqlite_url_is_a_config_error(url):
-    """A URL without a plain path is rejected as configuration."""
-    with pytest.raises(ConfigError):
-        sqlite_path_from_url(url)
 
 
 def test_reopened_sqlite_store_sees_earlier_records(tmp_path):

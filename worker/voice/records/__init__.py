@@ -16,16 +16,7 @@ from worker.voice.records.store import Claim, Clock, Store
 if TYPE_CHECKING:
     from worker.settings import Settings
 
-__all__ = ["Attempt", "Claim", "Clock", "Store", "open_store", "sqlite_path_from_url"]
-
-
-def sqlite_path_from_url(url: str) -> str:
-    """``sqlite:///var/x.db`` -> ``var/x.db``; ``sqlite:////srv/x.db`` -> ``/srv/x.db``."""
-    prefix = "sqlite:///"
-    path = url[len(prefix):] if url.startswith(prefix) else ""
-    if not path or "?" in path or "\x00" in path:
-        raise ConfigError(f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}")
-    return path
+__all__ = ["Attempt", "Claim", "Clock", "Store", "open_store"]
 
 
 def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] | None = None,
@@ -35,11 +26,11 @@ def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] |
     ``access`` "existing" or "read" (read-only) never creates a SQLite file: a missing one is a
     ConfigError. MongoDB creates nothing on reads, so it ignores ``access``.
     """
-    if settings.store_url:
+    if settings.sqlite_path:
         from worker.voice.records.sqlite import CREATE, EXISTING, READ_ONLY, SqliteStore
 
         modes = {"create": CREATE, "existing": EXISTING, "read": READ_ONLY}
-        path = sqlite_path_from_url(settings.store_url)
+        path = settings.sqlite_path
         parent = os.path.dirname(path)
         if parent and access == "create":
             os.makedirs(parent, exist_ok=True)
