@@ -93,10 +93,10 @@ def test_aws_clients_retry_in_standard_mode_and_outlast_the_long_poll():
     """Clients use botocore's standard retries, a read timeout longer than the wait, and AWS_ENDPOINT_URL."""
     settings = load_settings({"SQS_WAIT_TIME_SECONDS": "20", "AWS_ENDPOINT_URL": "http://127.0.0.1:4566",
                               "SQS_QUEUE_URL": "https://sqs.eu-west-2.amazonaws.com/1/q"})
-    config = client_config(settings)
+    config = client_config(settings.aws_config())
     assert config.retries["mode"] == "standard"
     assert config.read_timeout > 20
-    client = make_client("sqs", settings)
+    client = make_client("sqs", settings.aws_config())
     assert client.meta.endpoint_url == "http://127.0.0.1:4566"
     assert client.meta.region_name == "eu-west-2"
 

@@ -2,8 +2,9 @@
 
 Nothing else in the project reads ``os.environ``. ``load_settings`` raises ``ConfigError`` with one
 line per problem, before any AWS or store call, so a bad deployment fails loudly at start. Each
-variable is parsed here, once (``METRICS_DIMENSIONS`` is a dict, ``STORE_URL`` the SQLite path), and
-read parsed: nothing parses a variable again.
+variable is parsed here, once (``METRICS_DIMENSIONS`` is a dict, ``STORE_URL`` the SQLite path);
+the parts of the worker get small values built from these settings (``loop_config``,
+``aws_config``, ``store_config``, ...) and never see the settings object or parse a variable again.
 """
 
 from __future__ import annotations
@@ -12,17 +13,24 @@ import os
 import re
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pipeline.limits import JobLimits
+from worker.core.config import AwsConfig, Backoff, LeaseTimings, LoopConfig, MetricsConfig, region_for
 from worker.core.errors import ConfigError
 from worker.core.faults import POINTS, CrashPoint
 from worker.core.metrics import parse_dimensions
 from worker.core.names import SAFE_NAME
-from worker.voice.input_policy import key_prefix_problem
+from worker.voice.input_policy import InputPolicy, key_prefix_problem
+
+if TYPE_CHECKING:
+    from pipeline.downloads import DownloadSettings
+    from worker.voice.records import StoreConfig
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
 SQS_MAX_VISIBILITY_S = 43_200
@@ -219,6 +227,57 @@ class Settings(BaseModel):
             return self.reconcile_stale_after_s
         return self.job_time_limit_s + self.sqs_visibility_timeout_s + self.sqs_retry_visibility_max_s + 3600
 
+    # What each part of the worker is built with: plain values, so no part imports the settings.
+    def lease_timings(self) -> LeaseTimings:
+        return LeaseTimings(
+            visibility_timeout_s=self.sqs_visibility_timeout_s,
+            interval_s=self.heartbeat_interval_s,
+            time_limit_s=self.job_time_limit_s,
+            shutdown_grace_s=self.shutdown_grace_s,
+            # Time for the stage runner's SIGTERM -> SIGKILL and one last tick to record the stop.
+            wind_down_s=self.stage_stop_grace_s + self.heartbeat_interval_s,
+        )
+
+    def loop_config(self) -> LoopConfig:
+        return LoopConfig(wait_s=self.sqs_wait_time_s, lease=self.lease_timings(),
+                          backoff=Backoff(self.sqs_retry_visibility_base_s, self.sqs_retry_visibility_max_s))
+
+    def aws_config(self) -> AwsConfig:
+        return AwsConfig(region=region_for(self.aws_region, self.sqs_queue_url),
+                         endpoint_url=self.aws_endpoint_url, long_poll_s=self.sqs_wait_time_s,
+                         heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def metrics_config(self) -> MetricsConfig:
+        return MetricsConfig(self.metrics_namespace, self.metrics_dimensions, enabled=self.metrics_enabled)
+
+    def store_config(self) -> StoreConfig:
+        from worker.voice.records import MongoConfig, StoreConfig  # the records only when a store opens
+
+        mongo = None if not self.mongo_uri else MongoConfig(
+            self.mongo_uri, database=self.mongo_database, jobs_collection=self.mongo_jobs_collection,
+            profiles_collection=self.mongo_profiles_collection,
+            connect_max_attempts=self.mongo_connect_max_attempts,
+            connect_retry_delay_s=self.mongo_connect_retry_delay_s)
+        return StoreConfig(sqlite_path=self.sqlite_path, mongo=mongo)
+
+    def input_policy(self) -> InputPolicy:
+        return InputPolicy(recordings_bucket=self.recordings_s3_bucket,
+                           recordings_key_prefix=self.recordings_s3_key_prefix,
+                           max_recordings=self.max_recordings_per_job, max_text_chars=self.max_text_chars)
+
+    def job_limits(self) -> JobLimits:
+        return JobLimits(max_job_download_bytes=self.max_job_download_bytes,
+                         max_recording_seconds=self.max_recording_seconds,
+                         max_job_audio_seconds=self.max_job_audio_seconds)
+
+    def download_settings(self) -> DownloadSettings:
+        from pipeline.downloads import DownloadSettings  # the download machinery only when it is used
+        from pipeline.netguard import LOCAL_RUN_NETWORKS
+
+        return DownloadSettings(
+            timeout_s=self.download_timeout_s, max_bytes=self.download_max_bytes,
+            allowed_networks=LOCAL_RUN_NETWORKS if self.download_allow_private_hosts else ())
+
 
 def consistency_problems(s: Settings) -> list[str]:
     """Cross-setting rules, one readable line per broken rule (checked once every field is valid)."""
@@ -308,6 +367,22 @@ def missing(s: Settings, *needs: str) -> list[str]:
 def daemon_problems(s: Settings) -> list[str]:
     """What the long-running worker needs beyond valid settings: a queue, a store and a bucket."""
     return missing(s, "queue", "store", "bucket")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonTargets:
+    """The queue the daemon takes jobs from and the bucket it uploads to, known to be set."""
+
+    queue_url: str
+    bucket: str
+
+
+def daemon_targets(s: Settings) -> DaemonTargets:
+    """The daemon's queue and bucket, or ConfigError with ``daemon_problems``' lines."""
+    problems = daemon_problems(s)
+    if problems or not s.sqs_queue_url or not s.s3_bucket:
+        raise ConfigError(problems)
+    return DaemonTargets(queue_url=s.sqs_queue_url, bucket=s.s3_bucket)
 
 
 def _problem_lines(exc: ValidationError) -> list[str]:

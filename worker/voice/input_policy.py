@@ -2,20 +2,17 @@
 
 The worker reads s3:// recordings with its own credentials, so without a scope a message could name
 any object those credentials reach (another user's recordings, or the trained models). The policy is
-built once from the settings and handed to ``parse_job``; every rule here is a pure function of the
-policy and the message. A leaf module: ``worker.voice.message`` imports it, never the other way round.
+built once from the settings (``Settings.input_policy``) and handed to ``parse_job``; every rule here
+is a pure function of the policy and the message. A leaf module: ``worker.voice.message`` imports it,
+never the other way round.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from worker.core.redact import redact_urls_in_text
-
-if TYPE_CHECKING:
-    from worker.settings import Settings
 
 # The most one SQS message can carry: anything bigger never came from the queue, and is not parsed.
 SQS_MAX_BODY_BYTES = 1024 * 1024
@@ -61,13 +58,6 @@ class InputPolicy:
         # The settings' rule, for a policy built by hand (tests, tools) rather than from the settings.
         if self.scope_s3 and (problem := key_prefix_problem(self.recordings_key_prefix)):
             raise ValueError(f"recordings_key_prefix={self.recordings_key_prefix!r} {problem}")
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> InputPolicy:
-        return cls(recordings_bucket=settings.recordings_s3_bucket,
-                   recordings_key_prefix=settings.recordings_s3_key_prefix,
-                   max_recordings=settings.max_recordings_per_job,
-                   max_text_chars=settings.max_text_chars)
 
     def key_prefix_for(self, profile_id: str) -> str:
         return self.recordings_key_prefix.replace(PROFILE_PLACEHOLDER, profile_id)
