@@ -37,6 +37,8 @@ BAD = [
     ({"VOICE_WORKER_CRASH_AT": "later"}, "VOICE_WORKER_CRASH_AT=later is not one of after_receive, "),
     ({"RECORDINGS_S3_KEY_PREFIX": "recordings/{profileId}"},
      "RECORDINGS_S3_KEY_PREFIX='recordings/{profileId}' must contain \"{profileId}/\""),
+    ({"RECORDINGS_S3_KEY_PREFIX": "x}/{profileId}/"}, "RECORDINGS_S3_KEY_PREFIX='x}/{profileId}/' must contain"),
+    ({"RECORDINGS_S3_KEY_PREFIX": "a//{profileId}/"}, "RECORDINGS_S3_KEY_PREFIX='a//{profileId}/' must contain"),
     ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w/models"}, "MODELS_ROOT=/w/models must not be WORK_ROOT or a directory below"),
     ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not be WORK_ROOT"),
     ({"WORK_ROOT": "/w/work", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not hold WORK_ROOT=/w/work"),
