@@ -57,9 +57,9 @@ class WorkerLoop(Contender):
         settings = load_settings({"SQS_QUEUE_URL": queue_url, "AWS_ENDPOINT_URL": endpoint, "AWS_REGION": "us-east-1",
                                   "SQS_WAIT_TIME_SECONDS": "1", "SQS_VISIBILITY_TIMEOUT_SECONDS": "30",
                                   "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "10000"})
-        sqs = make_client("sqs", settings, session())
+        sqs = make_client("sqs", settings.aws_config(), session())
         self.counter = RequestCounter(sqs)
-        self.worker = Worker(settings, Queue(sqs, queue_url), lambda message, lease: handled.add())
+        self.worker = Worker(settings.loop_config(), Queue(sqs, queue_url), lambda message, lease: handled.add())
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
         self.thread.start()
 

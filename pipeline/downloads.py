@@ -50,22 +50,13 @@ _S3_HOOK_ID = "voice-worker.download-guard"
 
 @dataclass(frozen=True)
 class DownloadSettings:
-    """How one recording may be fetched; build it with ``from_settings`` in the worker."""
+    """How one recording may be fetched; the worker's comes from ``Settings.download_settings``."""
 
     timeout_s: float = 60.0  # whole-file deadline, per file (DOWNLOAD_TIMEOUT_SECONDS)
     max_bytes: int = 2 * 1024**3  # DOWNLOAD_MAX_BYTES
     max_redirects: int = 3
     allowed_networks: tuple[IPNetwork, ...] = ()  # local runs and tests only
     ca_certs: str | None = None  # CA bundle path; None = the system's trust store
-
-    @classmethod
-    def from_settings(cls, settings) -> DownloadSettings:
-        """The download part of the worker's ``Settings``."""
-        return cls(
-            timeout_s=settings.download_timeout_s,
-            max_bytes=settings.download_max_bytes,
-            allowed_networks=LOCAL_RUN_NETWORKS if settings.download_allow_private_hosts else (),
-        )
 
 
 def classify_status(status: int) -> type[WorkerError] | None:

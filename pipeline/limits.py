@@ -1,6 +1,6 @@
 """How much one job may make the worker download and decode; past a limit the job fails permanently.
 
-The defaults are the settings' defaults, so a pipeline run without ``JobLimits.from_settings`` (tests,
+The defaults are the settings' defaults, so a pipeline run without ``Settings.job_limits`` (tests,
 benchmarks) is still protected against decode bombs. The one difference: without settings there is no
 job-wide download budget, because a caller's fetch may not take the ``remaining_job_bytes`` keyword;
 each file still has its own DOWNLOAD_MAX_BYTES.
@@ -9,10 +9,6 @@ each file still has its own DOWNLOAD_MAX_BYTES.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from worker.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -22,11 +18,3 @@ class JobLimits:
     max_job_download_bytes: int | None = None  # MAX_JOB_DOWNLOAD_BYTES; None: no job-wide budget
     max_recording_seconds: float = 1800.0  # MAX_RECORDING_SECONDS
     max_job_audio_seconds: float = 36_000.0  # MAX_JOB_AUDIO_SECONDS
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> JobLimits:
-        return cls(
-            max_job_download_bytes=settings.max_job_download_bytes,
-            max_recording_seconds=settings.max_recording_seconds,
-            max_job_audio_seconds=settings.max_job_audio_seconds,
-        )

@@ -79,7 +79,7 @@ def make_worker(queues):
         values = {**FAST, "SQS_QUEUE_URL": queues.url, **{k: str(v) for k, v in env.items()}}
         settings = load_settings(values)
         faulty = client or FaultyClient(queues.sqs)
-        worker = Worker(settings, Queue(faulty, queues.url), handler, reporter=reporter)
+        worker = Worker(settings.loop_config(), Queue(faulty, queues.url), handler, reporter=reporter)
         return worker, faulty
 
     return build

@@ -11,7 +11,7 @@ import sys
 import pytest
 import structlog
 
-from worker.core.aws import client_config, make_client
+from worker.core.aws import client_config, lease_client_config, make_client
 from worker.core.daemon import EXIT_CRASHED, run_worker
 from worker.core.logs import configure_logging
 from worker.settings import load_settings
@@ -92,13 +92,22 @@ def test_bad_pipeline_config_stops_the_start_up_with_its_line(tmp_path):
 def test_aws_clients_retry_in_standard_mode_and_outlast_the_long_poll():
     """Clients use botocore's standard retries, a read timeout longer than the wait, and AWS_ENDPOINT_URL."""
     settings = load_settings({"SQS_WAIT_TIME_SECONDS": "20", "AWS_ENDPOINT_URL": "http://127.0.0.1:4566",
-                              "SQS_QUEUE_URL": "https://sqs.eu-west-2.amazonaws.com/1/q"})
-    config = client_config(settings)
+                              "SQS_QUEUE_URL": "https://sqs.eu-west-2.amazonaws.com/1/q",
+                              "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "5000"})
+    config = client_config(settings.aws_config())
     assert config.retries["mode"] == "standard"
     assert config.read_timeout > 20
-    client = make_client("sqs", settings)
+    client = make_client("sqs", settings.aws_config())
     assert client.meta.endpoint_url == "http://127.0.0.1:4566"
     assert client.meta.region_name == "eu-west-2"
+
+
+def test_renewal_clients_give_up_within_one_heartbeat_tick():
+    """The heartbeat's SQS client times out within one renewal interval and tries twice, not five times."""
+    settings = load_settings({"SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "3000", "AWS_REGION": "eu-west-2"})
+    config = lease_client_config(settings.aws_config())
+    assert (config.connect_timeout, config.read_timeout, config.retries["max_attempts"]) == (3.0, 3.0, 2)
+    assert config.region_name == "eu-west-2"
 
 
 def test_the_app_makes_every_client_from_one_session_and_s3_only_when_used(queues, tmp_path, monkeypatch):

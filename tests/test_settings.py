@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+from worker.core.config import Backoff, LeaseTimings
 from worker.core.errors import ConfigError
-from worker.settings import daemon_problems, load_settings
+from worker.core.faults import CrashPoint
+from worker.settings import daemon_problems, daemon_targets, load_settings
 
 BAD = [
     ({"SQS_VISIBILITY_TIMEOUT_SECONDS": "60", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "60000"},
@@ -28,6 +30,15 @@ BAD = [
     ({"LOG_FORMAT": "xml"}, "LOG_FORMAT=xml: Input should be 'json' or 'console'"),
     ({"MONGO_URI": "mongodb://h", "STORE_URL": "sqlite:///x.db"}, "MONGO_URI and STORE_URL are both set"),
     ({"STORE_URL": "postgres://x"}, "STORE_URL must look like sqlite:///path/to/file.db"),
+    ({"STORE_URL": "sqlite:///"}, "STORE_URL must look like sqlite:///path/to/file.db, got 'sqlite:///'"),
+    ({"STORE_URL": "sqlite:///x.db?mode=ro"}, "STORE_URL must look like sqlite:///path/to/file.db"),
+    ({"METRICS_DIMENSIONS": "Environment"}, "METRICS_DIMENSIONS: 'Environment' is not Name=Value"),
+    ({"STAGE_ENV_PASSTHROUGH": "HF_HOME,9X"}, "STAGE_ENV_PASSTHROUGH: '9X' is not an environment variable name"),
+    ({"VOICE_WORKER_CRASH_AT": "later"}, "VOICE_WORKER_CRASH_AT=later is not one of after_receive, "),
+    ({"RECORDINGS_S3_KEY_PREFIX": "recordings/{profileId}"},
+     "RECORDINGS_S3_KEY_PREFIX='recordings/{profileId}' must contain \"{profileId}/\""),
+    ({"RECORDINGS_S3_KEY_PREFIX": "x}/{profileId}/"}, "RECORDINGS_S3_KEY_PREFIX='x}/{profileId}/' must contain"),
+    ({"RECORDINGS_S3_KEY_PREFIX": "a//{profileId}/"}, "RECORDINGS_S3_KEY_PREFIX='a//{profileId}/' must contain"),
     ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w/models"}, "MODELS_ROOT=/w/models must not be WORK_ROOT or a directory below"),
     ({"WORK_ROOT": "/w", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not be WORK_ROOT"),
     ({"WORK_ROOT": "/w/work", "MODELS_ROOT": "/w"}, "MODELS_ROOT=/w must not hold WORK_ROOT=/w/work"),
@@ -123,3 +134,50 @@ def test_time_limit_plus_the_longest_backoff_must_fit_twelve_hours():
         load_settings({"JOB_TIME_LIMIT_SECONDS": "42500", "SQS_VISIBILITY_TIMEOUT_SECONDS": "300",
                        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "60000"})
     assert info.value.problems[0].startswith("JOB_TIME_LIMIT_SECONDS=42500 plus SQS_RETRY_VISIBILITY_MAX_SECONDS=900")
+
+
+@pytest.mark.parametrize("url,path", [
+    ("sqlite:///var/records.db", "var/records.db"),
+    ("sqlite:////srv/voice/records.db", "/srv/voice/records.db"),
+])
+def test_store_url_is_kept_as_the_sqlite_path(url, path):
+    """STORE_URL=sqlite:///x is the relative path x, sqlite:////x the absolute path /x."""
+    assert load_settings({"STORE_URL": url}).sqlite_path == path
+
+
+def test_list_valued_settings_are_parsed_once_into_their_values():
+    """METRICS_DIMENSIONS, STAGE_ENV_PASSTHROUGH and VOICE_WORKER_CRASH_AT are held parsed, not as text."""
+    s = load_settings({"METRICS_DIMENSIONS": "Environment=production, Queue=jobs",
+                       "STAGE_ENV_PASSTHROUGH": " HF_HOME,,TORCH_HOME ", "VOICE_WORKER_CRASH_AT": "after_upload"})
+    assert s.metrics_dimensions == {"Environment": "production", "Queue": "jobs"}
+    assert s.stage_env_passthrough == ("HF_HOME", "TORCH_HOME")
+    assert s.crash_at is CrashPoint.AFTER_UPLOAD
+    assert (load_settings({}).metrics_dimensions, load_settings({}).stage_env_passthrough) == ({}, ())
+
+
+def test_the_loop_gets_its_timings_and_backoff_from_the_settings():
+    """The loop's config carries the long poll, the lease's clocks (with the hard cap's wind-down) and the backoff."""
+    config = load_settings({"SQS_WAIT_TIME_SECONDS": "5", "SHUTDOWN_GRACE_SECONDS": "4",
+                            "SQS_RETRY_VISIBILITY_BASE_SECONDS": "7"}).loop_config()
+    assert config.wait_s == 5
+    assert config.lease == LeaseTimings(visibility_timeout_s=300, interval_s=60.0, time_limit_s=21_600,
+                                        shutdown_grace_s=4.0, wind_down_s=4.0 + 60.0)
+    assert config.backoff == Backoff(base_s=7, max_s=900)
+
+
+def test_aws_clients_get_the_region_of_an_aws_queue_url():
+    """Without AWS_REGION the region comes from an AWS queue URL; AWS_REGION wins over it."""
+    url = "https://sqs.eu-west-1.amazonaws.com/1/q"
+    assert load_settings({"SQS_QUEUE_URL": url}).aws_config().region == "eu-west-1"
+    assert load_settings({"SQS_QUEUE_URL": url, "AWS_REGION": "us-east-2"}).aws_config().region == "us-east-2"
+    assert load_settings({"SQS_QUEUE_URL": "http://localhost:4566/1/q"}).aws_config().region is None
+
+
+def test_the_daemon_targets_are_plain_strings_or_a_config_error():
+    """daemon_targets gives the queue URL and bucket once all three needs are met, else the same lines."""
+    ok = load_settings({"SQS_QUEUE_URL": "https://sqs.eu-west-1.amazonaws.com/1/q",
+                        "STORE_URL": "sqlite:///x.db", "S3_BUCKET": "b"})
+    assert (daemon_targets(ok).queue_url, daemon_targets(ok).bucket) == (ok.sqs_queue_url, "b")
+    with pytest.raises(ConfigError) as info:
+        daemon_targets(load_settings({"S3_BUCKET": "b"}))
+    assert info.value.problems == daemon_problems(load_settings({"S3_BUCKET": "b"}))

@@ -10,9 +10,7 @@ from pathlib import Path
 import structlog
 
 from pipeline.config import load_pipeline_config
-from pipeline.downloads import DownloadSettings
 from pipeline.downloads import fetch as download
-from pipeline.limits import JobLimits
 from pipeline.run import run_pipeline
 from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.voice.artifacts import ArtifactUploader
@@ -20,13 +18,12 @@ from worker.core.aws import LazyClient, lease_client_config, make_client, new_se
 from worker.core.errors import ConfigError
 from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
-from worker.voice.input_policy import InputPolicy
 from worker.voice.job import VoiceJobHandler
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics
 from worker.core.queue import Queue
 from worker.core.reporting import Reporter
-from worker.settings import Settings
+from worker.settings import Settings, daemon_targets
 from worker.voice.records.rules import clock_skew_problem
 from worker.voice.records import Store, open_store
 
@@ -59,28 +56,29 @@ def build_app(settings: Settings, *, session=None) -> App:
     """Check everything that can be checked before the first receive, then assemble the worker."""
     # Cheapest checks first: a bad pipeline file must not wait on a store connection.
     config = load_pipeline_config(settings.pipeline_config)
-    if problems := stage_env_problems(settings.stage_env_names):
+    if problems := stage_env_problems(settings.stage_env_passthrough):
         raise ConfigError(problems)
     # Read once, here: stages get this allow-listed copy, never the worker's own environment.
-    stage_env = stage_environment(os.environ, settings.stage_env_names)
+    stage_env = stage_environment(os.environ, settings.stage_env_passthrough)
     # One session for every client: each session loads and keeps its own copy of the service models.
     session = session or new_session()
-    sqs = make_client("sqs", settings, session)
+    aws = settings.aws_config()
+    sqs = make_client("sqs", aws, session)
+    targets = daemon_targets(settings)  # the queue and the bucket, as plain strings
     # Before the store: a mistyped queue URL must not create a SQLite file or wait on MongoDB.
-    Queue(sqs, settings.sqs_queue_url).check_exists()
+    Queue(sqs, targets.queue_url).check_exists()
     # Made at the first download or upload: an idle worker never needs the S3 model in memory.
-    s3 = LazyClient(lambda: make_client("s3", settings, session))
-    store = open_store(settings)
+    s3 = LazyClient(lambda: make_client("s3", aws, session))
+    store = open_store(settings.store_config())
     try:
         refuse_clock_skew(store, settings.max_clock_skew_s)
     except BaseException:
         store.close()
         raise
-    downloads = DownloadSettings.from_settings(settings)
-
-    limits = JobLimits.from_settings(settings)
+    downloads = settings.download_settings()
+    limits = settings.job_limits()
     crash_points = CrashPoints(settings.crash_at)
-    metrics = Metrics.from_settings(settings)
+    metrics = Metrics.from_config(settings.metrics_config())
 
     def fetch_recording(url: str, dest: Path, *, stop, remaining_job_bytes=None):
         crash_points.reached("during_download")
@@ -96,7 +94,7 @@ def build_app(settings: Settings, *, session=None) -> App:
 
     handler = VoiceJobHandler(
         store=store,
-        uploader=ArtifactUploader(s3, settings.s3_bucket),
+        uploader=ArtifactUploader(s3, targets.bucket),
         train=train,
         work_root=Path(settings.work_root),
         s3_prefix=settings.s3_prefix,
@@ -104,13 +102,13 @@ def build_app(settings: Settings, *, session=None) -> App:
         lease_s=settings.sqs_visibility_timeout_s,
         crash_points=crash_points,
         metrics=metrics,
-        policy=InputPolicy.from_settings(settings),
+        policy=settings.input_policy(),
         keep_work_files=settings.keep_work_files,
         models_root=Path(settings.models_root_path),
     )
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
-    lease_sqs = make_client("sqs", settings, session, config=lease_client_config(settings))
-    worker = Worker(settings, Queue(sqs, settings.sqs_queue_url, lease_client=lease_sqs), handler,
-                    reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
+    lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
+    worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
+                    handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
                     crash_points=crash_points, metrics=metrics)
     return App(worker=worker, store=store, pulse=pulse)

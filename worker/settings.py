@@ -1,7 +1,10 @@
 """Settings: one validated, frozen object built once at start-up from the environment and passed in.
 
 Nothing else in the project reads ``os.environ``. ``load_settings`` raises ``ConfigError`` with one
-line per problem, before any AWS or store call, so a bad deployment fails loudly at start.
+line per problem, before any AWS or store call, so a bad deployment fails loudly at start. Each
+variable is parsed here, once (``METRICS_DIMENSIONS`` is a dict, ``STORE_URL`` the SQLite path);
+the parts of the worker get small values built from these settings (``loop_config``,
+``aws_config``, ``store_config``, ...) and never see the settings object or parse a variable again.
 """
 
 from __future__ import annotations
@@ -10,26 +13,48 @@ import os
 import re
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from pipeline.limits import JobLimits
+from worker.core.config import AwsConfig, Backoff, LeaseTimings, LoopConfig, MetricsConfig, region_for
 from worker.core.errors import ConfigError
+from worker.core.faults import POINTS, CrashPoint
+from worker.core.metrics import parse_dimensions
 from worker.core.names import SAFE_NAME
+from worker.voice.input_policy import InputPolicy, key_prefix_problem
+
+if TYPE_CHECKING:
+    from pipeline.downloads import DownloadSettings
+    from worker.voice.records import StoreConfig
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
 SQS_MAX_VISIBILITY_S = 43_200
 SQS_MAX_WAIT_S = 20
+SQLITE_URL_PREFIX = "sqlite:///"
+# The error type of the lines the rules below write themselves: each names its variable already.
+_PROBLEM_LINES = "settings_problem_lines"
 
 
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(frozen=True, extra="ignore", case_sensitive=True)
+def _problems(lines: list[str]) -> PydanticCustomError:
+    return PydanticCustomError(_PROBLEM_LINES, "{lines}", {"lines": "\n".join(lines)})
+
+
+class Settings(BaseModel):
+    # A plain pydantic model, not pydantic-settings: load_settings hands in the mapping to read (tests
+    # and the CLI stay hermetic from the process environment), an empty value means unset, and the
+    # list-valued variables have comma formats of their own that its sources would try to JSON-decode.
+    # What would be left of BaseSettings is its sources, switched off. Defaults go through the same
+    # validators, as they did under BaseSettings.
+    model_config = ConfigDict(frozen=True, extra="ignore", validate_default=True)
 
     # --- queue
     sqs_queue_url: str | None = Field(None, alias="SQS_QUEUE_URL")
@@ -52,7 +77,8 @@ class Settings(BaseSettings):
     mongo_profiles_collection: str = Field("useraudioprofiles", alias="MONGO_PROFILES_COLLECTION")
     mongo_connect_max_attempts: int = Field(7, alias="MONGO_CONNECT_MAX_ATTEMPTS", ge=1)
     mongo_connect_retry_delay_ms: int = Field(1000, alias="MONGO_CONNECT_RETRY_DELAY_MS", ge=0)
-    store_url: str | None = Field(None, alias="STORE_URL")
+    # STORE_URL=sqlite:///path/to/file.db, kept as the file's path.
+    sqlite_path: str | None = Field(None, alias="STORE_URL")
 
     # --- artifacts and files
     s3_bucket: str | None = Field(None, alias="S3_BUCKET")
@@ -60,7 +86,7 @@ class Settings(BaseSettings):
     work_root: str = Field("var/work", alias="WORK_ROOT")
     pipeline_config: str = Field("config/pipeline.toml", alias="PIPELINE_CONFIG")
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
-    stage_env_passthrough: str = Field("", alias="STAGE_ENV_PASSTHROUGH")
+    stage_env_passthrough: tuple[str, ...] = Field(default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
     keep_work_files: bool = Field(False, alias="KEEP_WORK_FILES")
     # Where the five artifacts are published for the profile's modelPaths (unset: <WORK_ROOT>/.models).
@@ -109,26 +135,66 @@ class Settings(BaseSettings):
     metrics_enabled: bool = Field(True, alias="METRICS_ENABLED")
     metrics_namespace: str = Field("VoiceWorker", alias="METRICS_NAMESPACE", min_length=1, max_length=255)
     # Name=Value pairs added to every metric, e.g. "Environment=production,Queue=jobs".
-    metrics_dimensions: str = Field("", alias="METRICS_DIMENSIONS")
+    metrics_dimensions: dict[str, str] = Field(default_factory=dict, alias="METRICS_DIMENSIONS")
 
     # --- testing only: kill the process at a named point (see worker/core/faults.py); unset in production
-    crash_at: str | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
+    crash_at: CrashPoint | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
 
     # --- AWS
     aws_endpoint_url: str | None = Field(None, alias="AWS_ENDPOINT_URL")
     aws_region: str | None = Field(None, alias="AWS_REGION")
 
+    # Each variable's own format, parsed here once; a value that is not text was parsed already.
+    @field_validator("sqlite_path", mode="before")
+    @classmethod
+    def _sqlite_path(cls, url: Any) -> Any:
+        if not isinstance(url, str):
+            return url
+        path = url.removeprefix(SQLITE_URL_PREFIX) if url.startswith(SQLITE_URL_PREFIX) else ""
+        if not path or "?" in path or "\x00" in path:
+            raise _problems([f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}"])
+        return path
+
+    @field_validator("stage_env_passthrough", mode="before")
+    @classmethod
+    def _stage_env_names(cls, text: Any) -> Any:
+        if not isinstance(text, str):
+            return text
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        if bad := [f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name"
+                   for name in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)]:
+            raise _problems(bad)
+        return names
+
+    @field_validator("metrics_dimensions", mode="before")
+    @classmethod
+    def _dimensions(cls, text: Any) -> Any:
+        if not isinstance(text, str):
+            return text
+        try:
+            return parse_dimensions(text)
+        except ValueError as exc:
+            raise _problems([f"METRICS_DIMENSIONS: {exc}"]) from None
+
+    @field_validator("recordings_s3_key_prefix", mode="before")
+    @classmethod
+    def _key_prefix(cls, prefix: Any) -> Any:
+        if isinstance(prefix, str) and (problem := key_prefix_problem(prefix)):
+            raise _problems([f"RECORDINGS_S3_KEY_PREFIX={prefix!r} {problem}"])
+        return prefix
+
+    @field_validator("crash_at", mode="before")
+    @classmethod
+    def _crash_point(cls, name: Any) -> Any:
+        if isinstance(name, str) and name not in POINTS:
+            raise _problems([f"VOICE_WORKER_CRASH_AT={name} is not one of {', '.join(POINTS)}"])
+        return name
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        problems = consistency_problems(self)
-        if problems:
-            raise ValueError("\n".join(problems))
+        if problems := consistency_problems(self):
+            raise _problems(problems)
         return self
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, **_other_sources):
-        # Only what load_settings hands in: tests and the CLI stay hermetic from the process env.
-        return (init_settings,)
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -142,11 +208,6 @@ class Settings(BaseSettings):
     def stage_stop_grace_s(self) -> float:
         """How long a stopped stage gets between SIGTERM and SIGKILL."""
         return min(10.0, self.shutdown_grace_s or 10.0)
-
-    @property
-    def stage_env_names(self) -> tuple[str, ...]:
-        """STAGE_ENV_PASSTHROUGH as a tuple of names."""
-        return tuple(n.strip() for n in self.stage_env_passthrough.split(",") if n.strip())
 
     @property
     def liveness_age_limit_s(self) -> float:
@@ -166,9 +227,78 @@ class Settings(BaseSettings):
             return self.reconcile_stale_after_s
         return self.job_time_limit_s + self.sqs_visibility_timeout_s + self.sqs_retry_visibility_max_s + 3600
 
+    # What each part of the worker is built with: plain values, so no part imports the settings.
+    def lease_timings(self) -> LeaseTimings:
+        return LeaseTimings(
+            visibility_timeout_s=self.sqs_visibility_timeout_s,
+            interval_s=self.heartbeat_interval_s,
+            time_limit_s=self.job_time_limit_s,
+            shutdown_grace_s=self.shutdown_grace_s,
+            # Time for the stage runner's SIGTERM -> SIGKILL and one last tick to record the stop.
+            wind_down_s=self.stage_stop_grace_s + self.heartbeat_interval_s,
+        )
+
+    def loop_config(self) -> LoopConfig:
+        return LoopConfig(wait_s=self.sqs_wait_time_s, lease=self.lease_timings(),
+                          backoff=Backoff(self.sqs_retry_visibility_base_s, self.sqs_retry_visibility_max_s))
+
+    def aws_config(self) -> AwsConfig:
+        return AwsConfig(region=region_for(self.aws_region, self.sqs_queue_url),
+                         endpoint_url=self.aws_endpoint_url, long_poll_s=self.sqs_wait_time_s,
+                         heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def metrics_config(self) -> MetricsConfig:
+        return MetricsConfig(self.metrics_namespace, self.metrics_dimensions, enabled=self.metrics_enabled)
+
+    def store_config(self) -> StoreConfig:
+        from worker.voice.records import MongoConfig, StoreConfig  # the records only when a store opens
+
+        mongo = None if not self.mongo_uri else MongoConfig(
+            self.mongo_uri, database=self.mongo_database, jobs_collection=self.mongo_jobs_collection,
+            profiles_collection=self.mongo_profiles_collection,
+            connect_max_attempts=self.mongo_connect_max_attempts,
+            connect_retry_delay_s=self.mongo_connect_retry_delay_s)
+        return StoreConfig(sqlite_path=self.sqlite_path, mongo=mongo)
+
+    def input_policy(self) -> InputPolicy:
+        return InputPolicy(recordings_bucket=self.recordings_s3_bucket,
+                           recordings_key_prefix=self.recordings_s3_key_prefix,
+                           max_recordings=self.max_recordings_per_job, max_text_chars=self.max_text_chars)
+
+    def job_limits(self) -> JobLimits:
+        return JobLimits(max_job_download_bytes=self.max_job_download_bytes,
+                         max_recording_seconds=self.max_recording_seconds,
+                         max_job_audio_seconds=self.max_job_audio_seconds)
+
+    def download_settings(self) -> DownloadSettings:
+        from pipeline.downloads import DownloadSettings  # the download machinery only when it is used
+        from pipeline.netguard import LOCAL_RUN_NETWORKS
+
+        return DownloadSettings(
+            timeout_s=self.download_timeout_s, max_bytes=self.download_max_bytes,
+            allowed_networks=LOCAL_RUN_NETWORKS if self.download_allow_private_hosts else ())
+
 
 def consistency_problems(s: Settings) -> list[str]:
     """Cross-setting rules, one readable line per broken rule (checked once every field is valid)."""
+    problems = _queue_time_problems(s)
+    if s.mongo_uri and s.sqlite_path:
+        problems.append("MONGO_URI and STORE_URL are both set: choose one store")
+    if s.reconcile_stale_after_s is not None and (
+            s.reconcile_stale_after_s < s.job_time_limit_s + s.sqs_visibility_timeout_s):
+        # A worker whose store renewals fail keeps working (and may still commit) up to the time limit.
+        problems.append(
+            f"RECONCILE_STALE_AFTER_SECONDS={s.reconcile_stale_after_s} must be at least "
+            f"JOB_TIME_LIMIT_SECONDS + SQS_VISIBILITY_TIMEOUT_SECONDS "
+            f"({s.job_time_limit_s + s.sqs_visibility_timeout_s}), or a live job may be marked lost")
+    problem = models_root_problem(s.work_root, s.models_root_path)
+    if problem:
+        problems.append(problem)
+    return problems
+
+
+def _queue_time_problems(s: Settings) -> list[str]:
+    """The rules between the heartbeat, the backoff, the time limit and SQS's 12 hours."""
     problems = []
     if s.sqs_visibility_heartbeat_interval_ms >= s.sqs_visibility_timeout_s * 1000:
         problems.append(
@@ -194,44 +324,6 @@ def consistency_problems(s: Settings) -> list[str]:
             f"{s.sqs_retry_visibility_max_s} exceeds the {SQS_MAX_VISIBILITY_S} s SQS allows a message "
             f"to stay invisible from its receipt: the backoff could not be set"
         )
-    if s.mongo_uri and s.store_url:
-        problems.append("MONGO_URI and STORE_URL are both set: choose one store")
-    if s.crash_at is not None:
-        from worker.core.faults import POINTS
-
-        if s.crash_at not in POINTS:
-            problems.append(f"VOICE_WORKER_CRASH_AT={s.crash_at} is not one of {', '.join(POINTS)}")
-    if s.reconcile_stale_after_s is not None and (
-            s.reconcile_stale_after_s < s.job_time_limit_s + s.sqs_visibility_timeout_s):
-        # A worker whose store renewals fail keeps working (and may still commit) up to the time limit.
-        problems.append(
-            f"RECONCILE_STALE_AFTER_SECONDS={s.reconcile_stale_after_s} must be at least "
-            f"JOB_TIME_LIMIT_SECONDS + SQS_VISIBILITY_TIMEOUT_SECONDS "
-            f"({s.job_time_limit_s + s.sqs_visibility_timeout_s}), or a live job may be marked lost")
-    if s.metrics_dimensions:
-        from worker.core.metrics import parse_dimensions
-
-        try:
-            parse_dimensions(s.metrics_dimensions)
-        except ValueError as exc:
-            problems.append(f"METRICS_DIMENSIONS: {exc}")
-    prefix = s.recordings_s3_key_prefix
-    rest = prefix.replace("{profileId}/", "")
-    segments = prefix.split("/")[:-1]  # what follows the last "/" is a key's name prefix: may be empty
-    if ("{profileId}/" not in prefix or "{" in rest or "}" in rest
-            or any(seg in ("", ".", "..") for seg in segments)):
-        # The "/" after it matters: without it profile "ab" could read the keys of profile "abc".
-        problems.append(f"RECORDINGS_S3_KEY_PREFIX={prefix!r} must contain \"{{profileId}}/\" and no "
-                        "other placeholder and no empty, \".\" or \"..\" segment, so a job can only read "
-                        "its own profile's recordings")
-    for name in s.stage_env_names:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            problems.append(f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name")
-    problem = models_root_problem(s.work_root, s.models_root_path)
-    if problem:
-        problems.append(problem)
-    if s.store_url and not s.store_url.startswith("sqlite:///"):
-        problems.append(f"STORE_URL must look like sqlite:///path/to/file.db, got {s.store_url!r}")
     return problems
 
 
@@ -261,7 +353,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
 
 _REQUIRED = {
     "queue": (lambda s: s.sqs_queue_url, "SQS_QUEUE_URL is required: the queue to take jobs from"),
-    "store": (lambda s: s.mongo_uri or s.store_url,
+    "store": (lambda s: s.mongo_uri or s.sqlite_path,
               "MONGO_URI or STORE_URL is required: where job and profile records live"),
     "bucket": (lambda s: s.s3_bucket, "S3_BUCKET is required: where the trained artifacts are uploaded"),
 }
@@ -277,11 +369,29 @@ def daemon_problems(s: Settings) -> list[str]:
     return missing(s, "queue", "store", "bucket")
 
 
+@dataclass(frozen=True, slots=True)
+class DaemonTargets:
+    """The queue the daemon takes jobs from and the bucket it uploads to, known to be set."""
+
+    queue_url: str
+    bucket: str
+
+
+def daemon_targets(s: Settings) -> DaemonTargets:
+    """The daemon's queue and bucket, or ConfigError with ``daemon_problems``' lines."""
+    problems = daemon_problems(s)
+    if problems or not s.sqs_queue_url or not s.s3_bucket:
+        raise ConfigError(problems)
+    return DaemonTargets(queue_url=s.sqs_queue_url, bucket=s.s3_bucket)
+
+
 def _problem_lines(exc: ValidationError) -> list[str]:
     lines: list[str] = []
     for err in exc.errors(include_url=False):
         msg = err["msg"].removeprefix("Value error, ")
-        if err["loc"]:
+        if err["type"] == _PROBLEM_LINES:
+            lines.extend(msg.splitlines())
+        elif err["loc"]:
             value = err.get("input")
             shown = "" if value is None or "MONGO_URI" in err["loc"] else f"={value}"
             lines.append(f"{err['loc'][0]}{shown}: {msg}")

@@ -45,7 +45,7 @@ def main() -> None:
     settings = load_settings({"SQS_QUEUE_URL": "http://127.0.0.1:9/000000000000/q", "SQS_WAIT_TIME_SECONDS": "0"})
     while sys.stdin.readline().strip() == "go":
         queue = EmptyQueue()
-        queue.worker = Worker(settings, queue, lambda message, lease: None)
+        queue.worker = Worker(settings.loop_config(), queue, lambda message, lease: None)
         print(f"done {run_worker(queue.worker)}", flush=True)
 
 

@@ -26,5 +26,5 @@ def handler(message, lease):
 if __name__ == "__main__":
     settings = load_settings()
     configure_logging(settings.log_level, settings.log_format)
-    queue = Queue(make_client("sqs", settings), settings.sqs_queue_url)
-    sys.exit(run_worker(Worker(settings, queue, handler)))
+    queue = Queue(make_client("sqs", settings.aws_config()), settings.sqs_queue_url)
+    sys.exit(run_worker(Worker(settings.loop_config(), queue, handler)))

@@ -7,6 +7,7 @@ import threading
 import time
 
 from worker.core.errors import Stopped
+from worker.core.config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message
 
@@ -30,10 +31,10 @@ def message() -> Message:
                    received_at_s=time.monotonic())
 
 
-def lease_on(queue, **kw) -> Lease:
-    args = dict(visibility_timeout_s=1, interval_s=0.2, time_limit_s=60, shutdown=Shutdown(), shutdown_grace_s=5)
-    args.update(kw)
-    return Lease(queue, message(), **args)
+def lease_on(queue, clock=time.monotonic, **timings) -> Lease:
+    args = dict(visibility_timeout_s=1, interval_s=0.2, time_limit_s=60, shutdown_grace_s=5)
+    args.update(timings)
+    return Lease(queue, message(), LeaseTimings(**args), shutdown=Shutdown(), clock=clock)
 
 
 def test_deadline_passing_during_a_blocked_renewal_loses_the_lease_on_close():

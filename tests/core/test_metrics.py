@@ -20,6 +20,7 @@ from tests.support import FAST, FaultyClient, client_error
 from worker.core import metrics as m
 from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, StoreError
 from worker.voice.records.attempt import Attempt, ProgressReporter
+from worker.core.config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics, parse_dimensions
@@ -137,7 +138,7 @@ def test_disabled_metrics_write_nothing():
     """METRICS_ENABLED=false turns every emit into nothing."""
     out = io.StringIO()
     settings = load_settings({"METRICS_ENABLED": "false"})
-    metrics = Metrics.from_settings(settings, stream=out)
+    metrics = Metrics.from_config(settings.metrics_config(), stream=out)
     metrics.count("JobsRetried")
     metrics.seconds("JobDuration", 3.0)
     assert out.getvalue() == ""
@@ -180,7 +181,7 @@ def test_bad_dimensions_are_refused_at_start(text, problem):
 def test_metrics_and_reconcile_defaults():
     """Metrics are on in namespace VoiceWorker; the stale age defaults well past time limit plus visibility."""
     s = load_settings({})
-    assert (s.metrics_enabled, s.metrics_namespace, s.metrics_dimensions) == (True, "VoiceWorker", "")
+    assert (s.metrics_enabled, s.metrics_namespace, s.metrics_dimensions) == (True, "VoiceWorker", {})
     assert s.reconcile_stale_s == 21_600 + 300 + 900 + 3600
     assert s.reconcile_stale_s > s.job_time_limit_s + s.sqs_visibility_timeout_s
     assert load_settings({"RECONCILE_STALE_AFTER_SECONDS": "30000"}).reconcile_stale_s == 30_000
@@ -200,7 +201,7 @@ def build_worker(queues):
     def build(handler, client=None, **env):
         out = io.StringIO()
         settings = load_settings({**FAST, "SQS_QUEUE_URL": queues.url, **env})
-        worker = Worker(settings, Queue(client or queues.sqs, queues.url), handler,
+        worker = Worker(settings.loop_config(), Queue(client or queues.sqs, queues.url), handler,
                         metrics=Metrics(dimensions={"Queue": "jobs"}, stream=out))
         return worker, out
     return build
@@ -383,8 +384,8 @@ def test_the_handler_times_stages_through_its_metrics(aws, tmp_path):
                               work_root=tmp_path / "work", s3_prefix="", worker_id="w", lease_s=60,
                               metrics=Metrics(stream=out))
     message = Message("m-1", "-", message_body("a" * 24, "b" * 24), 1, time.monotonic())
-    lease = Lease(Queue(None, "q"), message, visibility_timeout_s=60, interval_s=10, time_limit_s=600,
-                  shutdown=Shutdown(), shutdown_grace_s=1)
+    timings = LeaseTimings(visibility_timeout_s=60, interval_s=10, time_limit_s=600, shutdown_grace_s=1)
+    lease = Lease(Queue(None, "q"), message, timings, shutdown=Shutdown())
     assert handler(message, lease) == "completed"
     [doc] = emf_lines(out)
     assert doc["Stage"] == "train_full" and doc["StageDuration"] >= 0

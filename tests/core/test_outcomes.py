@@ -34,7 +34,7 @@ def worker_with_jitter(queues, handler, rng, **env):
     """A worker on the moto queue whose backoff draws from ``rng``; returns (worker, recording client)."""
     client = FaultyClient(queues.sqs)
     settings = load_settings({**FAST, "SQS_QUEUE_URL": queues.url, **{k: str(v) for k, v in env.items()}})
-    return Worker(settings, Queue(client, queues.url), handler, rng=rng), client
+    return Worker(settings.loop_config(), Queue(client, queues.url), handler, rng=rng), client
 
 
 def test_backoff_for_receive_counts_one_to_seven():
@@ -71,12 +71,12 @@ def test_jittered_backoff_spreads_over_its_whole_range():
 
 def test_retry_hint_is_not_jittered():
     """A busy job's retry hint (when the holder's lease ends) is used as is, capped, without drawing any jitter."""
-    settings, rng = load_settings({}), TopOfRange()
-    assert retry_delay_for(JobBusy("held", retry_after_s=200.4), 1, settings, rng) == 200
-    assert retry_delay_for(JobBusy("held", retry_after_s=5000), 1, settings, rng) == 900
-    assert retry_delay_for(JobBusy("held", retry_after_s=0.2), 1, settings, rng) == 1
+    backoff, rng = load_settings({}).loop_config().backoff, TopOfRange()
+    assert retry_delay_for(JobBusy("held", retry_after_s=200.4), 1, backoff, rng) == 200
+    assert retry_delay_for(JobBusy("held", retry_after_s=5000), 1, backoff, rng) == 900
+    assert retry_delay_for(JobBusy("held", retry_after_s=0.2), 1, backoff, rng) == 1
     assert rng.ranges == []
-    assert retry_delay_for(StoreError("down"), 3, settings, rng) == 120 and rng.ranges == [(1, 120)]
+    assert retry_delay_for(StoreError("down"), 3, backoff, rng) == 120 and rng.ranges == [(1, 120)]
 
 
 def test_ack_only_after_the_handler_returned(queues, make_worker):
@@ -197,7 +197,7 @@ def test_no_dlq_means_no_delete_and_the_longest_backoff(sqs, make_worker):
         raise BadRecording("gone")
 
     client = FaultyClient(sqs)
-    worker = Worker(load_settings({**FAST, "SQS_QUEUE_URL": bare.url}), Queue(client, bare.url), handler)
+    worker = Worker(load_settings({**FAST, "SQS_QUEUE_URL": bare.url}).loop_config(), Queue(client, bare.url), handler)
     bare.send()
     assert worker.run_once() == "dead_letter"
     assert "delete_message" not in client.ops()

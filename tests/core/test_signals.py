@@ -71,7 +71,7 @@ def test_signal_pairs_close_together_never_hang_the_worker():
 
 def test_the_signal_handler_returns_while_the_shutdown_event_lock_is_held():
     """The handler returns at once even while the shutdown event's internal lock is held; the stop follows when it is free."""
-    worker = Worker(load_settings({}), queue=None, handler=lambda message, lease: None)
+    worker = Worker(load_settings({}).loop_config(), queue=None, handler=lambda message, lease: None)
     relay = SignalRelay(worker.stop)
     relay.install()
     try:
@@ -90,7 +90,7 @@ def test_the_signal_handler_returns_while_the_shutdown_event_lock_is_held():
 def test_two_signals_become_two_stop_requests_and_the_old_handlers_come_back():
     """Two SIGTERMs through the relay request the shutdown and hurry it; afterwards the previous handler is back."""
     before = signal.getsignal(signal.SIGTERM)
-    worker = Worker(load_settings({}), queue=None, handler=lambda message, lease: None)
+    worker = Worker(load_settings({}).loop_config(), queue=None, handler=lambda message, lease: None)
     relay = SignalRelay(worker.stop)
     relay.install()
     try:

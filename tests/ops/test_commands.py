@@ -138,7 +138,8 @@ def doctor(tmp_path, queue_url, bucket="voice-models"):
     checks = run_checks(settings, sqs=boto3.client("sqs", region_name="us-east-1"),
                         s3=boto3.client("s3", region_name="us-east-1"),
                         sts=boto3.client("sts", region_name="us-east-1"),
-                        open_store=open_store, load_pipeline=load_pipeline_config)
+                        open_store=lambda s: open_store(s.store_config()),
+                        load_pipeline=load_pipeline_config)
     out = io.StringIO()
     return report(checks, out=out), out.getvalue()
 

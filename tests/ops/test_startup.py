@@ -54,7 +54,7 @@ def test_no_client_quietly_falls_back_to_a_default_region(env, service):
     from worker.settings import load_settings
 
     with pytest.raises(ConfigError) as caught:
-        make_client(service, load_settings())
+        make_client(service, load_settings().aws_config())
     assert caught.value.problems == [NO_REGION]
 
 

@@ -169,8 +169,8 @@ def test_memory_does_not_grow_with_the_recording_length(tmp_path, monkeypatch):
 
 
 def test_settings_reach_the_limits():
-    """JobLimits.from_settings takes the three job limits from their environment variables."""
+    """The settings' job limits take the three caps from their environment variables."""
     settings = load_settings({"MAX_JOB_DOWNLOAD_BYTES": "1000", "MAX_RECORDING_SECONDS": "60",
                               "MAX_JOB_AUDIO_SECONDS": "600"})
-    assert JobLimits.from_settings(settings) == JobLimits(1000, 60.0, 600.0)
-    assert JobLimits.from_settings(load_settings({})) == JobLimits(8 * 1024**3, 1800.0, 36_000.0)
+    assert settings.job_limits() == JobLimits(1000, 60.0, 600.0)
+    assert load_settings({}).job_limits() == JobLimits(8 * 1024**3, 1800.0, 36_000.0)

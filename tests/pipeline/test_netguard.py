@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.downloads import DownloadSettings, classify_status, s3_error_is_permanent
+from pipeline.downloads import classify_status, s3_error_is_permanent
 from pipeline.netguard import checked_addresses, default_resolver, describe_error, parse_https, refusal_reason
 from tests.pipeline.tls_server import LOOPBACK, SECRET, resolver
 from worker.core.errors import BadRecording, DownloadError
@@ -40,8 +40,8 @@ def test_the_default_resolver_returns_plain_addresses():
 
 def test_settings_open_private_ranges_only_on_request():
     """DOWNLOAD_ALLOW_PRIVATE_HOSTS opens loopback/private ranges (never link-local); unset, nothing is open."""
-    closed = DownloadSettings.from_settings(load_settings({"DOWNLOAD_TIMEOUT_SECONDS": "5"}))
-    opened = DownloadSettings.from_settings(load_settings({"DOWNLOAD_ALLOW_PRIVATE_HOSTS": "true"}))
+    closed = load_settings({"DOWNLOAD_TIMEOUT_SECONDS": "5"}).download_settings()
+    opened = load_settings({"DOWNLOAD_ALLOW_PRIVATE_HOSTS": "true"}).download_settings()
     assert (closed.timeout_s, closed.allowed_networks) == (5.0, ())
     assert refusal_reason(ipaddress.ip_address("10.0.0.1"), opened.allowed_networks) is None
     assert refusal_reason(ipaddress.ip_address("169.254.169.254"), opened.allowed_networks) is not None

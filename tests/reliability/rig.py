@@ -47,7 +47,7 @@ RIG_ENV = {
     "RECORDINGS_S3_BUCKET": "recordings-bucket",
 }
 # botocore's "max_attempts" counts retries: one call is the first attempt plus that many more.
-ATTEMPTS_PER_CALL = client_config(load_settings({})).retries["max_attempts"] + 1
+ATTEMPTS_PER_CALL = client_config(load_settings({}).aws_config()).retries["max_attempts"] + 1
 # Writes that change records (reads are not writes).
 STORE_WRITES = frozenset({"claim", "renew_lease", "set_progress", "record_error", "write_paths",
                           "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease"})
@@ -224,10 +224,10 @@ class Rig:
         return VoiceJobHandler(store=store or self.store, uploader=ArtifactUploader(self.s3, self.bucket),
                                train=self.train, work_root=self.root / "work", s3_prefix="models",
                                worker_id=worker_id, lease_s=self.settings.sqs_visibility_timeout_s,
-                               policy=InputPolicy.from_settings(self.settings))
+                               policy=self.settings.input_policy())
 
     def worker(self, handler=None, store=None, worker_id: str = "rig-worker") -> Worker:
-        return Worker(self.settings, Queue(self.sqs, self.queues.url),
+        return Worker(self.settings.loop_config(), Queue(self.sqs, self.queues.url),
                       handler or self.handler(store, worker_id))
 
     def submit(self, directory: str = "voice-1") -> tuple[str, str, str]:
@@ -271,8 +271,8 @@ def make_rig(root: Path, endpoint: str, **env: str) -> Rig:
                               "STORE_URL": f"sqlite:///{root / 'records.db'}", "AWS_ENDPOINT_URL": endpoint,
                               **env})
     session = boto3.session.Session(region_name="us-east-1")
-    sqs = make_client("sqs", settings, session)
-    s3 = make_client("s3", settings, session)
+    sqs = make_client("sqs", settings.aws_config(), session)
+    s3 = make_client("s3", settings.aws_config(), session)
     queues = create_queues(sqs, name=f"faults-{suffix}")
     settings = settings.model_copy(update={"sqs_queue_url": queues.url})
     s3.create_bucket(Bucket=settings.s3_bucket)

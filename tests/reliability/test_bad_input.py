@@ -75,7 +75,7 @@ class Probe:
         self.store = SqliteStore(str(root / "records.db"))
         self.handler = VoiceJobHandler(store=self.store, uploader=ArtifactUploader(s3, "prop-models"), train=train,
                                        work_root=self.work_root, s3_prefix="models", worker_id="prop",
-                                       lease_s=30, policy=InputPolicy.from_settings(self.settings))
+                                       lease_s=30, policy=self.settings.input_policy())
         self.baseline = self._outside_files()
         # The test's own directory and pytest's session directory above it: an escape lands in one of them.
         self.neighbours = {d: set(os.listdir(d)) for d in (root.parent, root.parent.parent)}
@@ -94,7 +94,7 @@ class Probe:
                                 CopySource={"Bucket": RECORDINGS_BUCKET, "Key": name})
         queues = create_queues(self.sqs, name=f"bad-{new_object_id()[:10]}")
         client = FaultyClient(self.sqs)
-        worker = Worker(self.settings, Queue(client, queues.url), self.handler)
+        worker = Worker(self.settings.loop_config(), Queue(client, queues.url), self.handler)
         ids = _ids(body)
         if create_records and ids is not None:
             self.store.submit({"_id": ids[0], "profileId": ids[1], "environment": "production"}, {"_id": ids[1]})

@@ -13,6 +13,7 @@ import mongomock
 import pytest
 
 from tests.support import SHIPPED_ARTIFACTS, attempt_through
+from worker.core.config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message, Queue
 from worker.voice.artifacts import ArtifactUploader
@@ -42,8 +43,8 @@ def deliver(handler, receive_count: int, message_id: str = "m-1", body: str | No
     """Call the handler directly with one message received ``receive_count`` times."""
     message = Message(message_id, "-", message_body() if body is None else body, receive_count,
                       time.monotonic())
-    lease = Lease(Queue(None, "q"), message, visibility_timeout_s=60, interval_s=10, time_limit_s=600,
-                  shutdown=Shutdown(), shutdown_grace_s=1)
+    timings = LeaseTimings(visibility_timeout_s=60, interval_s=10, time_limit_s=600, shutdown_grace_s=1)
+    lease = Lease(Queue(None, "q"), message, timings, shutdown=Shutdown())
     return handler(message, lease)
 
 

@@ -35,19 +35,19 @@ def only_problem(body: str, policy: InputPolicy) -> str:
 
 def test_policy_from_default_settings_is_the_default_policy():
     """InputPolicy() is exactly what the settings' defaults build, so a handler's default is never looser."""
-    assert InputPolicy.from_settings(load_settings({})) == InputPolicy()
+    assert load_settings({}).input_policy() == InputPolicy()
 
 
 def test_s3_recording_refused_when_no_recordings_bucket_is_configured():
     """With RECORDINGS_S3_BUCKET unset every s3:// recording is refused with a line saying so."""
-    policy = InputPolicy.from_settings(load_settings({}))
+    policy = load_settings({}).input_policy()
     assert only_problem(body_with(), policy) == (
         "input[0].recordingUrl: s3:// recordings are refused: RECORDINGS_S3_BUCKET is not configured")
 
 
 def test_s3_recording_under_the_jobs_own_profile_prefix_is_accepted():
     """A recording in the configured bucket under recordings/<the message's profileId>/ parses."""
-    policy = InputPolicy.from_settings(load_settings({"RECORDINGS_S3_BUCKET": RECORDINGS}))
+    policy = load_settings({"RECORDINGS_S3_BUCKET": RECORDINGS}).input_policy()
     job = parse_job(body_with(), policy)
     assert job.recordings[0].url == f"s3://{RECORDINGS}/{OWN_KEY}"
 
@@ -90,8 +90,8 @@ def test_prefix_alone_is_refused_for_a_prefix_that_ends_mid_name():
 
 def test_key_prefix_setting_is_applied_with_the_profile_id():
     """RECORDINGS_S3_KEY_PREFIX decides the prefix, with {profileId} replaced by the message's profileId."""
-    policy = InputPolicy.from_settings(load_settings({
-        "RECORDINGS_S3_BUCKET": RECORDINGS, "RECORDINGS_S3_KEY_PREFIX": "tenants/acme/{profileId}/audio/"}))
+    policy = load_settings({
+        "RECORDINGS_S3_BUCKET": RECORDINGS, "RECORDINGS_S3_KEY_PREFIX": "tenants/acme/{profileId}/audio/"}).input_policy()
     assert parse_job(body_with(f"s3://{RECORDINGS}/tenants/acme/{PROFILE_ID}/audio/a.wav"), policy).recordings
     assert "'tenants/acme/" in only_problem(body_with(), policy)
 
@@ -113,7 +113,7 @@ def test_without_a_policy_parse_job_checks_the_shape_only():
 
 def test_too_many_recordings_is_one_line_with_the_count():
     """More input entries than MAX_RECORDINGS_PER_JOB is refused with one line; exactly the cap is fine."""
-    policy = InputPolicy.from_settings(load_settings({"MAX_RECORDINGS_PER_JOB": "3"}))
+    policy = load_settings({"MAX_RECORDINGS_PER_JOB": "3"}).input_policy()
     assert len(parse_job(message_body(input=[{"recordingUrl": "https://m.example.com/a.wav",
                                               "originalText": "Hi."}] * 3), policy).recordings) == 3
     body = message_body(input=[{"recordingUrl": "https://m.example.com/a.wav", "originalText": " "}] * 4)
@@ -129,7 +129,7 @@ def test_default_recordings_cap_is_500():
 
 def test_too_long_text_is_refused_without_echoing_it():
     """An originalText over MAX_TEXT_CHARS gets one line with its length, never the text itself."""
-    policy = InputPolicy.from_settings(load_settings({"MAX_TEXT_CHARS": "10"}))
+    policy = load_settings({"MAX_TEXT_CHARS": "10"}).input_policy()
     assert parse_job(message_body(input=[{"recordingUrl": "https://m.example.com/a.wav",
                                           "originalText": "x" * 10}]), policy)
     text = "confidential" * 3
@@ -201,7 +201,7 @@ def test_handler_without_a_policy_refuses_s3_recordings(queues, make_worker, han
 
 
 def test_the_app_gives_the_handler_the_settings_policy_and_file_retention(queues, tmp_path):
-    """build_app hands the handler InputPolicy.from_settings(settings) and KEEP_WORK_FILES."""
+    """build_app hands the handler settings.input_policy() and KEEP_WORK_FILES."""
     from worker.app import build_app
 
     settings = load_settings({
@@ -211,7 +211,7 @@ def test_the_app_gives_the_handler_the_settings_policy_and_file_retention(queues
     app = build_app(settings)
     try:
         handler = app.worker._handler
-        assert handler._policy == InputPolicy.from_settings(settings)
+        assert handler._policy == settings.input_policy()
         assert handler._policy.recordings_bucket == RECORDINGS and handler._keep_work_files is True
     finally:
         app.close()

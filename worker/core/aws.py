@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 
@@ -10,36 +9,26 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import NoRegionError
 
+from worker.core.config import AwsConfig
 from worker.core.errors import ConfigError
-from worker.settings import Settings
-
-_REGION_IN_QUEUE_URL = re.compile(r"^https://sqs[.-]([a-z0-9-]+)\.amazonaws\.com")
 
 
-def region_of(settings: Settings) -> str | None:
-    """AWS_REGION, else the region in an AWS queue URL, else None (boto3's own chain decides)."""
-    if settings.aws_region:
-        return settings.aws_region
-    m = _REGION_IN_QUEUE_URL.match(settings.sqs_queue_url or "")
-    return m.group(1) if m else None
-
-
-def client_config(settings: Settings) -> Config:
+def client_config(aws: AwsConfig) -> Config:
     return Config(
-        region_name=region_of(settings),
+        region_name=aws.region,
         # Throttling and 5xx are retried by botocore with jittered backoff; there is no retry loop of ours.
         retries={"mode": "standard", "max_attempts": 5},
         connect_timeout=5,
         # A long poll holds the connection for up to SQS_WAIT_TIME_SECONDS: reading must outlast it.
-        read_timeout=settings.sqs_wait_time_s + 10,
+        read_timeout=aws.long_poll_s + 10,
     )
 
 
-def lease_client_config(settings: Settings) -> Config:
+def lease_client_config(aws: AwsConfig) -> Config:
     """For heartbeat renewals: fail fast and try again on the next tick rather than block the tick."""
-    tick_s = max(1.0, settings.heartbeat_interval_s)
+    tick_s = max(1.0, aws.heartbeat_interval_s)
     return Config(
-        region_name=region_of(settings),
+        region_name=aws.region,
         retries={"mode": "standard", "max_attempts": 2},
         connect_timeout=min(5.0, tick_s),
         read_timeout=min(10.0, tick_s),
@@ -71,15 +60,15 @@ class LazyClient:
         return getattr(client, name)
 
 
-def make_client(service: str, settings: Settings, session: boto3.session.Session | None = None,
+def make_client(service: str, aws: AwsConfig, session: boto3.session.Session | None = None,
                 config: Config | None = None):
     """A client, or ConfigError when no region can be found (SQS has no default region)."""
     session = session or boto3.session.Session()
     # Checked for every service, not only SQS: S3 and STS would quietly default to us-east-1.
-    if region_of(settings) is None and session.region_name is None:
+    if aws.region is None and session.region_name is None:
         raise ConfigError(NO_REGION)
     try:
-        return session.client(service, config=config or client_config(settings),
-                              endpoint_url=settings.aws_endpoint_url)
+        return session.client(service, config=config or client_config(aws),
+                              endpoint_url=aws.endpoint_url)
     except NoRegionError:
         raise ConfigError(NO_REGION) from None

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import structlog
 
+from worker.core.config import LeaseTimings
 from worker.core.errors import LeaseLost, Stopped, WorkerError
 from worker.core.metrics import HEARTBEAT_FAILURES, NULL_METRICS, Metrics
 from worker.core.queue import Message, Queue
@@ -74,13 +75,9 @@ class Lease:
         self,
         queue: Queue,
         message: Message,
+        timings: LeaseTimings,
         *,
-        visibility_timeout_s: int,
-        interval_s: float,
-        time_limit_s: float,
         shutdown: Shutdown,
-        shutdown_grace_s: float,
-        wind_down_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_renewed: Callable[[], None] | None = None,
         metrics: Metrics | None = None,
@@ -90,14 +87,15 @@ class Lease:
         self.renewals = 0
         self.failed_renewals = 0
         self._queue = queue
-        self._visibility_timeout_s = visibility_timeout_s
-        self._interval_s = interval_s
-        self._time_limit_at = message.received_at_s + time_limit_s
-        self._hard_cap_at = None if wind_down_s is None else self._time_limit_at + wind_down_s
+        self._visibility_timeout_s = timings.visibility_timeout_s
+        self._interval_s = timings.interval_s
+        self._time_limit_at = message.received_at_s + timings.time_limit_s
+        self._hard_cap_at = (None if timings.wind_down_s is None
+                             else self._time_limit_at + timings.wind_down_s)
         self._shutdown = shutdown
-        self._grace_s = shutdown_grace_s
+        self._grace_s = timings.shutdown_grace_s
         self._clock = clock
-        self._deadline = message.received_at_s + visibility_timeout_s
+        self._deadline = message.received_at_s + timings.visibility_timeout_s
         self._callbacks: list[Callable[[], None]] = []
         self._on_renewed = on_renewed
         self._metrics = metrics or NULL_METRICS

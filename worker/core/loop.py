@@ -25,6 +25,7 @@ from enum import StrEnum
 
 import structlog
 
+from worker.core.config import Backoff, LoopConfig
 from worker.core.errors import (
     LeaseLost,
     PermanentError,
@@ -41,7 +42,6 @@ from worker.core.metrics import (
 )
 from worker.core.queue import Message, Queue
 from worker.core.reporting import Reporter
-from worker.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -85,14 +85,14 @@ def retry_delay_s(receive_count: int, base_s: int = 30, max_s: int = 900,
     return draw(1, ceiling_s)
 
 
-def retry_delay_for(error: WorkerError | None, receive_count: int, s: Settings,
+def retry_delay_for(error: WorkerError | None, receive_count: int, backoff: Backoff,
                     rng: random.Random | None = None) -> int:
     """The error's own hint (capped like the backoff, not jittered: it names when the holder's lease
     ends), else the jittered backoff for the receive count."""
     hint_s = getattr(error, "retry_after_s", None)
     if hint_s is not None:
-        return int(min(max(1.0, hint_s), s.sqs_retry_visibility_max_s))
-    return retry_delay_s(receive_count, s.sqs_retry_visibility_base_s, s.sqs_retry_visibility_max_s, rng)
+        return int(min(max(1.0, hint_s), backoff.max_s))
+    return retry_delay_s(receive_count, backoff.base_s, backoff.max_s, rng)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def decide(outcome: WorkerError | None, lease_lost: bool) -> Decision:
 class Worker:
     def __init__(
         self,
-        settings: Settings,
+        config: LoopConfig,
         queue: Queue,
         handler: Handler,
         *,
@@ -134,7 +134,7 @@ class Worker:
         metrics: Metrics | None = None,
         rng: random.Random | None = None,
     ):
-        self._settings = settings
+        self._config = config
         self._rng = rng  # the backoff's jitter; tests pass a seeded one
         self._metrics = metrics or NULL_METRICS
         self._queue = queue
@@ -159,15 +159,15 @@ class Worker:
 
     def run_once(self) -> str | None:
         """Receive at most one message and see it through; returns the action taken, or None."""
-        s = self._settings
+        c = self._config
         try:
             message = self._queue.receive(
-                wait_s=s.sqs_wait_time_s, visibility_timeout_s=s.sqs_visibility_timeout_s
+                wait_s=c.wait_s, visibility_timeout_s=c.lease.visibility_timeout_s
             )
         except QueueError as exc:
             # botocore already retried; pause a little so a dead endpoint does not spin the loop.
             log.warning("queue.receive_failed", error=str(exc))
-            self.shutdown.requested.wait(min(5.0, max(1.0, s.sqs_wait_time_s / 4)))
+            self.shutdown.requested.wait(min(5.0, max(1.0, c.wait_s / 4)))
             return None
         finally:
             self._alive()
@@ -188,20 +188,8 @@ class Worker:
 
     # --- one message
     def _process(self, message: Message) -> str:
-        s = self._settings
-        lease = Lease(
-            self._queue,
-            message,
-            visibility_timeout_s=s.sqs_visibility_timeout_s,
-            interval_s=s.heartbeat_interval_s,
-            time_limit_s=s.job_time_limit_s,
-            shutdown=self.shutdown,
-            shutdown_grace_s=s.shutdown_grace_s,
-            # Time for the stage runner's SIGTERM -> SIGKILL and one last tick to record the stop.
-            wind_down_s=s.stage_stop_grace_s + s.heartbeat_interval_s,
-            on_renewed=self._alive,
-            metrics=self._metrics,
-        )
+        lease = Lease(self._queue, message, self._config.lease, shutdown=self.shutdown,
+                      on_renewed=self._alive, metrics=self._metrics)
         log.info("message.received")
         started_s = time.monotonic()
         outcome: WorkerError | None = None
@@ -243,13 +231,13 @@ class Worker:
         self._metrics.emit(values, outcome=outcome, messageId=message.message_id)
 
     def _settle(self, message: Message, decision: Decision, *, lease_lost: bool) -> None:
-        s = self._settings
         try:
             if decision.action == ACK and not lease_lost:
                 self._queue.delete(message)
                 log.info("message.deleted")
             elif decision.action == RETRY:
-                delay_s = retry_delay_for(decision.error, message.receive_count, s, self._rng)
+                delay_s = retry_delay_for(decision.error, message.receive_count, self._config.backoff,
+                                          self._rng)
                 self._queue.set_visibility(message, delay_s)
                 log.info("message.retry_scheduled", delay_s=delay_s)
             elif decision.action == DEAD_LETTER:
@@ -281,4 +269,4 @@ class Worker:
 
     def _park(self, message: Message) -> None:
         """Keep a message we could not dead-letter away for the longest backoff; never delete it."""
-        self._queue.set_visibility(message, self._settings.sqs_retry_visibility_max_s)
+        self._queue.set_visibility(message, self._config.backoff.max_s)

@@ -28,12 +28,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import structlog
 
-if TYPE_CHECKING:
-    from worker.settings import Settings
+from worker.core.config import MetricsConfig
 
 log = structlog.get_logger(__name__)
 
@@ -152,9 +151,8 @@ class Metrics:
         self._write_failed = False
 
     @classmethod
-    def from_settings(cls, settings: Settings, stream: TextIO | None = None) -> Metrics:
-        return cls(settings.metrics_namespace, parse_dimensions(settings.metrics_dimensions),
-                   stream=stream, enabled=settings.metrics_enabled)
+    def from_config(cls, config: MetricsConfig, stream: TextIO | None = None) -> Metrics:
+        return cls(config.namespace, config.dimensions, stream=stream, enabled=config.enabled)
 
     def emit(self, values: Mapping[str, tuple[float, str]], *,
              dimensions: Mapping[str, str] | None = None, **properties: Any) -> None:

@@ -34,13 +34,13 @@ def _fail(problems: list[str]) -> int:
 def _store(settings: Settings, access: str = "create"):
     from worker.voice.records import open_store
 
-    return open_store(settings, access=access)
+    return open_store(settings.store_config(), access=access)
 
 
 def _client(service: str, settings: Settings):
     from worker.core.aws import make_client
 
-    return make_client(service, settings)
+    return make_client(service, settings.aws_config())
 
 
 def cmd_run(settings: Settings, _args) -> int:
@@ -85,7 +85,6 @@ def cmd_dev_stack(_settings, args) -> int:
 
 def cmd_submit(settings: Settings, args) -> int:
     from worker.ops.commands import cmd_submit as submit
-    from worker.voice.input_policy import InputPolicy
 
     if problems := missing(settings, "queue", "store"):
         return _fail(problems)
@@ -93,7 +92,7 @@ def cmd_submit(settings: Settings, args) -> int:
     source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
     with source:
         return submit(lambda: _store(settings), sqs, settings.sqs_queue_url, source, as_json=args.json,
-                      policy=InputPolicy.from_settings(settings))
+                      policy=settings.input_policy())
 
 
 def cmd_status(settings: Settings, args) -> int:
@@ -144,7 +143,7 @@ def cmd_reconcile(settings: Settings, _args) -> int:
             reconciler = Reconciler(store, sqs, settings.sqs_queue_url,
                                     stale_after_s=settings.reconcile_stale_s,
                                     pending_after_s=settings.reconcile_pending_after_s,
-                                    metrics=Metrics.from_settings(settings))
+                                    metrics=Metrics.from_config(settings.metrics_config()))
             return reconcile(reconciler)
     except ConfigError:
         raise  # a settings problem: main prints its line and exits 2

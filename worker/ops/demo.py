@@ -186,7 +186,6 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
 def run_demo(out=None) -> int:
     out = out or sys.stdout
     from worker.app import build_app
-    from worker.voice.input_policy import InputPolicy
     from worker.core.logs import configure_logging
     from worker.voice.submit import submit
 
@@ -203,7 +202,7 @@ def run_demo(out=None) -> int:
         app = build_app(settings, session=session)
         try:
             job_id, _ = submit(app.store, session.client("sqs", endpoint_url=aws.url), queue_url, sample_job(),
-                               policy=InputPolicy.from_settings(settings))
+                               policy=settings.input_policy())
             print(f"submitted job {job_id}; working:", file=out, flush=True)
             clock, done = StageClock(), threading.Event()
             watcher = threading.Thread(target=_watch, args=(app.store, job_id, clock, done, out), daemon=True)

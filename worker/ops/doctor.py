@@ -97,7 +97,7 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
             store.get_job("doctor-probe")
         finally:
             store.close()
-        checks.append(Check("store reachable", True, "MongoDB" if settings.mongo_uri else settings.store_url))
+        checks.append(Check("store reachable", True, "MongoDB" if settings.mongo_uri else f"sqlite:///{settings.sqlite_path}"))
     except WorkerError as exc:
         checks.append(Check("store reachable", False, str(exc)))
 

@@ -2,20 +2,17 @@
 
 The worker reads s3:// recordings with its own credentials, so without a scope a message could name
 any object those credentials reach (another user's recordings, or the trained models). The policy is
-built once from the settings and handed to ``parse_job``; every rule here is a pure function of the
-policy and the message. A leaf module: ``worker.voice.message`` imports it, never the other way round.
+built once from the settings (``Settings.input_policy``) and handed to ``parse_job``; every rule here
+is a pure function of the policy and the message. A leaf module: ``worker.voice.message`` imports it,
+never the other way round.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from worker.core.redact import redact_urls_in_text
-
-if TYPE_CHECKING:
-    from worker.settings import Settings
 
 # The most one SQS message can carry: anything bigger never came from the queue, and is not parsed.
 SQS_MAX_BODY_BYTES = 1024 * 1024
@@ -32,6 +29,18 @@ def show(value: object) -> str:
     return repr(text)
 
 
+def key_prefix_problem(prefix: str) -> str | None:
+    """Why ``prefix`` (RECORDINGS_S3_KEY_PREFIX) could let a job read another profile's keys, or None."""
+    rest = prefix.replace(PROFILE_PLACEHOLDER + "/", "")
+    segments = prefix.split("/")[:-1]  # what follows the last "/" is a key's name prefix: may be empty
+    # The "/" after the placeholder matters: without it profile "ab" could read the keys of profile "abc".
+    if (PROFILE_PLACEHOLDER + "/" not in prefix or "{" in rest or "}" in rest
+            or any(seg in ("", ".", "..") for seg in segments)):
+        return ("must contain \"{profileId}/\" and no other placeholder and no empty, \".\" or \"..\" "
+                "segment, so a job can only read its own profile's recordings")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class InputPolicy:
     """The limits ``parse_job`` enforces. ``InputPolicy()`` is what the settings' defaults give."""
@@ -46,17 +55,9 @@ class InputPolicy:
     scope_s3: bool = True
 
     def __post_init__(self) -> None:
-        # A policy built by hand skips the settings' validation; the "/" keeps profile "ab" out of "abc/".
-        if self.scope_s3 and PROFILE_PLACEHOLDER + "/" not in self.recordings_key_prefix:
-            raise ValueError(f"recordings_key_prefix must contain '{PROFILE_PLACEHOLDER}/', "
-                             f"got {self.recordings_key_prefix!r}")
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> InputPolicy:
-        return cls(recordings_bucket=settings.recordings_s3_bucket,
-                   recordings_key_prefix=settings.recordings_s3_key_prefix,
-                   max_recordings=settings.max_recordings_per_job,
-                   max_text_chars=settings.max_text_chars)
+        # The settings' rule, for a policy built by hand (tests, tools) rather than from the settings.
+        if self.scope_s3 and (problem := key_prefix_problem(self.recordings_key_prefix)):
+            raise ValueError(f"recordings_key_prefix={self.recordings_key_prefix!r} {problem}")
 
     def key_prefix_for(self, profile_id: str) -> str:
         return self.recordings_key_prefix.replace(PROFILE_PLACEHOLDER, profile_id)

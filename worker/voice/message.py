@@ -259,7 +259,7 @@ class _BodyIn(_Wire):
 def parse_job(body: str | bytes, policy: InputPolicy = SHAPE_ONLY) -> Job:
     """The job in an SQS body, or ``InvalidMessage`` listing every violation, one line each.
 
-    The worker passes ``InputPolicy.from_settings``; the default checks the shape and the body size
+    The worker passes ``Settings.input_policy()``; the default checks the shape and the body size
     only, for tools whose output the worker validates again.
     """
     raw = _load_json(body)

@@ -44,7 +44,7 @@ def submit(store: Store, sqs, queue_url: str, payload: Any, *,
            policy: InputPolicy = SHAPE_ONLY) -> tuple[str, bool]:
     """Create the records when absent, then enqueue; a repeated idempotency key enqueues nothing.
 
-    With the worker's ``policy`` (``InputPolicy.from_settings``) a job the worker would refuse is
+    With the worker's ``policy`` (``Settings.input_policy()``) a job the worker would refuse is
     refused here, before any record exists; the default checks the shape only and leaves the rest
     to the worker, which dead-letters what its policy refuses.
     """

@@ -9,7 +9,7 @@ from pymongo.errors import ServerSelectionTimeoutError
 from tests.voice.records.conftest import JOB_ID, submit
 from worker.core.errors import ConfigError, StoreError
 from worker.settings import load_settings
-from worker.voice.records import open_store, sqlite_path_from_url
+from worker.voice.records import open_store
 from worker.voice.records.mongo import MongoStore
 from worker.voice.records.sqlite import SqliteStore
 
@@ -17,7 +17,7 @@ from worker.voice.records.sqlite import SqliteStore
 def test_store_url_opens_sqlite_and_creates_its_directory(tmp_path):
     """STORE_URL=sqlite:///path opens a SQLite store at that path, creating the directory."""
     path = tmp_path / "var" / "records.db"
-    store = open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}))
+    store = open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}).store_config())
     try:
         assert isinstance(store, SqliteStore)
         submit(store)
@@ -36,7 +36,7 @@ def test_mongo_uri_opens_mongo_with_indexes_and_owns_the_client():
 
     settings = load_settings({"MONGO_URI": "mongodb://db.internal:27017/voicedb",
                               "MONGO_JOBS_COLLECTION": "jobs"})
-    store = open_store(settings, mongo_client_factory=factory)
+    store = open_store(settings.store_config(), mongo_client_factory=factory)
     assert isinstance(store, MongoStore)
     submit(store)
     assert clients[0]["voicedb"]["jobs"].count_documents({}) == 1
@@ -64,30 +64,15 @@ def test_unreachable_mongo_fails_after_the_configured_attempts():
     settings = load_settings({"MONGO_URI": "mongodb://db:27017", "MONGO_CONNECT_MAX_ATTEMPTS": "3",
                               "MONGO_CONNECT_RETRY_DELAY_MS": "250"})
     with pytest.raises(StoreError):
-        open_store(settings, mongo_client_factory=lambda _uri, **_kw: client, sleep=sleeps.append)
+        open_store(settings.store_config(), mongo_client_factory=lambda _uri, **_kw: client,
+                   sleep=sleeps.append)
     assert sleeps == [0.25, 0.5] and client.closed
 
 
 def test_no_store_configured_is_a_config_error():
     """Without MONGO_URI or STORE_URL there is no store to open."""
     with pytest.raises(ConfigError):
-        open_store(load_settings({}))
-
-
-@pytest.mark.parametrize("url,path", [
-    ("sqlite:///var/records.db", "var/records.db"),
-    ("sqlite:////srv/voice/records.db", "/srv/voice/records.db"),
-])
-def test_sqlite_path_from_url(url, path):
-    """sqlite:/// URLs map to relative paths, sqlite://// to absolute ones."""
-    assert sqlite_path_from_url(url) == path
-
-
-@pytest.mark.parametrize("url", ["sqlite:///", "postgres://x", "sqlite:///x.db?mode=ro"])
-def test_bad_sqlite_url_is_a_config_error(url):
-    """A URL without a plain path is rejected as configuration."""
-    with pytest.raises(ConfigError):
-        sqlite_path_from_url(url)
+        open_store(load_settings({}).store_config())
 
 
 def test_reopened_sqlite_store_sees_earlier_records(tmp_path):
@@ -104,7 +89,7 @@ def test_existing_and_read_access_never_create_a_missing_file(tmp_path, access):
     """access "existing" or "read" on a missing STORE_URL file is a ConfigError naming it; no file or directory appears."""
     path = tmp_path / "var" / "records.db"
     with pytest.raises(ConfigError) as raised:
-        open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}), access=access)
+        open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}).store_config(), access=access)
     assert raised.value.problems == [f"STORE_URL names {path}, which does not exist"]
     assert not path.parent.exists()
 
@@ -113,7 +98,7 @@ def test_a_relative_missing_file_is_named_with_its_absolute_path(tmp_path, monke
     """A relative STORE_URL path that does not exist is shown as written and as resolved."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as raised:
-        open_store(load_settings({"STORE_URL": "sqlite:///var/records.db"}), access="read")
+        open_store(load_settings({"STORE_URL": "sqlite:///var/records.db"}).store_config(), access="read")
     assert raised.value.problems == [f"STORE_URL names var/records.db ({tmp_path}/var/records.db), which does not exist"]
 
 
@@ -122,5 +107,5 @@ def test_read_access_reads_an_existing_store(tmp_path):
     path = tmp_path / "records.db"
     with SqliteStore(str(path)) as store:
         submit(store)
-    with open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}), access="read") as store:
+    with open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}).store_config(), access="read") as store:
         assert store.get_job(JOB_ID)["status"] == "pending"

@@ -7,45 +7,55 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from worker.core.errors import ConfigError
 from worker.voice.records.attempt import Attempt
 from worker.voice.records.store import Claim, Clock, Store
 
-if TYPE_CHECKING:
-    from worker.settings import Settings
-
-__all__ = ["Attempt", "Claim", "Clock", "Store", "open_store", "sqlite_path_from_url"]
+__all__ = ["Attempt", "Claim", "Clock", "MongoConfig", "Store", "StoreConfig", "open_store"]
 
 
-def sqlite_path_from_url(url: str) -> str:
-    """``sqlite:///var/x.db`` -> ``var/x.db``; ``sqlite:////srv/x.db`` -> ``/srv/x.db``."""
-    prefix = "sqlite:///"
-    path = url[len(prefix):] if url.startswith(prefix) else ""
-    if not path or "?" in path or "\x00" in path:
-        raise ConfigError(f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}")
-    return path
+@dataclass(frozen=True, slots=True)
+class MongoConfig:
+    """MONGO_URI and the MONGO_* settings that go with it (their defaults live in the settings)."""
+
+    uri: str = field(repr=False)  # may hold a password
+    database: str  # used when the URI names no database
+    jobs_collection: str
+    profiles_collection: str
+    connect_max_attempts: int
+    connect_retry_delay_s: float
 
 
-def open_store(settings: Settings, *, mongo_client_factory: Callable[..., Any] | None = None,
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Which backend holds the records: a SQLite file (STORE_URL, parsed) or MongoDB; the settings
+    refuse both at once."""
+
+    sqlite_path: str | None = None
+    mongo: MongoConfig | None = None
+
+
+def open_store(config: StoreConfig, *, mongo_client_factory: Callable[..., Any] | None = None,
                sleep: Callable[[float], None] | None = None, access: str = "create") -> Store:
     """The store the settings select: STORE_URL (SQLite) or MONGO_URI (MongoDB, connect-checked).
 
     ``access`` "existing" or "read" (read-only) never creates a SQLite file: a missing one is a
     ConfigError. MongoDB creates nothing on reads, so it ignores ``access``.
     """
-    if settings.store_url:
+    if config.sqlite_path:
         from worker.voice.records.sqlite import CREATE, EXISTING, READ_ONLY, SqliteStore
 
         modes = {"create": CREATE, "existing": EXISTING, "read": READ_ONLY}
-        path = sqlite_path_from_url(settings.store_url)
+        path = config.sqlite_path
         parent = os.path.dirname(path)
         if parent and access == "create":
             os.makedirs(parent, exist_ok=True)
         return SqliteStore(path, mode=modes[access])
-    if settings.mongo_uri:
+    if config.mongo:
         from worker.voice.records.mongo import open_mongo_store
 
-        return open_mongo_store(settings, client_factory=mongo_client_factory, sleep=sleep)
+        return open_mongo_store(config.mongo, client_factory=mongo_client_factory, sleep=sleep)
     raise ConfigError("MONGO_URI or STORE_URL is required: where job and profile records live")

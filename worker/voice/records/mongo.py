@@ -30,7 +30,7 @@ from worker.voice.records.store import Clock
 from worker.voice.records.transitions import TransitionStore
 
 if TYPE_CHECKING:
-    from worker.settings import Settings
+    from worker.voice.records import MongoConfig
 
 log = structlog.get_logger(__name__)
 
@@ -355,17 +355,17 @@ def connect_mongo(uri: str, *, max_attempts: int = 7, retry_delay_s: float = 1.0
                      f"{type(last_exc).__name__}") from last_exc
 
 
-def open_mongo_store(settings: Settings, *, client_factory: Callable[..., Any] | None = None,
+def open_mongo_store(config: MongoConfig, *, client_factory: Callable[..., Any] | None = None,
                      sleep: Callable[[float], None] | None = None) -> MongoStore:
-    client = connect_mongo(settings.mongo_uri or "", max_attempts=settings.mongo_connect_max_attempts,
-                           retry_delay_s=settings.mongo_connect_retry_delay_s,
+    client = connect_mongo(config.uri, max_attempts=config.connect_max_attempts,
+                           retry_delay_s=config.connect_retry_delay_s,
                            client_factory=client_factory or pymongo.MongoClient,
                            sleep=sleep or time.sleep)
     try:
         with translated("open"):
-            db = client.get_default_database(settings.mongo_database)
-        store = MongoStore(db, jobs_collection=settings.mongo_jobs_collection,
-                           profiles_collection=settings.mongo_profiles_collection, client=client)
+            db = client.get_default_database(config.database)
+        store = MongoStore(db, jobs_collection=config.jobs_collection,
+                           profiles_collection=config.profiles_collection, client=client)
         store.ensure_indexes()
     except BaseException:
         close_quietly(client)
