@@ -1,6 +1,6 @@
 """The dataset step as a child process: ``python -m pipeline.dataset_stage REQUEST RESULT``.
 
-Decoding and resampling need numpy and libsndfile. Run in the worker they would stay in its memory
+Decoding and resampling need numpy, libsndfile and soxr. Run in the worker they would stay in its memory
 for good (some 18 MiB an idle worker never uses again), and a decoder crash would take the worker
 with it. So the worker runs the step like a training stage: its own session, the stages' secret-free
 environment, the stage runner's stop, grace and log (``pipeline.stages.run_supervised``); the worker
@@ -9,6 +9,7 @@ never imports ``pipeline.audio``.
 The two sides talk through two small JSON files in the job's work directory:
 
     REQUEST  {"recordings": [[audio path, text], ...], "dataset_dir": ..., "limits": {...}}
+             (the limits are ``JobLimits``: the job's audio caps and DATASET_WORKERS)
     RESULT   {"notes": [...]}                     the dataset is complete (exit 0)
              {"bad_recording": "why"}             a recording is unusable: permanent (exit 3)
              (none)                               the disk is full (exit 4): a retryable
@@ -103,9 +104,10 @@ def main(argv: list[str]) -> int:
     def converted(index: int) -> None:
         print(f"PROGRESS {100.0 * (index + 1) / total:.1f}", flush=True)
 
+    limits = JobLimits(**request["limits"])
+    print(f"{len(recordings)} recordings, up to {limits.dataset_workers} at once (DATASET_WORKERS)", flush=True)
     try:
-        built = build_dataset(recordings, Path(request["dataset_dir"]), limits=JobLimits(**request["limits"]),
-                              on_converted=converted)
+        built = build_dataset(recordings, Path(request["dataset_dir"]), limits=limits, on_converted=converted)
     except BadRecording as exc:
         print(f"BadRecording: {exc}", flush=True)
         atomic_write_bytes(result_path, json.dumps({"bad_recording": str(exc)}).encode())

@@ -95,6 +95,10 @@ class Settings(BaseSettings):
     max_recording_seconds: float = Field(1800.0, alias="MAX_RECORDING_SECONDS", gt=0)
     max_job_audio_seconds: float = Field(36_000.0, alias="MAX_JOB_AUDIO_SECONDS", gt=0)
 
+    # --- dataset
+    # Recordings the dataset step converts at once (unset: the CPUs this process may run on).
+    dataset_workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), alias="DATASET_WORKERS", ge=1)
+
     # --- observability and identity
     sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", alias="LOG_LEVEL")
