@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.files import fsync_dir
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes, remove_stale_temps
 from worker.core.errors import BadRecording
@@ -208,6 +209,8 @@ def build_dataset(
             for future in futures:
                 future.cancel()
             raise
+    # One sync for every WAV's rename, before metadata.csv can say they are all there.
+    fsync_dir(wavs)
     atomic_write_bytes(metadata, metadata_bytes(texts))
     return DatasetResult(metadata, rebuilt=True, notes=tuple(notes))
 

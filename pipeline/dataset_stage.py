@@ -29,13 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.config import StageSpec
 from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes
-from pipeline.stages import how_it_ended, open_step_log, run_supervised, tail_lines
 from worker.core.errors import BadRecording, StageFailed
-from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
 
 STEP = "dataset"
@@ -59,6 +56,12 @@ def run_dataset_stage(
     python: str = sys.executable,
 ) -> DatasetResult:
     """Build the dataset in a child process, or recognise it as complete; typed errors as a stage's."""
+    # Imported here, by the worker: the child never runs a stage, and the stage runner's imports
+    # (structlog, tomllib, asyncio) took a third of its start-up.
+    from pipeline.config import StageSpec
+    from pipeline.stages import how_it_ended, open_step_log, run_supervised, tail_lines
+    from worker.core.redact import redact_text
+
     metadata = dataset_dir / "metadata.csv"
     if dataset_is_complete(dataset_dir, [text for _, text in recordings]):
         return DatasetResult(metadata, rebuilt=False, notes=("dataset already complete",))

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pipeline.audio
+import pipeline.dataset
 from pipeline.audio import TARGET_RATE_HZ
 from pipeline.dataset import (
     build_dataset,
@@ -195,6 +196,17 @@ def test_recordings_convert_at_the_same_time_up_to_the_workers(tmp_path, monkeyp
     monkeypatch.setattr(pipeline.audio, "convert", convert_in_pairs)
     inputs = [(p, t) for p, t, _ in write_inputs(tmp_path / "in")][:2]
     assert build_dataset(inputs, tmp_path / "ds", limits=JobLimits(dataset_workers=2)).rebuilt
+
+
+def test_the_wavs_renames_are_synced_before_metadata_is_written(tmp_path, monkeypatch):
+    """metadata.csv, which vouches for every WAV, is written only after the wavs/ directory is synced."""
+    events = []
+    monkeypatch.setattr(pipeline.dataset, "fsync_dir", lambda d: events.append(("sync", Path(d).name)))
+    real_write = pipeline.dataset.atomic_write_bytes
+    monkeypatch.setattr(pipeline.dataset, "atomic_write_bytes",
+                        lambda path, data: (events.append(("write", Path(path).name)), real_write(path, data)))
+    build_dataset([(p, t) for p, t, _ in write_inputs(tmp_path / "in")], tmp_path / "ds")
+    assert events == [("sync", "wavs"), ("write", "metadata.csv")]
 
 
 def test_progress_is_reported_in_index_order(tmp_path):

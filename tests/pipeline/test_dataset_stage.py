@@ -44,6 +44,15 @@ def test_the_worker_wiring_never_imports_numpy_soundfile_or_soxr():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_dataset_child_starts_without_the_stage_runner():
+    """What the child imports leaves out the worker's stage runner and its logging (structlog, asyncio)."""
+    probe = ("import sys, pipeline.dataset_stage, pipeline.audio; "
+             "print(sorted(m for m in ('pipeline.stages', 'structlog', 'asyncio') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_child_builds_the_dataset_reports_progress_and_logs_its_notes(tmp_path):
     """A good set of recordings becomes the LJSpeech folder, with PROGRESS per recording and the notes in the step log."""
     recordings = inputs(tmp_path)
