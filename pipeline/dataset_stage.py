@@ -1,6 +1,6 @@
 """The dataset step as a child process: ``python -m pipeline.dataset_stage REQUEST RESULT``.
 
-Decoding and resampling need numpy and libsndfile. Run in the worker they would stay in its memory
+Decoding and resampling need numpy, libsndfile and soxr. Run in the worker they would stay in its memory
 for good (some 18 MiB an idle worker never uses again), and a decoder crash would take the worker
 with it. So the worker runs the step like a training stage: its own session, the stages' secret-free
 environment, the stage runner's stop, grace and log (``pipeline.stages.run_supervised``); the worker
@@ -9,6 +9,7 @@ never imports ``pipeline.audio``.
 The two sides talk through two small JSON files in the job's work directory:
 
     REQUEST  {"recordings": [[audio path, text], ...], "dataset_dir": ..., "limits": {...}}
+             (the limits are ``JobLimits``: the job's audio caps and DATASET_WORKERS)
     RESULT   {"notes": [...]}                     the dataset is complete (exit 0)
              {"bad_recording": "why"}             a recording is unusable: permanent (exit 3)
              (none)                               the disk is full (exit 4): a retryable
@@ -28,13 +29,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.config import StageSpec
 from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes
-from pipeline.stages import how_it_ended, open_step_log, run_supervised, tail_lines
 from worker.core.errors import BadRecording, StageFailed
-from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
 
 STEP = "dataset"
@@ -58,6 +56,12 @@ def run_dataset_stage(
     python: str = sys.executable,
 ) -> DatasetResult:
     """Build the dataset in a child process, or recognise it as complete; typed errors as a stage's."""
+    # Imported here, by the worker: the child never runs a stage, and the stage runner's imports
+    # (structlog, tomllib, asyncio) took a third of its start-up.
+    from pipeline.config import StageSpec
+    from pipeline.stages import how_it_ended, open_step_log, run_supervised, tail_lines
+    from worker.core.redact import redact_text
+
     metadata = dataset_dir / "metadata.csv"
     if dataset_is_complete(dataset_dir, [text for _, text in recordings]):
         return DatasetResult(metadata, rebuilt=False, notes=("dataset already complete",))
@@ -103,9 +107,10 @@ def main(argv: list[str]) -> int:
     def converted(index: int) -> None:
         print(f"PROGRESS {100.0 * (index + 1) / total:.1f}", flush=True)
 
+    limits = JobLimits(**request["limits"])
+    print(f"{len(recordings)} recordings, up to {limits.dataset_workers} at once (DATASET_WORKERS)", flush=True)
     try:
-        built = build_dataset(recordings, Path(request["dataset_dir"]), limits=JobLimits(**request["limits"]),
-                              on_converted=converted)
+        built = build_dataset(recordings, Path(request["dataset_dir"]), limits=limits, on_converted=converted)
     except BadRecording as exc:
         print(f"BadRecording: {exc}", flush=True)
         atomic_write_bytes(result_path, json.dumps({"bad_recording": str(exc)}).encode())

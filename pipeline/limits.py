@@ -8,13 +8,16 @@ each file still has its own DOWNLOAD_MAX_BYTES.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class JobLimits:
-    """Per-job caps: bytes downloaded in total, seconds of audio per recording and in total."""
+    """Per-job caps: bytes downloaded in total, seconds of audio per recording and in total, and how
+    many recordings the dataset step converts at once."""
 
     max_job_download_bytes: int | None = None  # MAX_JOB_DOWNLOAD_BYTES; None: no job-wide budget
     max_recording_seconds: float = 1800.0  # MAX_RECORDING_SECONDS
     max_job_audio_seconds: float = 36_000.0  # MAX_JOB_AUDIO_SECONDS
+    dataset_workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))  # DATASET_WORKERS

@@ -23,9 +23,12 @@ TEMP_MARKER = ".tmp-"
 
 
 @contextmanager
-def replaced_atomically(path: Path) -> Iterator[Path]:
+def replaced_atomically(path: Path, *, sync_dir: bool = True) -> Iterator[Path]:
     """Yield a temp path beside ``path`` to write; on success it is synced and renamed onto ``path``,
-    on any failure removed, so ``path`` holds either its old content or all of the new."""
+    on any failure removed, so ``path`` holds either its old content or all of the new.
+
+    ``sync_dir=False`` leaves the rename's durability to a caller that syncs the directory once after
+    many files (``fsync_dir``), before anything that vouches for them is written."""
     temp = path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}")
     try:
         yield temp
@@ -35,7 +38,8 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

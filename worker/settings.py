@@ -121,6 +121,10 @@ class Settings(BaseModel):
     max_recording_seconds: float = Field(1800.0, alias="MAX_RECORDING_SECONDS", gt=0)
     max_job_audio_seconds: float = Field(36_000.0, alias="MAX_JOB_AUDIO_SECONDS", gt=0)
 
+    # --- dataset
+    # Recordings the dataset step converts at once (unset: the CPUs this process may run on).
+    dataset_workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), alias="DATASET_WORKERS", ge=1)
+
     # --- observability and identity
     sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", alias="LOG_LEVEL")
@@ -268,7 +272,8 @@ class Settings(BaseModel):
     def job_limits(self) -> JobLimits:
         return JobLimits(max_job_download_bytes=self.max_job_download_bytes,
                          max_recording_seconds=self.max_recording_seconds,
-                         max_job_audio_seconds=self.max_job_audio_seconds)
+                         max_job_audio_seconds=self.max_job_audio_seconds,
+                         dataset_workers=self.dataset_workers)
 
     def download_settings(self) -> DownloadSettings:
         from pipeline.downloads import DownloadSettings  # the download machinery only when it is used

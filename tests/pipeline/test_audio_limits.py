@@ -3,7 +3,12 @@ the caps hold again on the frames actually decoded, and memory does not grow wit
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tracemalloc
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +16,14 @@ import pytest
 import soundfile as sf
 
 import pipeline.audio
-import pipeline.resample
-from pipeline.audio import convert
+from pipeline.audio import AudioHeader, convert
 from pipeline.dataset import build_dataset
 from pipeline.limits import JobLimits
 from tests.pipeline.test_dataset import voice_like
-from worker.core.errors import BadRecording
+from worker.core.errors import BadRecording, ConfigError
 from worker.settings import load_settings
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Decoding either bomb below would allocate tens of megabytes at least; refusing it from the header
 # allocates next to nothing.
@@ -156,7 +162,6 @@ def test_more_than_eight_channels_are_refused(tmp_path):
 def test_memory_does_not_grow_with_the_recording_length(tmp_path, monkeypatch):
     """With small blocks, converting 60 s takes no more memory than 6 s: nothing holds the whole signal."""
     monkeypatch.setattr(pipeline.audio, "BLOCK_SAMPLES", 1 << 14)
-    monkeypatch.setattr(pipeline.resample, "_CHUNK_ELEMENTS", 1 << 14)
     peaks = {}
     for seconds in (6, 60):
         source = tone(tmp_path / f"{seconds}.flac", rate_hz=16_000, seconds=seconds)
@@ -168,9 +173,102 @@ def test_memory_does_not_grow_with_the_recording_length(tmp_path, monkeypatch):
     assert peaks[60] < peaks[6] * 1.3
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_headers_that_understate_the_length_cannot_take_the_job_past_its_audio_cap(tmp_path, monkeypatch, workers):
+    """Headers claiming half the length: the frames decoded still keep the job within MAX_JOB_AUDIO_SECONDS, exactly."""
+    real_read_header = pipeline.audio.read_header
+
+    def understated(path: Path, index: int, max_seconds: float) -> AudioHeader:
+        header = real_read_header(path, index, max_seconds)
+        return AudioHeader(header.rate_hz, header.channels, header.frames // 2)
+
+    monkeypatch.setattr(pipeline.audio, "read_header", understated)
+    inputs = [(tone(tmp_path / f"{i}.wav", seconds=1.0), f"t{i}") for i in range(3)]
+    # Declared 1.5 s in all, decoded 3 s: the third recording is the one past 2.5 s.
+    over = JobLimits(max_recording_seconds=10, max_job_audio_seconds=2.5, dataset_workers=workers)
+    with pytest.raises(BadRecording, match=r"recording 2 takes the job past its 0 s of audio left \(MAX_JOB_AUDIO_SECONDS\)"):
+        build_dataset(inputs, tmp_path / "ds", limits=over)
+    exactly = JobLimits(max_recording_seconds=10, max_job_audio_seconds=3.0, dataset_workers=workers)
+    assert build_dataset(inputs, tmp_path / "ds3", limits=exactly).rebuilt
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_understated_header_cannot_spend_what_later_recordings_declared(tmp_path, monkeypatch, workers):
+    """The first recording decodes twice its header; the second is honest: the first fails, the job stays within its cap."""
+    real_read_header = pipeline.audio.read_header
+
+    def first_understated(path: Path, index: int, max_seconds: float) -> AudioHeader:
+        header = real_read_header(path, index, max_seconds)
+        return AudioHeader(header.rate_hz, header.channels, header.frames // 2) if index == 0 else header
+
+    monkeypatch.setattr(pipeline.audio, "read_header", first_understated)
+    inputs = [(tone(tmp_path / f"{i}.wav", seconds=1.0), f"t{i}") for i in range(2)]
+    # Declared 0.5 + 1.0 s, within 1.5 s; decoded 2.0 s would not be, so the one that lied fails.
+    with pytest.raises(BadRecording, match=r"recording 0 takes the job past its 0 s of audio left"):
+        build_dataset(inputs, tmp_path / "ds", limits=JobLimits(max_recording_seconds=10, max_job_audio_seconds=1.5,
+                                                                dataset_workers=workers))
+
+
+PEAK_PROBE = """
+import sys
+from pathlib import Path
+from pipeline.dataset_stage import main
+code = main(sys.argv[1:])
+hwm = [line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:")]
+print(code, hwm[0].split()[1])
+"""
+
+
+def dataset_step_peak_kib(tmp_path: Path, name: str, recordings: list[tuple[Path, str]], workers: int) -> int:
+    """Run the dataset step's own entry point in a fresh child; its peak resident set in KiB (VmHWM).
+
+    Not getrusage's ru_maxrss: Linux carries the high-water mark across fork and exec, so a child of
+    this test process would report at least this process's own resident set.
+    """
+    request, result = tmp_path / f"{name}-request.json", tmp_path / f"{name}-result.json"
+    request.write_text(json.dumps({
+        "recordings": [[str(path), text] for path, text in recordings],
+        "dataset_dir": str(tmp_path / name),
+        "limits": asdict(JobLimits(dataset_workers=workers)),
+    }))
+    out = subprocess.run([sys.executable, "-c", PEAK_PROBE, str(request), str(result)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    code, peak_kib = out.stdout.strip().splitlines()[-1].split()
+    assert code == "0"
+    return int(peak_kib)
+
+
+def long_tone_wav(path: Path, seconds: int, rate_hz: int = 44_100) -> Path:
+    """A tone written a second at a time, so making it takes no memory either."""
+    one_s = np.sin(2 * np.pi * 220.0 * np.arange(rate_hz) / rate_hz) * 0.5
+    with sf.SoundFile(path, "w", rate_hz, 1, "PCM_16", format="WAV") as out:
+        for _ in range(seconds):
+            out.write(one_s)
+    return path
+
+
+def test_the_dataset_step_peak_rss_does_not_grow_with_the_recordings_length(tmp_path):
+    """Two 10-minute recordings converted at once peak within 16 MiB of two 1-minute ones (holding one: 100 MiB)."""
+    short, long = long_tone_wav(tmp_path / "1min.wav", 60), long_tone_wav(tmp_path / "10min.wav", 600)
+    try:
+        short_kib = dataset_step_peak_kib(tmp_path, "short", [(short, "a"), (short, "b")], workers=2)
+        long_kib = dataset_step_peak_kib(tmp_path, "long", [(long, "a"), (long, "b")], workers=2)
+        assert sf.info(str(tmp_path / "long" / "wavs" / "utt00001.wav")).frames == 600 * 22_050
+    finally:  # 150 MB of WAVs: not worth keeping in pytest's retained temp directories
+        for wav in [short, long, *tmp_path.glob("*/wavs/*.wav")]:
+            wav.unlink(missing_ok=True)
+    # 600 s at 44.1 kHz is 106 MB as float32: holding either signal once would show many times over.
+    assert long_kib - short_kib < 16 * 1024, (short_kib, long_kib)
+
+
 def test_settings_reach_the_limits():
-    """The settings' job limits take the three caps from their environment variables."""
+    """The settings' job limits take the job limits and DATASET_WORKERS from their environment variables."""
     settings = load_settings({"MAX_JOB_DOWNLOAD_BYTES": "1000", "MAX_RECORDING_SECONDS": "60",
-                              "MAX_JOB_AUDIO_SECONDS": "600"})
-    assert settings.job_limits() == JobLimits(1000, 60.0, 600.0)
-    assert load_settings({}).job_limits() == JobLimits(8 * 1024**3, 1800.0, 36_000.0)
+                              "MAX_JOB_AUDIO_SECONDS": "600", "DATASET_WORKERS": "3"})
+    assert settings.job_limits() == JobLimits(1000, 60.0, 600.0, dataset_workers=3)
+    usable_cpus = len(os.sched_getaffinity(0))
+    assert load_settings({}).job_limits() == JobLimits(8 * 1024**3, 1800.0, 36_000.0, usable_cpus)
+    assert JobLimits().dataset_workers == usable_cpus
+    with pytest.raises(ConfigError, match="DATASET_WORKERS"):
+        load_settings({"DATASET_WORKERS": "0"})

@@ -1,7 +1,9 @@
-"""The dataset step: decoding, down-mixing, resampling, LJSpeech layout, bad inputs, re-runs."""
+"""The dataset step: decoding, down-mixing, resampling, LJSpeech layout, bad inputs, re-runs, conversions
+running at once (see test_resample_quality.py for the resampler itself)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,8 @@ import soundfile as sf
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pipeline.audio
+import pipeline.dataset
 from pipeline.audio import TARGET_RATE_HZ
 from pipeline.dataset import (
     build_dataset,
@@ -18,7 +22,7 @@ from pipeline.dataset import (
     split_metadata_line,
     unescape_text,
 )
-from pipeline.resample import Resampler, resample
+from pipeline.limits import JobLimits
 from worker.core.errors import BadRecording, Stopped
 from worker.core.stop import StopSignal
 
@@ -80,41 +84,6 @@ def test_resampled_audio_keeps_its_pitch_and_level(tmp_path):
     assert np.max(np.abs(out)) == pytest.approx(np.max(np.abs(mono_in)), rel=0.02)
 
 
-def test_resampler_is_band_limited():
-    """Content above the new Nyquist frequency is filtered out instead of aliasing into the band."""
-    rate = 44_100
-    t = np.arange(rate) / rate
-    kept = resample(0.5 * np.sin(2 * np.pi * 1_000 * t), rate, TARGET_RATE_HZ)
-    removed = resample(0.5 * np.sin(2 * np.pi * 15_000 * t), rate, TARGET_RATE_HZ)
-    middle = slice(500, -500)
-    assert np.sqrt(np.mean(kept[middle] ** 2)) == pytest.approx(0.5 / np.sqrt(2), rel=1e-3)
-    assert np.sqrt(np.mean(removed[middle] ** 2)) < 1e-3  # more than 50 dB down
-
-
-def test_upsampling_reproduces_the_continuous_tone():
-    """16 kHz -> 22.05 kHz matches the analytically sampled tone away from the edges."""
-    t_in = np.arange(16_000) / 16_000
-    out = resample(np.sin(2 * np.pi * 440 * t_in), 16_000, TARGET_RATE_HZ)
-    t_out = np.arange(len(out)) / TARGET_RATE_HZ
-    assert len(out) == TARGET_RATE_HZ
-    assert np.max(np.abs(out[500:-500] - np.sin(2 * np.pi * 440 * t_out[500:-500]))) < 1e-3
-
-
-@pytest.mark.parametrize("from_hz", [8_000, 16_000, 22_050, 44_101, 48_000, 192_000])
-def test_streamed_resampling_equals_one_shot(from_hz):
-    """Fed in blocks of any size, the streaming resampler gives exactly the one-shot output."""
-    rng = np.random.default_rng(from_hz)
-    x = rng.standard_normal(int(from_hz * 0.3) + 7)
-    stream, parts, start = Resampler(from_hz, TARGET_RATE_HZ), [], 0
-    while start < len(x):
-        size = int(rng.integers(1, 3000))
-        parts.append(stream.feed(x[start : start + size]))
-        start += size
-    parts.append(stream.finish())
-    assert np.array_equal(np.concatenate(parts), resample(x, from_hz, TARGET_RATE_HZ))
-    assert len(parts[-1]) + sum(map(len, parts[:-1])) == -(-len(x) * TARGET_RATE_HZ // from_hz)
-
-
 def test_metadata_rows_are_ljspeech_with_escaped_text(tmp_path):
     """metadata.csv has one id|text|text row per input, with | and newlines escaped."""
     inputs = write_inputs(tmp_path / "in")
@@ -133,10 +102,12 @@ def test_metadata_rows_are_ljspeech_with_escaped_text(tmp_path):
         (lambda p: sf.write(p, np.zeros(22_050), 22_050, subtype="PCM_16", format="WAV"), "silent"),
         (lambda p: sf.write(p, np.full(8_000, 10 ** (-70 / 20)), 8_000, subtype="FLOAT", format="WAV"), "silent"),
         (lambda p: sf.write(p, np.zeros((0, 1)), 16_000, subtype="PCM_16", format="WAV"), "empty"),
+        (lambda p: sf.write(p, np.full(1, 0.5), 48_000, subtype="FLOAT", format="WAV"), "empty"),
         (lambda p: sf.write(p, np.stack([voice_like(16_000, 0.5, 200), -voice_like(16_000, 0.5, 200)], 1),
                             16_000, subtype="FLOAT", format="WAV"), "silent"),
     ],
-    ids=["text-file", "zero-bytes", "digital-silence", "minus-70-dBFS", "no-frames", "stereo-cancels"],
+    ids=["text-file", "zero-bytes", "digital-silence", "minus-70-dBFS", "no-frames", "one-frame-at-48k",
+         "stereo-cancels"],
 )
 def test_unusable_recording_is_permanent_and_names_its_index(tmp_path, make_bad, why):
     """Not-audio, empty and silent inputs raise BadRecording naming the input's index."""
@@ -181,6 +152,69 @@ def test_build_checks_the_stop_signal(tmp_path):
     with pytest.raises(Stopped):
         build_dataset(inputs, tmp_path / "ds", stop)
     assert not (tmp_path / "ds/metadata.csv").exists()
+
+
+def test_the_dataset_is_the_same_whatever_the_number_of_workers(tmp_path):
+    """Built one recording at a time or three at once, every WAV, metadata.csv and note is identical."""
+    inputs = [(p, t) for p, t, _ in write_inputs(tmp_path / "in") + write_inputs(tmp_path / "in2")]
+    built = {}
+    for workers in (1, 3):
+        result = build_dataset(inputs, tmp_path / f"ds{workers}", limits=JobLimits(dataset_workers=workers))
+        files = {p.relative_to(tmp_path / f"ds{workers}"): p.read_bytes()
+                 for p in sorted((tmp_path / f"ds{workers}").rglob("*")) if p.is_file()}
+        built[workers] = (files, result.notes)
+    assert len(built[1][0]) == len(inputs) + 1
+    assert built[1] == built[3]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_first_unusable_recording_by_index_is_the_error_even_when_a_later_one_fails_first(tmp_path, workers):
+    """Recording 2 fails at its first block, recording 1 only once decoded: the error names recording 1 either way."""
+    good = write_inputs(tmp_path / "in")[0][0]
+    slow_silent = tmp_path / "in" / "silent.wav"
+    sf.write(slow_silent, np.zeros(48_000 * 20), 48_000, subtype="FLOAT")
+    not_finite = tmp_path / "in" / "nan.wav"
+    sf.write(not_finite, np.full(16_000, np.nan), 16_000, subtype="FLOAT")  # a valid header; the first block fails
+    seen = []
+    with pytest.raises(BadRecording, match="recording 1 is silent"):
+        build_dataset([(good, "a"), (slow_silent, "b"), (not_finite, "c")], tmp_path / "ds",
+                      limits=JobLimits(dataset_workers=workers), on_converted=seen.append)
+    assert seen == [0]
+    assert not (tmp_path / "ds/metadata.csv").exists()
+    assert sorted(p.name for p in (tmp_path / "ds/wavs").iterdir()) == ["utt00000.wav"]
+
+
+def test_recordings_convert_at_the_same_time_up_to_the_workers(tmp_path, monkeypatch):
+    """With DATASET_WORKERS=2, two conversions are in progress at once (each waits for the other to start)."""
+    both_started = threading.Barrier(2, timeout=30)
+    real_convert = pipeline.audio.convert
+
+    def convert_in_pairs(*args, **kwargs):
+        both_started.wait()  # BrokenBarrierError when the other never starts alongside
+        return real_convert(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline.audio, "convert", convert_in_pairs)
+    inputs = [(p, t) for p, t, _ in write_inputs(tmp_path / "in")][:2]
+    assert build_dataset(inputs, tmp_path / "ds", limits=JobLimits(dataset_workers=2)).rebuilt
+
+
+def test_the_wavs_renames_are_synced_before_metadata_is_written(tmp_path, monkeypatch):
+    """metadata.csv, which vouches for every WAV, is written only after the wavs/ directory is synced."""
+    events = []
+    monkeypatch.setattr(pipeline.dataset, "fsync_dir", lambda d: events.append(("sync", Path(d).name)))
+    real_write = pipeline.dataset.atomic_write_bytes
+    monkeypatch.setattr(pipeline.dataset, "atomic_write_bytes",
+                        lambda path, data: (events.append(("write", Path(path).name)), real_write(path, data)))
+    build_dataset([(p, t) for p, t, _ in write_inputs(tmp_path / "in")], tmp_path / "ds")
+    assert events == [("sync", "wavs"), ("write", "metadata.csv")]
+
+
+def test_progress_is_reported_in_index_order(tmp_path):
+    """on_converted sees 0, 1, 2 ... in order while several recordings convert at once."""
+    inputs = [(p, t) for p, t, _ in write_inputs(tmp_path / "in") + write_inputs(tmp_path / "in2")]
+    seen = []
+    build_dataset(inputs, tmp_path / "ds", limits=JobLimits(dataset_workers=4), on_converted=seen.append)
+    assert seen == list(range(len(inputs)))
 
 
 @given(st.text())

@@ -25,19 +25,29 @@ def inputs(tmp_path: Path) -> list[tuple[Path, str]]:
     return [(path, text) for path, text, _seconds in write_inputs(tmp_path / "in")]
 
 
-def run(tmp_path: Path, recordings, *, stop: StopSignal | None = None, python: str = sys.executable):
+def run(tmp_path: Path, recordings, *, stop: StopSignal | None = None, python: str = sys.executable,
+        limits: JobLimits | None = None):
     seen: list[tuple[str, float]] = []
     result = run_dataset_stage(recordings, tmp_path / "dataset", tmp_path / "logs", stop or StopSignal(),
-                               lambda step, pct: seen.append((step, pct)), limits=JobLimits(),
+                               lambda step, pct: seen.append((step, pct)), limits=limits or JobLimits(),
                                env=stage_environment({"PATH": "/usr/bin:/bin"}), grace_s=1.0, python=python)
     return result, seen
 
 
-def test_the_worker_wiring_never_imports_numpy_or_soundfile():
-    """Importing the daemon's wiring and the pipeline leaves numpy, soundfile and the decoders unloaded."""
+def test_the_worker_wiring_never_imports_numpy_soundfile_or_soxr():
+    """Importing the daemon's wiring and the pipeline leaves numpy, soundfile, soxr and the decoders unloaded."""
     probe = ("import sys, worker.app, worker.ops.cli, pipeline.run; "
-             "print(sorted(m for m in ('numpy', 'soundfile', 'pipeline.audio', 'pipeline.resample') "
+             "print(sorted(m for m in ('numpy', 'soundfile', 'soxr', 'pipeline.audio') "
              "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_dataset_child_starts_without_the_stage_runner():
+    """What the child imports leaves out the worker's stage runner and its logging (structlog, asyncio)."""
+    probe = ("import sys, pipeline.dataset_stage, pipeline.audio; "
+             "print(sorted(m for m in ('pipeline.stages', 'structlog', 'asyncio') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -54,6 +64,14 @@ def test_the_child_builds_the_dataset_reports_progress_and_logs_its_notes(tmp_pa
     assert "utt00000: input 0" in log.read_text()
     again, seen = run(tmp_path, recordings)
     assert not again.rebuilt and seen == []  # complete: recognised without a child
+
+
+def test_the_child_converts_as_many_at_once_as_the_limits_say(tmp_path):
+    """DATASET_WORKERS reaches the child with the job's limits, and its log says how many it converts at once."""
+    result, _seen = run(tmp_path, inputs(tmp_path), limits=JobLimits(dataset_workers=3))
+    assert result.rebuilt
+    [log] = (tmp_path / "logs").glob("*-dataset.log")
+    assert "3 recordings, up to 3 at once (DATASET_WORKERS)" in log.read_text()
 
 
 def test_an_unusable_recording_is_a_permanent_bad_recording_from_the_child(tmp_path):
