@@ -30,7 +30,11 @@ from urllib.parse import urlsplit
 
 UNPARSABLE = "<unparsable url>"
 _QUERY_START = re.compile(r"[?#]")
-_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s\"'<>]*")
+# A URL in free text runs to the next whitespace, quotes and brackets included: a password or a query
+# may hold a quote, and cutting there would leave the rest of it in view. Closing punctuation at its
+# very end (a quote, a bracket, a comma) is the surrounding text's, and is put back after redaction.
+_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S*")
+_AFTER_URL = "\"'<>)]}.,;:!"
 MASK = "***"
 # Greedy up to the last '@' before the host, so a password holding an unescaped '@' is covered too.
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#\"'<>]*@")
@@ -94,7 +98,13 @@ def redact_url(url: str) -> str:
 
 def redact_urls_in_text(text: str) -> str:
     """Every URL inside free text (e.g. a botocore error) reduced by ``redact_url``."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    return _URL_IN_TEXT.sub(_redact_found_url, text)
+
+
+def _redact_found_url(match: re.Match) -> str:
+    found = match.group(0)
+    url = found.rstrip(_AFTER_URL)  # rstrip, not a regex look-ahead: linear however long the run
+    return redact_url(url) + found[len(url):]
 
 
 def redact_parsed_url(url: str) -> str:
