@@ -28,6 +28,7 @@ from pipeline.files import output_problem
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
+from pipeline.recording_url import RecordingUrl
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
 from pipeline.stages import DEFAULT_GRACE_S, StageContext, end_survivors, open_step_log, run_stage
@@ -44,7 +45,7 @@ LOGS_DIR = "logs"
 
 class Recording(Protocol):
     @property
-    def url(self) -> str: ...
+    def url(self) -> RecordingUrl: ...
 
     @property
     def text(self) -> str: ...
