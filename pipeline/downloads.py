@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urljoin
 
 import structlog
@@ -37,6 +38,7 @@ from pipeline.part_file import part_file
 from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error
 from pipeline.recording_url import HTTPS, S3, RecordingUrl, parse_recording_url
 from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
+from worker.core.faults import NEVER, CrashPoints
 from worker.core.redact import redact_url
 from worker.core.stop import StopSignal
 
@@ -84,6 +86,24 @@ def classify_status(status: int) -> type[WorkerError] | None:
 def s3_error_is_permanent(code: str, http_status: int | None) -> bool:
     """Whether an S3 GetObject error means the recording is gone or forbidden for good."""
     return code in {"NoSuchKey", "NoSuchBucket", "AccessDenied"} or http_status in (403, 404)
+
+
+@dataclass(frozen=True)
+class Downloader:
+    """``fetch`` with one job's fixed arguments bound: the pipeline's ``Fetcher`` (``pipeline.run``).
+
+    ``pipeline.run.PipelineTrainer`` makes one per job, with that job's stop signal.
+    """
+
+    settings: DownloadSettings
+    s3_client: Any = None
+    stop: StopSignal | None = None
+    crash_points: CrashPoints = NEVER
+
+    def __call__(self, url: RecordingUrl | str, dest: Path, *, remaining_job_bytes: int | None = None) -> int:
+        self.crash_points.reached("during_download")
+        return fetch(url, dest, settings=self.settings, s3_client=self.s3_client, stop=self.stop,
+                     remaining_job_bytes=remaining_job_bytes)
 
 
 def fetch(
