@@ -20,6 +20,7 @@ What a download guarantees, whatever happens:
 
 from __future__ import annotations
 
+import functools
 import http.client
 import time
 from collections.abc import Callable
@@ -212,8 +213,8 @@ def _fetch_https(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard
     with guard.own_sockets():
         for hop in range(settings.max_redirects + 1):
             guard.check()
-            addresses = guard.call(lambda t=current: netguard.checked_addresses(
-                t.host, t.connect_port, settings.allowed_networks, resolver))
+            addresses = guard.call(functools.partial(
+                netguard.checked_addresses, current.host, current.connect_port, settings.allowed_networks, resolver))
             pool, resp = _open(current, addresses, guard, settings)
             try:
                 # A cut can end the headers early, and what arrived before it is no answer.

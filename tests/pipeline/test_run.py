@@ -201,7 +201,7 @@ class BudgetFetch(FakeFetch):
 
     budgets: list[int | None] = field(default_factory=list)
 
-    def __call__(self, url: str, destination: Path, remaining_job_bytes: int | None = None) -> None:
+    def __call__(self, url: RecordingUrl, destination: Path, remaining_job_bytes: int | None = None) -> None:
         self.budgets.append(remaining_job_bytes)
         super().__call__(url, destination)
 
@@ -276,7 +276,8 @@ class StopOnDownload:
     """Crash points that, instead of killing, cancel the job when a download starts."""
 
     def __init__(self, stop: StopSignal):
-        self.stop, self.points = stop, []
+        self.stop = stop
+        self.points: list[str] = []
 
     def reached(self, point: str) -> None:
         self.points.append(point)
