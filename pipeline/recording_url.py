@@ -46,13 +46,13 @@ S3_QUERY = "must not contain '?' or '#': an s3:// URL has no query or fragment"
 class RecordingUrl:
     """One parsed recording URL. Build it with ``parse_recording_url``, which checks every rule."""
 
-    text: str = field(repr=False)  # as the sender wrote it: the bytes fetched, never shown
+    text: str = field(repr=False)  # as the sender wrote it (a redirect is resolved against it); never shown
     scheme: str  # "https" or "s3", lower-cased ("S3://" is read like "s3://")
     host: str  # https: lower-cased name or IP address, without brackets; s3: the bucket
     port: int | None  # https: as written, None when absent; s3: None
     path: str  # https: the path; s3: "/" and the key, as written (S3 keys are literal)
     query: str = field(default="", repr=False)  # https only, without the '?'
-    fragment: str = field(default="", repr=False)  # never sent; kept so error text can be cut of it
+    fragment: str = field(default="", repr=False)  # never sent; kept so that error text can lose it
 
     @property
     def bucket(self) -> str:
