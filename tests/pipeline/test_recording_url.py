@@ -5,7 +5,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.recording_url import RecordingUrl, parse_recording_url
@@ -103,6 +103,7 @@ _paths = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e, blacklist
 _queries = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e, blacklist_characters="\\#"), max_size=12)
 
 
+@settings(max_examples=50)
 @given(_hosts, st.none() | st.integers(1, 65535), _paths, _queries)
 def test_the_standard_library_reads_every_accepted_url_the_same_way(host, port, path, query):
     """For any URL the parse accepts, urlsplit sees the same scheme, host, port, path and query."""
