@@ -1,5 +1,8 @@
 """Fetch one recording to disk: https:// (hardened) or s3:// (through the worker's S3 client).
 
+The URL comes parsed (``pipeline.recording_url``, in ``parse_job``), and each redirect hop is parsed
+by the same function: what the input policy checked is what is fetched.
+
 What a download guarantees, whatever happens:
 - the bytes land in ``<dest>.part`` and are renamed onto ``dest`` only once complete and fsynced, and
   the ``.part`` is removed on every failure, so a file at ``dest`` is always a whole download;
@@ -17,12 +20,14 @@ What a download guarantees, whatever happens:
 
 from __future__ import annotations
 
+import functools
 import http.client
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
+from typing import Any
+from urllib.parse import urljoin
 
 import structlog
 import urllib3
@@ -32,8 +37,10 @@ from pipeline import netguard
 from pipeline.download_guard import Cut, Guard, guard_of_this_thread
 from pipeline.part_file import part_file
 from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error
+from pipeline.recording_url import HTTPS, S3, RecordingUrl, parse_recording_url
 from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
-from worker.core.redact import redact_parsed_url
+from worker.core.faults import NEVER, CrashPoints
+from worker.core.redact import redact_url
 from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
@@ -73,8 +80,26 @@ def s3_error_is_permanent(code: str, http_status: int | None) -> bool:
     return code in {"NoSuchKey", "NoSuchBucket", "AccessDenied"} or http_status in (403, 404)
 
 
+@dataclass(frozen=True)
+class Downloader:
+    """``fetch`` with one job's fixed arguments bound: the pipeline's ``Fetcher`` (``pipeline.run``).
+
+    ``pipeline.run.PipelineTrainer`` makes one per job, with that job's stop signal.
+    """
+
+    settings: DownloadSettings
+    s3_client: Any = None
+    stop: StopSignal | None = None
+    crash_points: CrashPoints = NEVER
+
+    def __call__(self, url: RecordingUrl | str, dest: Path, *, remaining_job_bytes: int | None = None) -> int:
+        self.crash_points.reached("during_download")
+        return fetch(url, dest, settings=self.settings, s3_client=self.s3_client, stop=self.stop,
+                     remaining_job_bytes=remaining_job_bytes)
+
+
 def fetch(
-    url: str,
+    url: RecordingUrl | str,
     dest: Path,
     *,
     settings: DownloadSettings,
@@ -86,29 +111,30 @@ def fetch(
 ) -> int:
     """Download ``url`` to ``dest`` (replacing it atomically) and return the number of bytes written.
 
+    ``url`` is the value ``parse_job`` made; a str (tools, tests) is parsed here by the same function,
+    and one that does not parse is a BadRecording.
     ``remaining_job_bytes``: what the job may still download (MAX_JOB_DOWNLOAD_BYTES less what its
     other recordings took); going past it is a permanent BadRecording, like ``max_bytes``.
     """
-    dest, shown = Path(dest), redact_parsed_url(url)
+    dest = Path(dest)
+    shown = url.redacted if isinstance(url, RecordingUrl) else redact_url(url)
     if stop is not None:
         stop.raise_if_set()
     attempt = _Attempt(settings, stop, clock() + settings.timeout_s, clock)
     cap = _Cap.of(settings.max_bytes, remaining_job_bytes)
-    scheme = url.partition("://")[0].lower() if "://" in url else ""
     log.info("download.started", url=shown)
     try:
-        if scheme not in ("https", "s3"):
-            raise BadRecording(f"recording URL {shown} is neither https:// nor s3://")
+        target = url if isinstance(url, RecordingUrl) else _parsed(url)
         if cap.limit <= 0:
-            raise cap.refusal(url)
+            raise cap.refusal(target)
         try:
             with Guard(attempt.remaining_s, stop) as guard, part_file(dest) as write:
-                if scheme == "s3":
-                    size = _fetch_s3(url, write, guard, cap, s3_client)
+                if target.scheme == S3:
+                    size = _fetch_s3(target, write, guard, cap, s3_client)
                 else:
-                    size = _fetch_https(url, write, guard, cap, settings, resolver)
+                    size = _fetch_https(target, write, guard, cap, settings, resolver)
         except Cut as cut:
-            raise attempt.cut_error(url, cut.reason) from None
+            raise attempt.cut_error(target, cut.reason) from None
     except Stopped as exc:
         log.info("download.stopped", url=shown, reason=exc.reason)
         raise
@@ -118,6 +144,13 @@ def fetch(
     elapsed_s = settings.timeout_s - attempt.remaining_s()
     log.info("download.completed", url=shown, bytes=size, elapsed_s=round(elapsed_s, 3))
     return size
+
+
+def _parsed(text: str) -> RecordingUrl:
+    try:
+        return parse_recording_url(text)
+    except BadRecording as exc:
+        raise BadRecording(f"recording URL {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -132,11 +165,11 @@ class _Attempt:
     def remaining_s(self) -> float:
         return self.deadline - self.clock()
 
-    def cut_error(self, url: str, reason: str) -> WorkerError:
+    def cut_error(self, url: RecordingUrl, reason: str) -> WorkerError:
         """The error a guard firing for ``reason`` means: Stopped (with the stop's reason) or the deadline."""
         if reason == "stop" and self.stop is not None:
             self.stop.raise_if_set()
-        return DownloadError(f"{redact_parsed_url(url)}: download deadline of {self.settings.timeout_s} s exceeded")
+        return DownloadError(f"{url.redacted}: download deadline of {self.settings.timeout_s} s exceeded")
 
 
 @dataclass(frozen=True)
@@ -152,8 +185,8 @@ class _Cap:
             return cls(max(remaining_job_bytes, 0), job_wide=True)
         return cls(max_bytes, job_wide=False)
 
-    def refusal(self, url: str, declared: int | None = None) -> BadRecording:
-        shown = redact_parsed_url(url)
+    def refusal(self, url: RecordingUrl, declared: int | None = None) -> BadRecording:
+        shown = url.redacted
         if self.job_wide:
             return BadRecording(f"{shown}: the job's total download limit (MAX_JOB_DOWNLOAD_BYTES) was hit, "
                                 f"{self.limit} bytes were left for this recording")
@@ -165,33 +198,31 @@ class _Cap:
 # --- https
 
 
-def _fetch_https(url: str, write: Callable[[bytes], None], guard: Guard, cap: _Cap,
+def _fetch_https(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard, cap: _Cap,
                  settings: DownloadSettings, resolver: Resolver | None) -> int:
     current = url
     with guard.own_sockets():
         for hop in range(settings.max_redirects + 1):
             guard.check()
-            target = netguard.parse_https(current)
-            addresses = guard.call(lambda t=target: netguard.checked_addresses(
-                t.host, t.port, settings.allowed_networks, resolver))
-            pool, resp = _open(target, addresses, guard, settings, current)
+            addresses = guard.call(functools.partial(
+                netguard.checked_addresses, current.host, current.connect_port, settings.allowed_networks, resolver))
+            pool, resp = _open(current, addresses, guard, settings)
             try:
                 # A cut can end the headers early, and what arrived before it is no answer.
                 guard.check()
                 if resp.status in REDIRECT_STATUSES:
                     location = resp.headers.get("Location")
                     if not location:
-                        raise BadRecording(f"{target.redacted} answered HTTP {resp.status} without a Location")
+                        raise BadRecording(f"{current.redacted} answered HTTP {resp.status} without a Location")
                     if hop == settings.max_redirects:
-                        raise BadRecording(f"{target.redacted}: more than {settings.max_redirects} redirects, refused")
-                    following = urljoin(current, location.strip())
-                    log.info("download.redirect", status=resp.status, url=target.redacted,
-                             to=redact_parsed_url(following))
+                        raise BadRecording(f"{current.redacted}: more than {settings.max_redirects} redirects, refused")
+                    following = _redirect_target(current, location)
+                    log.info("download.redirect", status=resp.status, url=current.redacted, to=following.redacted)
                     current = following
                     continue
                 error = classify_status(resp.status)
                 if error is not None:
-                    raise error(f"{target.redacted} answered HTTP {resp.status}")
+                    raise error(f"{current.redacted} answered HTTP {resp.status}")
                 declared = _content_length(resp.headers.get("Content-Length"))
                 return _copy(resp.read1, write, declared, guard, cap, current)
             finally:
@@ -202,7 +233,21 @@ def _fetch_https(url: str, write: Callable[[bytes], None], guard: Guard, cap: _C
     raise AssertionError("unreachable: the last hop either returns or raises")
 
 
-def _open(target: netguard.HttpsTarget, addresses: list[str], guard: Guard, settings: DownloadSettings, url: str):
+def _redirect_target(current: RecordingUrl, location: str) -> RecordingUrl:
+    """The next hop: ``location`` read against ``current``, parsed like the recording was, https only."""
+    try:
+        target = parse_recording_url(urljoin(current.text, location.strip()))
+    except ValueError:  # urljoin's own refusal ("Invalid IPv6 URL"); BadRecording is not one
+        raise BadRecording(f"{current.redacted}: redirect refused, the target does not parse") from None
+    except BadRecording as exc:
+        raise BadRecording(f"{current.redacted}: redirect refused, the target is not https://host/path "
+                           f"({exc})") from None
+    if target.scheme != HTTPS:
+        raise BadRecording(f"{current.redacted}: redirect refused, the target {target.redacted} is not https")
+    return target
+
+
+def _open(target: RecordingUrl, addresses: list[str], guard: Guard, settings: DownloadSettings):
     """Send the GET to the first checked address that accepts a connection."""
     headers = {"Host": target.host_header, "Accept-Encoding": "identity", "User-Agent": "voice-worker"}
     refused = "no address"
@@ -211,7 +256,8 @@ def _open(target: netguard.HttpsTarget, addresses: list[str], guard: Guard, sett
         # The pool is keyed by the checked IP; the name only travels in SNI, the certificate check
         # and the Host header, so no second DNS answer can steer the connection.
         pool = urllib3.HTTPSConnectionPool(
-            address, target.port, timeout=urllib3.Timeout(total=guard.remaining_s() + SOCKET_TIMEOUT_SLACK_S),
+            address, target.connect_port,
+            timeout=urllib3.Timeout(total=guard.remaining_s() + SOCKET_TIMEOUT_SLACK_S),
             retries=False, maxsize=1, cert_reqs="CERT_REQUIRED", ca_certs=settings.ca_certs,
             server_hostname=target.host, assert_hostname=target.host,
         )
@@ -223,7 +269,7 @@ def _open(target: netguard.HttpsTarget, addresses: list[str], guard: Guard, sett
         except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError) as exc:
             pool.close()
             guard.check()
-            refused = describe_error(exc, url)  # nothing was sent: the next address may answer
+            refused = describe_error(exc, target)  # nothing was sent: the next address may answer
             continue
         except (ValueError, http.client.InvalidURL) as exc:
             pool.close()
@@ -232,7 +278,7 @@ def _open(target: netguard.HttpsTarget, addresses: list[str], guard: Guard, sett
         except _TRANSPORT_ERRORS as exc:
             pool.close()
             guard.check()
-            raise DownloadError(f"{target.redacted}: {describe_error(exc, url)}") from None
+            raise DownloadError(f"{target.redacted}: {describe_error(exc, target)}") from None
         return pool, resp
     raise DownloadError(f"{target.redacted}: could not connect ({refused})")
 
@@ -240,8 +286,8 @@ def _open(target: netguard.HttpsTarget, addresses: list[str], guard: Guard, sett
 # --- s3
 
 
-def _fetch_s3(url: str, write: Callable[[bytes], None], guard: Guard, cap: _Cap, s3_client) -> int:
-    bucket, key = _parse_s3(url)
+def _fetch_s3(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard, cap: _Cap, s3_client) -> int:
+    bucket, key = url.bucket, url.key
     if s3_client is None:
         raise ConfigError("an s3:// recording needs an S3 client, and none was given")
     # Idempotent (by unique_id), and inert for every call made outside a guarded thread.
@@ -254,10 +300,10 @@ def _fetch_s3(url: str, write: Callable[[bytes], None], guard: Guard, cap: _Cap,
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         error = BadRecording if s3_error_is_permanent(code, status) else DownloadError
-        raise error(f"{redact_parsed_url(url)}: S3 GetObject failed ({code or status})") from None
+        raise error(f"{url.redacted}: S3 GetObject failed ({code or status})") from None
     except _TRANSPORT_ERRORS as exc:
         guard.check()
-        raise DownloadError(f"{redact_parsed_url(url)}: S3 GetObject failed ({type(exc).__name__})") from None
+        raise DownloadError(f"{url.redacted}: S3 GetObject failed ({type(exc).__name__})") from None
     body = reply["Body"]
     try:
         # The body streams over the socket the helper thread sent on, which the guard already holds.
@@ -280,18 +326,10 @@ def _guard_s3_send(request, **_kwargs) -> None:
     return None
 
 
-def _parse_s3(url: str) -> tuple[str, str]:
-    parts = urlsplit(url)
-    bucket, key = parts.netloc, parts.path.lstrip("/")
-    if not bucket or not key or parts.query or parts.fragment or "@" in bucket:
-        raise BadRecording(f"recording URL {redact_parsed_url(url)} is not s3://bucket/key")
-    return bucket, key
-
-
 # --- shared pieces
 
 
-def _copy(read, write, declared: int | None, guard: Guard, cap: _Cap, url: str) -> int:
+def _copy(read, write, declared: int | None, guard: Guard, cap: _Cap, url: RecordingUrl) -> int:
     """Copy a body to ``write`` in chunks of at most CHUNK_BYTES, enforcing the cap, deadline and stop."""
     if declared is not None and declared > cap.limit:
         raise cap.refusal(url, declared)
@@ -308,11 +346,11 @@ def _copy(read, write, declared: int | None, guard: Guard, cap: _Cap, url: str) 
             write(chunk)
     except _TRANSPORT_ERRORS as exc:
         guard.check()
-        raise DownloadError(f"{redact_parsed_url(url)}: body interrupted ({describe_error(exc, url)})") from None
+        raise DownloadError(f"{url.redacted}: body interrupted ({describe_error(exc, url)})") from None
     # A cut read can look like the clean end of a body with no declared length.
     guard.check()
     if declared is not None and total != declared:
-        raise DownloadError(f"{redact_parsed_url(url)}: body ended after {total} of {declared} bytes")
+        raise DownloadError(f"{url.redacted}: body ended after {total} of {declared} bytes")
     return total
 
 

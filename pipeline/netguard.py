@@ -1,31 +1,25 @@
-"""Which hosts a recording may come from, and how a URL may be shown.
+"""Which hosts a recording may come from.
 
 A recording URL comes from whoever submitted the job, so without this check it could make the worker
 fetch from the cloud metadata service, a database on the private network, or its own loopback. Every
-hop of a download is parsed, resolved and checked here; the downloader then connects to the checked
-address itself, so DNS cannot answer differently between the check and the connection.
-
-Presigned URLs carry credentials in their query string: ``worker.core.redact.redact_parsed_url`` is the
-only form of a URL that may appear in a log line or an exception message.
+hop of a download is parsed (``pipeline.recording_url``), then its host resolved and checked here; the
+downloader then connects to the checked address itself, so DNS cannot answer differently between the
+check and the connection.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 import socket
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from pipeline.recording_url import RecordingUrl
 from worker.core.errors import BadRecording, DownloadError
-from worker.core.redact import redact_parsed_url, scrub_url_secrets
+from worker.core.redact import withhold
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], list[str]]
-
-HTTPS_DEFAULT_PORT = 443
 
 # DOWNLOAD_ALLOW_PRIVATE_HOSTS opens loopback and private ranges for local runs. Link-local stays shut
 # even then: 169.254.169.254 hands out the instance's cloud credentials.
@@ -37,50 +31,11 @@ LOCAL_RUN_NETWORKS: tuple[IPNetwork, ...] = tuple(
 _SHARED = ipaddress.ip_network("100.64.0.0/10")
 # IPv6 prefixes that carry an IPv4 address a gateway would forward to (NAT64 well-known prefix).
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-# Letters, digits, hyphens, underscores and dots only: anything else could smuggle bytes into the
-# Host header or the TLS server name.
-_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
 
 
-@dataclass(frozen=True)
-class HttpsTarget:
-    """One validated https:// URL, split into what the connection needs."""
-
-    host: str  # lower-case name or IP literal, without brackets
-    port: int
-    request_target: str  # path plus query: sent on the wire, never logged
-    redacted: str
-
-    @property
-    def host_header(self) -> str:
-        shown = f"[{self.host}]" if ":" in self.host else self.host
-        return shown if self.port == HTTPS_DEFAULT_PORT else f"{shown}:{self.port}"
-
-
-def describe_error(exc: BaseException, url: str) -> str:
-    """A third-party exception as ``Type: message``, with ``url``'s secrets scrubbed out."""
-    return f"{type(exc).__name__}: {scrub_url_secrets(str(exc), url)}"
-
-
-def parse_https(url: str) -> HttpsTarget:
-    """Validate one hop's URL: https, a plain host name or IP literal, no credentials in the URL."""
-    redacted = redact_parsed_url(url)
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        raise BadRecording(f"recording URL {redacted} is malformed") from None
-    if parts.scheme.lower() != "https":
-        raise BadRecording(f"recording URL {redacted} is not https")
-    if not host:
-        raise BadRecording(f"recording URL {redacted} has no host")
-    if parts.username is not None or parts.password is not None:
-        raise BadRecording(f"recording URL {redacted} carries credentials, which are not supported")
-    if not (_is_ip_literal(host) or _HOSTNAME.match(host)):
-        raise BadRecording(f"recording URL {redacted} has an invalid host name")
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return HttpsTarget(host=host, port=port or HTTPS_DEFAULT_PORT, request_target=target, redacted=redacted)
+def describe_error(exc: BaseException, url: RecordingUrl) -> str:
+    """A third-party exception as ``Type: message``, with ``url``'s query and fragment cut out."""
+    return f"{type(exc).__name__}: {withhold(str(exc), url.secrets)}"
 
 
 def refusal_reason(address: IPAddress, allowed_networks: Iterable[IPNetwork] = ()) -> str | None:
@@ -143,14 +98,6 @@ def checked_addresses(
         if reason is not None:
             raise BadRecording(f"host {host} resolves to {address} ({reason}): refused by the address policy")
     return [str(address) for address in addresses]
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _in_any(address: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:

@@ -15,23 +15,26 @@ own (tests, benchmarks): logs inside it, no earlier attempts.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
 from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
+from pipeline.downloads import DownloadSettings, Downloader
 from pipeline.files import output_problem
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
+from pipeline.recording_url import RecordingUrl
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
-from pipeline.stages import DEFAULT_GRACE_S, StageContext, end_survivors, open_step_log, run_stage
+from pipeline.stages import DEFAULT_GRACE_S, Progress, StageContext, end_survivors, open_step_log, run_stage
 from worker.core.errors import BadRecording, DownloadError, StageFailed
+from worker.core.faults import NEVER, CrashPoints
 from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
@@ -44,7 +47,7 @@ LOGS_DIR = "logs"
 
 class Recording(Protocol):
     @property
-    def url(self) -> str: ...
+    def url(self) -> RecordingUrl: ...
 
     @property
     def text(self) -> str: ...
@@ -61,9 +64,41 @@ class Job(Protocol):
     def recordings(self) -> Sequence[Recording]: ...
 
 
-# fetch(url, dest), plus remaining_job_bytes=N when the job has a download budget (JobLimits).
-Fetch = Callable[..., object]
-Progress = Callable[[str, float], None]
+class Fetcher(Protocol):
+    """What the pipeline calls to download one recording to ``dest``: ``pipeline.downloads.Downloader``.
+
+    ``remaining_job_bytes`` is passed only when the job has a download budget (``JobLimits``), so a
+    fake for a job without one may take ``(url, dest)`` alone. The result is not read: the pipeline
+    takes the size from the file, which must be whole or absent.
+    """
+
+    def __call__(self, url: RecordingUrl, dest: Path, /, *, remaining_job_bytes: int = ...) -> object: ...
+
+
+class PipelineTrainer:
+    """The pipeline as the job handler calls it (``worker.voice.job.Trainer``), built once at start-up.
+
+    The constructor takes what is the same for every job: the stages, how to download and with which
+    S3 client, the per-job limits, the stages' environment and stop grace. A call takes the job's
+    own: the job, its attempt directory, its stop signal and where its progress goes.
+    """
+
+    def __init__(self, config: PipelineConfig, downloads: DownloadSettings, *, s3_client: Any = None,
+                 limits: JobLimits | None = None, stage_env: Mapping[str, str] | None = None,
+                 grace_s: float = DEFAULT_GRACE_S, crash_points: CrashPoints = NEVER):
+        self._config = config
+        self._downloads = downloads
+        self._s3_client = s3_client
+        self._limits = limits
+        self._stage_env = stage_env
+        self._grace_s = grace_s
+        self._crash_points = crash_points
+
+    def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress, /) -> dict[str, Path]:
+        # Bound per call: every download of this job answers to this job's stop signal.
+        fetch = Downloader(self._downloads, s3_client=self._s3_client, stop=stop, crash_points=self._crash_points)
+        return run_pipeline(job, work_dir, stop, config=self._config, fetch=fetch, progress=progress,
+                            grace_s=self._grace_s, limits=self._limits, stage_env=self._stage_env)
 
 
 def work_layout(work_dir: Path) -> dict[str, Path]:
@@ -106,7 +141,7 @@ def run_pipeline(
     stop: StopSignal,
     *,
     config: PipelineConfig,
-    fetch: Fetch,
+    fetch: Fetcher,
     progress: Progress,
     grace_s: float = DEFAULT_GRACE_S,
     limits: JobLimits | None = None,
@@ -131,7 +166,7 @@ def _run(
     work_dir: Path,
     stop: StopSignal,
     config: PipelineConfig,
-    fetch: Fetch,
+    fetch: Fetcher,
     progress: Progress,
     grace_s: float,
     stage_env: Mapping[str, str] | None,
@@ -222,7 +257,7 @@ def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path
 
 
 def _download_all(
-    job: Job, downloads_dir: Path, log_dir: Path, stop: StopSignal, fetch: Fetch, progress: Progress,
+    job: Job, downloads_dir: Path, log_dir: Path, stop: StopSignal, fetch: Fetcher, progress: Progress,
     budget_bytes: int | None = None,
 ) -> list[Path]:
     recordings = list(job.recordings)

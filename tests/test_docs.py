@@ -120,7 +120,7 @@ def test_sample_job_is_a_valid_submission():
     _body, job, _key = prepare(payload, InputPolicy(recordings_bucket="voice-recordings"))
     assert job.environment == "development"
     for recording in job.recordings:
-        name = recording.url.rsplit("/", 1)[1]
+        name = recording.url.path.rsplit("/", 1)[1]
         assert (REPO / "samples" / name).is_file(), f"{recording.url} names no clip in samples/"
 
 

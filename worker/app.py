@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +9,7 @@ from pathlib import Path
 import structlog
 
 from pipeline.config import load_pipeline_config
-from pipeline.downloads import fetch as download
-from pipeline.run import run_pipeline
+from pipeline.run import PipelineTrainer
 from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.voice.artifacts import ArtifactUploader
 from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
@@ -80,22 +78,13 @@ def build_app(settings: Settings, *, session=None) -> App:
     crash_points = CrashPoints(settings.crash_at)
     metrics = Metrics.from_config(settings.metrics_config())
 
-    def fetch_recording(url: str, dest: Path, *, stop, remaining_job_bytes=None):
-        crash_points.reached("during_download")
-        return download(url, dest, settings=downloads, s3_client=s3, stop=stop,
-                        remaining_job_bytes=remaining_job_bytes)
-
-    def train(job, work_dir: Path, stop, progress):
-        fetch = functools.partial(fetch_recording, stop=stop)
-        return run_pipeline(job, work_dir, stop, config=config, fetch=fetch, progress=progress,
-                            grace_s=settings.stage_stop_grace_s,
-                            limits=limits,
-                            stage_env=stage_env)
+    trainer = PipelineTrainer(config, downloads, s3_client=s3, limits=limits, stage_env=stage_env,
+                              grace_s=settings.stage_stop_grace_s, crash_points=crash_points)
 
     handler = VoiceJobHandler(
         store=store,
         uploader=ArtifactUploader(s3, targets.bucket),
-        train=train,
+        train=trainer,
         work_root=Path(settings.work_root),
         s3_prefix=settings.s3_prefix,
         worker_id=settings.worker_id,

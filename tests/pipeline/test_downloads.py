@@ -126,6 +126,15 @@ def test_a_redirect_off_https_is_refused(base, server, ds, tmp_path, where):
     assert len(server.seen) == 1
 
 
+@pytest.mark.parametrize("where", ["open-ipv6", "backslash", "bad-host"])
+def test_a_redirect_target_is_parsed_like_the_recording(base, server, ds, tmp_path, where):
+    """A Location the recording's own rules would refuse is refused as permanent, and never requested."""
+    with pytest.raises(BadRecording, match="redirect refused"):
+        fetch(f"{base}/to/{where}", tmp_path / "r.wav", settings=ds, resolver=resolver)
+    assert len(server.seen) == 1
+    assert leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("allowed", [LOOPBACK, LOCAL_RUN_NETWORKS])
 def test_a_redirect_to_the_metadata_address_is_refused(base, ds, tmp_path, allowed):
     """A hop resolving to 169.254.169.254 is refused even when loopback/private hosts are allowed."""

@@ -1,4 +1,4 @@
-"""The address policy, URL parsing and redaction, and the status/S3 error classification (no network)."""
+"""The address policy, third-party error text, and the status/S3 error classification (no network)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.downloads import classify_status, s3_error_is_permanent
-from pipeline.netguard import checked_addresses, default_resolver, describe_error, parse_https, refusal_reason
+from pipeline.netguard import checked_addresses, default_resolver, describe_error, refusal_reason
+from pipeline.recording_url import parse_recording_url
 from tests.pipeline.tls_server import LOOPBACK, SECRET, resolver
 from worker.core.errors import BadRecording, DownloadError
-from worker.core.redact import redact_parsed_url as redact_url
 from worker.settings import load_settings
 
 
@@ -97,31 +97,10 @@ def test_ipv4_mapped_addresses_get_the_ipv4_verdict(address):
     assert (refusal_reason(mapped) is None) == (refusal_reason(address) is None)
 
 
-@pytest.mark.parametrize(
-    "url", ["http://localhost/ok", "ftp://localhost/ok", "https:///ok", "https://user:pw@localhost/ok",
-            "https://bad_host!/ok", "https://localhost:99999/ok"],
-)
-def test_only_plain_https_urls_are_accepted(url):
-    """Other schemes, missing or odd hosts, bad ports and userinfo are refused as permanent."""
-    with pytest.raises(BadRecording):
-        parse_https(url)
-
-
-@pytest.mark.parametrize(
-    ("url", "shown"),
-    [("https://user:pw@Host.example:8443/a/b.wav?X-Amz-Signature=s#frag", "https://host.example:8443/a/b.wav"),
-     ("https://[::1]/x?q=1", "https://[::1]/x"), ("s3://bucket/key.wav", "s3://bucket/key.wav"),
-     ("https://[::1/x", "<unparsable url>")],
-)
-def test_redact_url_keeps_only_scheme_host_port_and_path(url, shown):
-    """redact_url drops userinfo, query string and fragment."""
-    assert redact_url(url) == shown
-
-
 def test_third_party_error_text_is_scrubbed():
-    """A library message quoting the request target loses its query string, userinfo and fragment."""
-    url = f"https://me:pw-secret@localhost/a.wav?{SECRET}#frag-secret"
-    quoted = OSError(f"bad target '/a.wav?{SECRET}' for me:pw-secret (#frag-secret)")
+    """A library message quoting the request target loses its query string and fragment."""
+    url = parse_recording_url(f"https://localhost/a.wav?{SECRET}#frag-secret")
+    quoted = OSError(f"bad target '/a.wav?{SECRET}' (#frag-secret)")
     described = describe_error(quoted, url)
     assert described.startswith("OSError: bad target '/a.wav?")
     assert "secret" not in described

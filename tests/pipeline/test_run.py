@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,10 +10,10 @@ import boto3
 import pytest
 
 from pipeline.config import load_pipeline_config, parse_pipeline_config
-from pipeline.downloads import DownloadSettings
-from pipeline.downloads import fetch as real_fetch
+from pipeline.downloads import DownloadSettings, Downloader
 from pipeline.limits import JobLimits
-from pipeline.run import run_pipeline, verify_artifacts
+from pipeline.recording_url import RecordingUrl, parse_recording_url
+from pipeline.run import DATASET_STEP, PipelineTrainer, run_pipeline, verify_artifacts
 from tests.pipeline.test_dataset import write_inputs
 from worker.core.errors import BadRecording, DownloadError, StageFailed, Stopped
 from worker.core.stop import StopSignal
@@ -25,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Rec:
-    url: str
+    url: RecordingUrl
     text: str
 
 
@@ -40,10 +39,10 @@ class FakeJob:
 class FakeFetch:
     """Copies a synthesized file for each URL, the way the real fetch writes: complete or not at all."""
 
-    sources: dict[str, Path]
-    calls: list[str] = field(default_factory=list)
+    sources: dict[RecordingUrl, Path]
+    calls: list[RecordingUrl] = field(default_factory=list)
 
-    def __call__(self, url: str, destination: Path) -> None:
+    def __call__(self, url: RecordingUrl, destination: Path) -> None:
         self.calls.append(url)
         temp = destination.with_name(destination.name + ".part")
         shutil.copyfile(self.sources[url], temp)
@@ -53,7 +52,7 @@ class FakeFetch:
 @pytest.fixture
 def job_and_fetch(tmp_path):
     inputs = write_inputs(tmp_path / "media")
-    recordings = tuple(Rec(f"https://media.example.com/rec/{i}.audio?sig=secret", t)
+    recordings = tuple(Rec(parse_recording_url(f"https://media.example.com/rec/{i}.audio?sig=secret"), t)
                        for i, (_, t, _) in enumerate(inputs))
     fetch = FakeFetch({rec.url: path for rec, (path, _, _) in zip(recordings, inputs, strict=True)})
     return FakeJob("665f1c2e9b1e8a0012ab34cd", "en", recordings), fetch
@@ -202,7 +201,7 @@ class BudgetFetch(FakeFetch):
 
     budgets: list[int | None] = field(default_factory=list)
 
-    def __call__(self, url: str, destination: Path, remaining_job_bytes: int | None = None) -> None:
+    def __call__(self, url: RecordingUrl, destination: Path, remaining_job_bytes: int | None = None) -> None:
         self.budgets.append(remaining_job_bytes)
         super().__call__(url, destination)
 
@@ -249,23 +248,79 @@ def test_a_fetch_that_ignores_its_budget_is_caught(tmp_path, job_and_fetch, defa
                      progress=lambda s, p: None, limits=JobLimits(max_job_download_bytes=sizes[0] + 1))
 
 
-def test_real_downloads_stop_at_the_job_download_budget(tmp_path, job_and_fetch, default_config, aws):
-    """With the real fetch (moto S3), the recording that would pass the job's total is refused permanently."""
-    job, plain = job_and_fetch
+def _in_s3(job: FakeJob, sources: dict[RecordingUrl, Path]):
+    """The job's recordings uploaded to moto S3, and the job with s3:// URLs for them."""
     s3 = boto3.client("s3", region_name="us-east-1")
     s3.create_bucket(Bucket="recordings")
     recordings = []
     for index, rec in enumerate(job.recordings):
-        s3.upload_file(str(plain.sources[rec.url]), "recordings", f"r/{index}.audio")
-        recordings.append(Rec(f"s3://recordings/r/{index}.audio", rec.text))
-    job = FakeJob(job.job_id, job.language, tuple(recordings))
+        s3.upload_file(str(sources[rec.url]), "recordings", f"r/{index}.audio")
+        recordings.append(Rec(parse_recording_url(f"s3://recordings/r/{index}.audio"), rec.text))
+    return s3, FakeJob(job.job_id, job.language, tuple(recordings))
+
+
+def test_real_downloads_stop_at_the_job_download_budget(tmp_path, job_and_fetch, default_config, aws):
+    """With the trainer the worker builds (real fetch, moto S3), the recording that would pass the job's total
+    is refused permanently."""
     sizes = _sizes(*job_and_fetch)
-    fetch = functools.partial(real_fetch, settings=DownloadSettings(timeout_s=10, max_bytes=10**7), s3_client=s3)
+    s3, job = _in_s3(job_and_fetch[0], job_and_fetch[1].sources)
+    train = PipelineTrainer(default_config, DownloadSettings(timeout_s=10, max_bytes=10**7), s3_client=s3,
+                            limits=JobLimits(max_job_download_bytes=sum(sizes[:2]) + 1))
     with pytest.raises(BadRecording, match=r"s3://recordings/r/2.audio: the job's total download limit "
                                            r"\(MAX_JOB_DOWNLOAD_BYTES\) was hit, 1 bytes were left"):
-        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
-                     progress=lambda s, p: None, limits=JobLimits(max_job_download_bytes=sum(sizes[:2]) + 1))
+        train(job, tmp_path / "work", StopSignal(), lambda s, p: None)
     assert sorted(p.name for p in (tmp_path / "work/downloads").iterdir()) == ["00000.audio", "00001.audio"]
+
+
+class StopOnDownload:
+    """Crash points that, instead of killing, cancel the job when a download starts."""
+
+    def __init__(self, stop: StopSignal):
+        self.stop = stop
+        self.points: list[str] = []
+
+    def reached(self, point: str) -> None:
+        self.points.append(point)
+        self.stop.set("cancelled")
+
+
+def test_each_download_answers_to_the_stop_signal_of_its_own_job(tmp_path, job_and_fetch, default_config, aws):
+    """The trainer, built once, hands every call's downloads that call's stop signal and reaches the crash point."""
+    s3, job = _in_s3(job_and_fetch[0], job_and_fetch[1].sources)
+    first, second = StopSignal(), StopSignal()
+    crash_points = StopOnDownload(first)
+    train = PipelineTrainer(default_config, DownloadSettings(timeout_s=10), s3_client=s3,
+                            crash_points=crash_points)  # type: ignore[arg-type]
+    with pytest.raises(Stopped, match="cancelled"):
+        train(job, tmp_path / "first", first, lambda s, p: None)
+    assert crash_points.points == ["during_download"] and not (tmp_path / "first/downloads/00000.audio").exists()
+    crash_points.stop = StopSignal()  # another job's signal: the second job's downloads do not answer to it
+    with pytest.raises(DownloadsDone):
+        train(job, tmp_path / "second", second, _end_after_downloads)
+    assert len(list((tmp_path / "second/downloads").glob("*.audio"))) == len(job.recordings)
+
+
+class DownloadsDone(Exception):
+    pass
+
+
+def _end_after_downloads(step: str, _percent: float) -> None:
+    if step == DATASET_STEP:  # reported once every recording is on disk
+        raise DownloadsDone
+
+
+def test_a_downloader_carries_what_is_bound_to_it(tmp_path, aws):
+    """Downloader(settings, s3_client, stop) is fetch with those arguments: a set stop means no request at all."""
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket="recordings")
+    s3.put_object(Bucket="recordings", Key="r/a.audio", Body=b"12345")
+    url = parse_recording_url("s3://recordings/r/a.audio")
+    assert Downloader(DownloadSettings(), s3_client=s3)(url, tmp_path / "a") == 5
+    stopped = StopSignal()
+    stopped.set("shutdown")
+    with pytest.raises(Stopped, match="shutdown"):
+        Downloader(DownloadSettings(), s3_client=s3, stop=stopped)(url, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
 
 
 def five_artifacts(output_dir: Path, config) -> None:

@@ -91,6 +91,9 @@ class _Handler(BaseHTTPRequestHandler):
             "metadata": f"https://metadata.test:{port}/ok",
             "absolute": f"https://rebind.test:{port}/ok",
             "s3": "s3://bucket/key",
+            "open-ipv6": "https://[::1/ok",  # urljoin itself refuses it
+            "backslash": f"https://localhost:{port}\\@metadata.test/ok",
+            "bad-host": f"https://bad_host.test:{port}/ok",
         }[arg]
         self._head(302, {"Location": location, "Content-Length": "0"})
 

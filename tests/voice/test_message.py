@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.recording_url import parse_recording_url
 from worker.core.errors import InvalidMessage
 from worker.voice.message import (
     Job,
     Recording,
     job_id_hint,
     parse_job,
-    split_s3_url,
 )
 from worker.core.names import SAFE_NAME
 from worker.core.redact import redact_url
@@ -76,8 +76,8 @@ def test_valid_message_round_trips_with_extra_fields_kept():
     assert (job.job_id, job.profile_id) == ("665f1c2e9b1e8a0012ab34cd", "665f1c2e9b1e8a0012ab34ce")
     assert (job.environment, job.directory_name, job.language) == ("staging", "user-123-voice-1", "pt-BR")
     assert job.recordings == (
-        Recording(url="https://media.example.com/rec/1.wav", text="Hello there."),
-        Recording(url="s3://voice-media/rec/2.wav", text="General Kenobi."),
+        Recording(url=parse_recording_url("https://media.example.com/rec/1.wav"), text="Hello there."),
+        Recording(url=parse_recording_url("s3://voice-media/rec/2.wav"), text="General Kenobi."),
     )
     assert job.doc == body["_doc"]
     assert job.body == body  # callbackUrl, metadata.gender and input[1].n all kept
@@ -107,7 +107,13 @@ def test_job_is_frozen():
 def test_job_constructed_directly_still_rejects_unsafe_names():
     """Building a Job by hand cannot smuggle a path-traversing name past the rules."""
     with pytest.raises(ValueError, match="jobId"):
-        Job(job_id="../x", profile_id="p", directory_name="d", recordings=(Recording("https://h/a", "t"),))
+        Job(job_id="../x", profile_id="p", directory_name="d", recordings=(Recording(parse_recording_url("https://h/a"), "t"),))
+
+
+def test_a_recording_holds_a_parsed_url_never_raw_text():
+    """A Recording built by hand from a plain string is refused: only parse_recording_url makes its URL."""
+    with pytest.raises(TypeError, match="RecordingUrl"):
+        Recording("https://h/a", "t")  # type: ignore[arg-type]
 
 
 def test_name_of_128_chars_accepted():
@@ -127,8 +133,8 @@ def test_name_of_128_chars_accepted():
     ],
 )
 def test_good_recording_urls(url):
-    """Presigned, ported, IPv6, IP and dotted-bucket URLs are all accepted unchanged."""
-    assert parse_job(json.dumps(changed(("input", 0, "recordingUrl"), url))).recordings[0].url == url
+    """Presigned, ported, IPv6, IP and dotted-bucket URLs are all accepted, their text unchanged."""
+    assert parse_job(json.dumps(changed(("input", 0, "recordingUrl"), url))).recordings[0].url.text == url
 
 
 # ---------------------------------------------------------------- one malformed case, one line
@@ -383,11 +389,13 @@ def _assert_job_or_invalid(raw: str | bytes) -> Job | None:
     assert job.environment in ("development", "staging", "production")
     assert job.recordings and all(r.text.strip() for r in job.recordings)
     for recording in job.recordings:
-        # The standard library's parser must see the host we validated, with no credentials.
-        parts = urlsplit(recording.url)
-        assert parts.scheme.lower() in ("https", "s3") and parts.hostname and not parts.username
-        if parts.scheme.lower() == "s3":
-            assert split_s3_url(recording.url) == (parts.netloc, parts.path[1:]) and parts.path[1:]
+        # The standard library's parser must read every accepted URL as we did, with no credentials.
+        url, parts = recording.url, urlsplit(recording.url.text)
+        assert (url.scheme, url.host, url.port, url.path) == (parts.scheme.lower(), parts.hostname, parts.port,
+                                                              parts.path)
+        assert not parts.username and url.query == parts.query
+        if url.scheme == "s3":
+            assert (url.bucket, url.key) == (parts.netloc, parts.path[1:]) and url.key
     return job
 
 

@@ -99,3 +99,17 @@ def test_recorded_messages_logs_and_scrubbed_text_carry_no_control_characters():
     """redact_text (records, DLQ attributes) and scrub (logs, Sentry, dlq list) both strip them."""
     for shown in (redact_text(ESCAPES), scrub(ESCAPES)):
         assert shown == "boom"
+
+
+@pytest.mark.parametrize("text,shown", [
+    ("https://u:p'w@h.example/a", "https://h.example/a"),                    # a quote in the password
+    ("https://h.example/a?name=O'Brien&sig=s3cr3t", "https://h.example/a"),  # a quote in the query
+    ("https://u:p?w@h.example/a", "https://<redacted>"),                     # '?' before the '@'
+    ("ftp://h.example/a?sig=s3cr3t", "ftp://h.example/a"),                   # any scheme
+    ("mongodb://u:pw@h/db?w=s3cr3t", "mongodb://h/db"),
+    ('{"url": "https://h.example/a?sig=s3cr3t", "n": 1}', '{"url": "https://h.example/a", "n": 1}'),
+    ("(see <https://h.example/a?sig=s3cr3t>).", "(see <https://h.example/a>)."),
+])
+def test_logs_records_and_dead_letters_share_one_reading_of_a_url(text, shown):
+    """The log scrub is redact_text: a URL runs to whitespace, and only its closing punctuation is kept."""
+    assert scrub(text) == redact_text(text) == shown

@@ -1,30 +1,25 @@
 """Structured logs: JSON lines by default, readable console output with LOG_FORMAT=console.
 
-A last line of defence scrubs URL query strings, fragments and userinfo from every string value, since
-presigned URLs carry credentials, and masks other credential shapes (``worker.core.redact.redact_secrets``:
-userinfo in any scheme's URL, AWS key ids, ``password=...``); message bodies are never logged at all.
-Terminal escape sequences and control characters (a stage's stderr in an error) are dropped too
-(``worker.core.redact.strip_control``).
+A last line of defence passes every string value through ``worker.core.redact.redact_text``, the same
+verb that makes an error message safe for a record or a dead letter: URLs of any scheme are cut to
+scheme://host/path (presigned URLs carry credentials in their query), other credential shapes are
+masked (userinfo, AWS key ids, ``password=...``), and terminal escape sequences and control
+characters (a stage's stderr in an error) are dropped. Message bodies are never logged at all.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from typing import Any
 
 import structlog
 
-from worker.core.redact import redact_secrets, strip_control
+from worker.core.redact import redact_text
 
-_URL = re.compile(r"\b((?:https?|s3)://)(?:[^\s/@?#]*@)?([^\s?#]*)(?:\?[^\s#]*)?(?:#\S*)?", re.I)
-
-
-def scrub(text: str) -> str:
-    """``text`` with every http(s)/s3 URL cut down to scheme://host/path and secret shapes masked, and
-    no terminal control sequence (console logs and command output reach terminals)."""
-    return redact_secrets(_URL.sub(lambda m: m.group(1) + m.group(2), strip_control(text)))
+# One rule for what a URL or a secret may show, wherever the text goes: records, dead letters, logs,
+# Sentry and the operators' terminals (``dlq list``, ``reconcile``) all get redact_text's reading.
+scrub = redact_text
 
 
 # Deep enough for any log field or Sentry event; a bound keeps a cyclic structure from recursing forever.

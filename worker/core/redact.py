@@ -3,10 +3,11 @@
 Recording URLs may be presigned (credentials in the query string) or carry userinfo, so what is
 shown of a URL is its scheme, host, port and path: never its userinfo, query or fragment.
 
-Two readings exist on purpose. ``redact_url`` reads any text that looks like a URL, however broken,
-because it echoes what a client sent. ``redact_parsed_url`` shows a URL the downloader is about to
-fetch the way ``urllib.parse`` reads it (the host it will connect to), and refuses to guess about
-one it cannot parse.
+The verbs: ``redact_url`` reads any text that looks like a URL, however broken, because it echoes
+what a client sent; ``redact_urls_in_text`` applies it to every URL in free text; ``show`` is the
+short, quoted echo of a rejected value; ``withhold`` cuts known secrets (a parsed URL's query) out
+of a third party's text; ``redact_secrets`` and ``redact_text`` are below. A recording URL that
+parsed shows itself (``pipeline.recording_url.RecordingUrl.redacted``): the host it will connect to.
 
 Free text that did not come from us (a stage's log tail, a library's error) may hold credentials in
 other shapes too; ``redact_secrets`` masks the well-known ones: userinfo in a URL of any scheme
@@ -25,12 +26,17 @@ would move the cursor back to overwrite a line with a forged one (it becomes a l
 
 from __future__ import annotations
 
+import json
 import re
-from urllib.parse import urlsplit
+from collections.abc import Iterable
 
-UNPARSABLE = "<unparsable url>"
+MAX_SHOWN_CHARS = 80
 _QUERY_START = re.compile(r"[?#]")
-_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s\"'<>]*")
+# A URL in free text runs to the next whitespace, quotes and brackets included: a password or a query
+# may hold a quote, and cutting there would leave the rest of it in view. Closing punctuation at its
+# very end (a quote, a bracket, a comma) is the surrounding text's, and is put back after redaction.
+_URL_IN_TEXT = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://\S*")
+_AFTER_URL = "\"'<>)]}.,;:!"
 MASK = "***"
 # Greedy up to the last '@' before the host, so a password holding an unescaped '@' is covered too.
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s/?#\"'<>]*@")
@@ -94,40 +100,32 @@ def redact_url(url: str) -> str:
 
 def redact_urls_in_text(text: str) -> str:
     """Every URL inside free text (e.g. a botocore error) reduced by ``redact_url``."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    return _URL_IN_TEXT.sub(_redact_found_url, text)
 
 
-def redact_parsed_url(url: str) -> str:
-    """``url`` as ``urlsplit`` reads it: scheme://host[:port]/path, scheme and host lower-cased.
-
-    ``<unparsable url>`` when it does not parse or has no scheme or host.
-    """
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return UNPARSABLE
-    if not parts.scheme or not host:
-        return UNPARSABLE
-    shown = f"[{host}]" if ":" in host else host
-    if port is not None:
-        shown = f"{shown}:{port}"
-    return f"{parts.scheme.lower()}://{shown}{parts.path}"
+def _redact_found_url(match: re.Match) -> str:
+    found = match.group(0)
+    url = found.rstrip(_AFTER_URL)  # rstrip, not a regex look-ahead: linear however long the run
+    return redact_url(url) + found[len(url):]
 
 
-def scrub_url_secrets(text: str, url: str) -> str:
-    """``text`` with every secret part of ``url`` (query, userinfo, fragment) cut out.
+def withhold(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each of ``secrets`` (a URL's query and fragment, say) replaced by ``<redacted>``.
 
     Third-party exception messages sometimes quote the request target; this makes them safe to keep.
+    The longest secret goes first, so one that contains another is cut out whole.
     """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<details withheld: unparsable url>"
-    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
-    for secret in sorted({parts.query, userinfo, parts.fragment} - {""}, key=len, reverse=True):
+    for secret in sorted(set(secrets) - {""}, key=len, reverse=True):
         text = text.replace(secret, "<redacted>")
     return text
+
+
+def show(value: object) -> str:
+    """A short, quoted, escaped echo of a rejected value, with any URL in it redacted."""
+    text = redact_urls_in_text(value if isinstance(value, str) else json.dumps(value, default=str))
+    if len(text) > MAX_SHOWN_CHARS:
+        text = text[: MAX_SHOWN_CHARS - 1] + "…"
+    return repr(text)
 
 
 def redact_secrets(text: str) -> str:

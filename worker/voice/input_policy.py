@@ -9,24 +9,15 @@ never the other way round.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from worker.core.redact import redact_urls_in_text
+from pipeline.recording_url import S3, RecordingUrl
+from worker.core.redact import show
 
 # The most one SQS message can carry: anything bigger never came from the queue, and is not parsed.
 SQS_MAX_BODY_BYTES = 1024 * 1024
 PROFILE_PLACEHOLDER = "{profileId}"
 DEFAULT_KEY_PREFIX = "recordings/{profileId}/"
-MAX_SHOWN_CHARS = 80
-
-
-def show(value: object) -> str:
-    """A short, quoted, escaped echo of a rejected value, with any URL in it redacted."""
-    text = redact_urls_in_text(value if isinstance(value, str) else json.dumps(value, default=str))
-    if len(text) > MAX_SHOWN_CHARS:
-        text = text[: MAX_SHOWN_CHARS - 1] + "…"
-    return repr(text)
 
 
 def key_prefix_problem(prefix: str) -> str | None:
@@ -62,18 +53,17 @@ class InputPolicy:
     def key_prefix_for(self, profile_id: str) -> str:
         return self.recordings_key_prefix.replace(PROFILE_PLACEHOLDER, profile_id)
 
-    def recording_url_problem(self, url: str, profile_id: str | None) -> str | None:
-        """Why this well-formed recording URL is out of bounds for ``profile_id``'s job, or None.
+    def recording_url_problem(self, url: RecordingUrl, profile_id: str | None) -> str | None:
+        """Why this parsed recording URL is out of bounds for ``profile_id``'s job, or None.
 
         ``profile_id`` is None when the message's own profileId is unusable (reported on its own):
         the bucket and the key's segments are still checked, the per-profile prefix cannot be.
         """
-        scheme, _, rest = url.partition("://")
-        if not self.scope_s3 or scheme.lower() != "s3":  # "S3://" is fetched like "s3://"
+        if not self.scope_s3 or url.scheme != S3:  # the parse lower-cased it: "S3://" is s3 too
             return None
         if self.recordings_bucket is None:
             return "s3:// recordings are refused: RECORDINGS_S3_BUCKET is not configured"
-        bucket, _, key = rest.partition("/")
+        bucket, key = url.bucket, url.key
         if bucket != self.recordings_bucket:
             return (f"s3:// recordings must be in bucket {self.recordings_bucket!r} "
                     f"(RECORDINGS_S3_BUCKET), got {show(bucket)}")

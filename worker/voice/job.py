@@ -52,9 +52,10 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -92,10 +93,21 @@ from worker.voice.publish import models_dir_for, publish_all, published_rel
 from worker.voice.records.rules import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, is_complete, utc_now)
 from worker.voice.records import Store
 
+if TYPE_CHECKING:
+    from pipeline.run import Progress
+
 log = structlog.get_logger(__name__)
 
-# train(job, work_dir, stop, progress) -> {asset: local path}; the pipeline in production.
-Train = Callable[[Job, Path, StopSignal, Callable[[str, float], None]], dict[str, Path]]
+
+class Trainer(Protocol):
+    """What turns a claimed job into its five artifacts: ``pipeline.run.PipelineTrainer`` in production.
+
+    A fake is anything with this call shape. ``progress(step, percent)`` writes the record's
+    progress; ``stop`` is the attempt's own stop signal, to be honoured by every step.
+    """
+
+    def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress, /) -> dict[str, Path]: ...
+
 
 OUTPUT_DIR = "output"  # the pipeline's artifact directory inside an attempt's work dir
 LOGS_DIR = "logs"  # kept after the commit: what an operator reads when asking how a job went
@@ -268,7 +280,7 @@ def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | 
 
 
 class VoiceJobHandler:
-    def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Train, work_root: Path,
+    def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Trainer, work_root: Path,
                  s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
                  metrics: Metrics = NULL_METRICS, policy: InputPolicy = InputPolicy(),
                  keep_work_files: bool = False, models_root: Path | None = None):

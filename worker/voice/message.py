@@ -3,26 +3,26 @@
 ``jobId``, ``profileId`` and ``metadata.directoryName`` become file path components and S3 key
 parts, so they must each be one safe name. Recording URLs may be presigned (credentials in the query
 string), so nothing here ever echoes a URL's query, fragment or userinfo back into an error line.
-Where s3:// recordings may live and how much input a job may list is an ``InputPolicy``
+Each is parsed once, here, into a ``RecordingUrl`` (``pipeline.recording_url``): the value the
+input policy scopes is the value the downloader fetches. Where s3:// recordings may live and how much input a job may list is an ``InputPolicy``
 (worker/voice/input_policy.py), passed in by the caller.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import re
-import unicodedata
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       ValidationInfo)
 
-from worker.core.errors import InvalidMessage
-from worker.voice.input_policy import MAX_SHOWN_CHARS, SHAPE_ONLY, InputPolicy, body_size_problem, show
+from pipeline.recording_url import RecordingUrl, parse_recording_url
+from worker.core.errors import BadRecording, InvalidMessage
+from worker.voice.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
 from worker.core.names import SAFE_NAME
-from worker.core.redact import redact_url
+from worker.core.redact import MAX_SHOWN_CHARS, show
 
 ENVIRONMENTS = ("development", "staging", "production")
 DEFAULT_ENVIRONMENT = "production"
@@ -31,9 +31,6 @@ DEFAULT_LANGUAGE = "en"
 # The language reaches the trainer's argv: a code like "en", "pt-BR" or "zh_Hans", never an option.
 _LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
 _SAFE_NAME = re.compile(SAFE_NAME)
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-_ASCII_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
 
 MAX_PROBLEM_LINES = 20
 
@@ -43,8 +40,12 @@ MAX_PROBLEM_LINES = 20
 
 @dataclass(frozen=True, slots=True)
 class Recording:
-    url: str
+    url: RecordingUrl  # parsed once, in parse_job: the policy scoped this value and fetch gets it
     text: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, RecordingUrl):
+            raise TypeError(f"Recording.url must be a parsed RecordingUrl, got {type(self.url).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,85 +112,12 @@ def text_problem(value: str) -> str | None:
     return None if value.strip() else "must not be empty or only whitespace"
 
 
-def url_problem(url: str) -> str | None:
-    """Why ``url`` is not a fetchable ``https://host/path`` or ``s3://bucket/key``, or None."""
-    if _has_space_or_control(url):
-        return "must not contain whitespace or control characters"
-    if "\\" in url:
-        # Parsers disagree on backslashes ("https://a\\@b/"): refuse rather than guess the host.
-        return "must not contain backslashes"
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("https", "s3"):
-        return f"must be https://host/path or s3://bucket/key, got {show(redact_url(url))}"
-    # RFC 3986: the authority ends at the first '/', '?' or '#'.
-    authority, after = re.match(r"([^/?#]*)(.*)", rest, re.DOTALL).groups()
-    if "@" in authority:
-        return "must not contain user credentials (user:password@)"
-    if scheme.lower() == "s3":
-        return _s3_problem(authority, after)
-    return _https_problem(authority, after)
-
-
-def _has_space_or_control(text: str) -> bool:
-    if text.isascii():  # the common case, without a per-character Unicode lookup
-        return _ASCII_SPACE_OR_CONTROL.search(text) is not None
-    return any(ch.isspace() or unicodedata.category(ch).startswith("C") for ch in text)
-
-
-def _https_problem(authority: str, after: str) -> str | None:
-    if not authority:
-        return "has no host"
-    host, port = _split_port(authority)
-    if port is not None and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        return f"has an invalid port in {show(redact_url('https://' + authority))}"
-    if not _valid_host(host):
-        return f"has an invalid host {show(host)}"
-    if re.split(r"[?#]", after, maxsplit=1)[0] in ("", "/"):
-        return f"has no path to a recording: {show(redact_url('https://' + authority + '/'))}"
-    return None
-
-
-def _s3_problem(bucket: str, after: str) -> str | None:
-    if not _valid_bucket(bucket):
-        return f"has an invalid S3 bucket name {show(bucket)}"
-    if "?" in after or "#" in after:
-        # Keys may hold '?'/'#' but URL parsers would cut them off: refuse the ambiguity.
-        return "must not contain '?' or '#': an s3:// URL has no query or fragment"
-    if after in ("", "/"):
-        return "has an empty S3 key"
-    return None
-
-
-def _split_port(authority: str) -> tuple[str, str | None]:
-    if authority.startswith("["):  # an IPv6 literal: its colons are not the port separator
-        host, bracket, after = authority.partition("]")
-        return host + bracket, (after[1:] if after.startswith(":") else after or None)
-    host, sep, port = authority.partition(":")
-    return host, (port if sep else None)
-
-
-def _valid_host(host: str) -> bool:
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return bool(ipaddress.IPv6Address(host[1:-1]))
-        except ValueError:
-            return False
-    labels = host.removesuffix(".").split(".")
-    return len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
-
-
-def _valid_bucket(bucket: str) -> bool:
-    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
-        return False
-    return not re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket)  # no IP-address-shaped names
-
-
-def split_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/key`` -> (bucket, key), for a URL that ``url_problem`` accepted."""
-    bucket, _, key = url.partition("://")[2].partition("/")
-    return bucket, key
-
-
+def recording_url(text: str) -> RecordingUrl:
+    """``text`` parsed (``pipeline.recording_url``), its refusal re-raised as a schema problem."""
+    try:
+        return parse_recording_url(text)
+    except BadRecording as exc:
+        raise ValueError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- the wire schema
@@ -226,7 +154,7 @@ def _policy_rule(problem_of, validator=AfterValidator):
     return validator(check)
 
 
-# After the well-formedness rule, so only a URL that parsed is checked for where it points.
+# After the parse, so only a URL that parsed is checked for where it points.
 _in_scope = _policy_rule(lambda policy, url, ctx: policy.recording_url_problem(url, ctx.get("profile_id")))
 _not_too_long = _policy_rule(lambda policy, text, _ctx: policy.text_length_problem(text))
 # Before: an over-long list is refused without validating each of its entries first.
@@ -235,7 +163,8 @@ _not_too_many = _policy_rule(lambda policy, items, _ctx: isinstance(items, list)
 
 
 class _RecordingIn(_Wire):
-    recordingUrl: Annotated[str, _rule(url_problem), _in_scope]
+    # Parsed first (a str in, a RecordingUrl out), so the scope checks the value that is fetched.
+    recordingUrl: Annotated[str, AfterValidator(recording_url), _in_scope]
     originalText: Annotated[str, _rule(text_problem), _not_too_long]
 
 
@@ -277,7 +206,9 @@ def parse_job(body: str | bytes, policy: InputPolicy = SHAPE_ONLY) -> Job:
         environment=wire.environment or DEFAULT_ENVIRONMENT,
         directory_name=wire.metadata.directoryName,
         language=wire.metadata.language or DEFAULT_LANGUAGE,
-        recordings=tuple(Recording(url=r.recordingUrl, text=r.originalText) for r in wire.input),
+        # The field is declared str (the strict type check and its wording); its validator parsed it.
+        recordings=tuple(Recording(url=cast(RecordingUrl, r.recordingUrl), text=r.originalText)
+                         for r in wire.input),
         doc=raw["_doc"],
         body=raw,
     )
