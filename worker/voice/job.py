@@ -68,10 +68,10 @@ from worker.voice.artifacts import (
 )
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.errors import (
+    AlreadyFailed,
     InvalidMessage,
     JobBusy,
     LeaseLost,
-    PermanentError,
     StageFailed,
     StaleWrite,
     StoreError,
@@ -103,21 +103,6 @@ ATTEMPTS_DIR = "attempts"  # one directory per attempt inside the job's work dir
 # Below WORK_ROOT by default; a name starting with a dot is never an environment name (SAFE_NAME),
 # so the models tree cannot meet a job's work directory.
 DEFAULT_MODELS_DIR = ".models"
-
-
-class AlreadyFailed(PermanentError):
-    """A redelivery of a message whose permanent failure is recorded: dead-lettered again, unworked.
-
-    ``error_type`` is the recorded one, so the DLQ copy says what actually went wrong.
-    """
-
-    def __init__(self, error_type: str, message: str):
-        super().__init__(message)
-        self.recorded_type = error_type
-
-    @property
-    def error_type(self) -> str:
-        return self.recorded_type
 
 
 def unexpected(exc: Exception) -> UnexpectedError:
