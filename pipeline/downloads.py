@@ -29,7 +29,7 @@ import urllib3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline import netguard
-from pipeline.download_guard import Cut, Guard, guard_of_this_thread
+from pipeline.download_guard import Cut, CutReason, Guard, guard_of_this_thread
 from pipeline.part_file import part_file
 from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error
 from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
@@ -141,9 +141,9 @@ class _Attempt:
     def remaining_s(self) -> float:
         return self.deadline - self.clock()
 
-    def cut_error(self, url: str, reason: str) -> WorkerError:
+    def cut_error(self, url: str, reason: CutReason) -> WorkerError:
         """The error a guard firing for ``reason`` means: Stopped (with the stop's reason) or the deadline."""
-        if reason == "stop" and self.stop is not None:
+        if reason == CutReason.STOP and self.stop is not None:
             self.stop.raise_if_set()
         return DownloadError(f"{redact_parsed_url(url)}: download deadline of {self.settings.timeout_s} s exceeded")
 
