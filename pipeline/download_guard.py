@@ -30,6 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from typing import TypeVar
 
 from worker.core.stop import StopSignal
@@ -45,10 +46,17 @@ _hook_lock = threading.Lock()
 _hook_installed = False
 
 
-class Cut(Exception):
-    """The guard fired; ``reason`` is "stop" or "deadline". The downloader turns it into its error."""
+class CutReason(StrEnum):
+    """Why a guard fired."""
 
-    def __init__(self, reason: str):
+    STOP = "stop"  # the stop signal was set: the download ends as the stop's ``Stopped``
+    DEADLINE = "deadline"  # the download's own deadline passed
+
+
+class Cut(Exception):
+    """The guard fired for ``reason``. The downloader turns it into its error."""
+
+    def __init__(self, reason: CutReason):
         super().__init__(f"download cut: {reason}")
         self.reason = reason
 
@@ -59,7 +67,7 @@ class Guard:
     def __init__(self, remaining_s: Callable[[], float], stop: StopSignal | None):
         self.remaining_s = remaining_s
         self.stop = stop
-        self.fired: str | None = None
+        self.fired: CutReason | None = None
         self._lock = threading.Lock()
         self._sockets: dict[int, socket.socket] = {}  # socket inode -> our duplicate of it
         self._helpers = 0  # helper threads of ``call`` still running, left behind or not
@@ -81,9 +89,9 @@ class Guard:
         """Raise ``Cut`` when the guard fired, a stop was requested or the deadline has passed."""
         if self.fired is None:
             if self.stop is not None and self.stop.is_set():
-                self._fire("stop")
+                self._fire(CutReason.STOP)
             elif self.remaining_s() <= 0:
-                self._fire("deadline")
+                self._fire(CutReason.DEADLINE)
         if self.fired is not None:
             raise Cut(self.fired)
 
@@ -192,13 +200,13 @@ class Guard:
     def _watch(self) -> None:
         while not self._done.wait(POLL_S):
             if self.stop is not None and self.stop.is_set():
-                self._fire("stop")
+                self._fire(CutReason.STOP)
                 return
             if self.remaining_s() <= 0:
-                self._fire("deadline")
+                self._fire(CutReason.DEADLINE)
                 return
 
-    def _fire(self, reason: str) -> None:
+    def _fire(self, reason: CutReason) -> None:
         with self._lock:
             if self.fired is not None:
                 return

@@ -34,7 +34,7 @@ import urllib3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline import netguard
-from pipeline.download_guard import Cut, Guard, guard_of_this_thread
+from pipeline.download_guard import Cut, CutReason, Guard, guard_of_this_thread
 from pipeline.part_file import part_file
 from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error
 from pipeline.recording_url import HTTPS, S3, RecordingUrl, parse_recording_url
@@ -165,9 +165,9 @@ class _Attempt:
     def remaining_s(self) -> float:
         return self.deadline - self.clock()
 
-    def cut_error(self, url: RecordingUrl, reason: str) -> WorkerError:
+    def cut_error(self, url: RecordingUrl, reason: CutReason) -> WorkerError:
         """The error a guard firing for ``reason`` means: Stopped (with the stop's reason) or the deadline."""
-        if reason == "stop" and self.stop is not None:
+        if reason == CutReason.STOP and self.stop is not None:
             self.stop.raise_if_set()
         return DownloadError(f"{url.redacted}: download deadline of {self.settings.timeout_s} s exceeded")
 

@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from worker.core.errors import BadRecording, DownloadError, LeaseLost, Stopped, TimeLimitExceeded
-from worker.core.loop import Action, decide
+from worker.core import errors
+from worker.core.errors import (
+    Action,
+    AlreadyFailed,
+    BadRecording,
+    ConfigError,
+    DownloadError,
+    LeaseLost,
+    PermanentError,
+    RetryableError,
+    StopReason,
+    Stopped,
+    TimeLimitExceeded,
+    WorkerError,
+)
+from worker.core.loop import decide
 from worker.core.metrics import OUTCOME_METRICS, Outcome, outcome_of
+from worker.core.stop import StopSignal
+
+# Every exception class errors.py defines, by name.
+TREE = {name: cls for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, WorkerError) and cls.__module__ == errors.__name__}
 
 
 @pytest.mark.parametrize("outcome,lease_lost,action", [
     (None, False, Action.ACK),
     (None, True, Action.ABANDON),
     (DownloadError("timeout"), False, Action.RETRY),
+    (DownloadError("timeout"), True, Action.ABANDON),
     (BadRecording("not audio"), False, Action.DEAD_LETTER),
+    (AlreadyFailed("BadRecording", "not audio"), False, Action.DEAD_LETTER),
+    (ConfigError("no S3 client"), False, Action.RETRY),
     (LeaseLost("handle rejected"), False, Action.ABANDON),
     (Stopped(Stopped.SHUTDOWN), False, Action.RELEASE),
     (Stopped(Stopped.LEASE_LOST), False, Action.ABANDON),
     (Stopped(Stopped.CANCELLED), False, Action.RETRY),
+    (Stopped(Stopped.SHUTDOWN), True, Action.ABANDON),
 ])
 def test_each_result_maps_to_one_action(outcome, lease_lost, action):
     """Every handler result and lease state gives exactly the action of the design's table."""
@@ -29,6 +54,67 @@ def test_a_time_limit_stop_is_dead_lettered_as_time_limit_exceeded():
     """A stop for the job's time limit is permanent: dead-lettered with TimeLimitExceeded."""
     decision = decide(Stopped(Stopped.TIME_LIMIT), False)
     assert decision.action is Action.DEAD_LETTER and isinstance(decision.error, TimeLimitExceeded)
+
+
+def test_the_most_specific_class_names_the_action():
+    """A class takes its branch's action unless it names its own, which then wins for it and below."""
+    class Exhausted(DownloadError):
+        pass
+
+    class Refused(PermanentError):
+        action = Action.RELEASE
+
+    class RefusedAgain(Refused):
+        pass
+
+    assert decide(Exhausted("x"), False).action is Action.RETRY
+    assert decide(Refused("x"), False).action is Action.RELEASE
+    assert decide(RefusedAgain("x"), False).action is Action.RELEASE
+
+
+@pytest.mark.parametrize("reason,action", [
+    ("shutdown", Action.RELEASE), ("cancelled", Action.RETRY), ("lease_lost", Action.ABANDON),
+    ("time_limit", Action.DEAD_LETTER),
+])
+def test_a_stop_takes_the_action_its_reason_names(reason, action):
+    """Stopped converts its reason to a StopReason, which names its action; the message keeps the reason's text."""
+    stopped = Stopped(reason, "why")
+    assert stopped.reason is StopReason(reason) and stopped.action is action
+    assert str(stopped) == f"stopped: {reason} (why)"
+
+
+def test_an_unknown_stop_reason_is_refused_where_it_is_given():
+    """A reason no StopReason names is a ValueError, from Stopped and from the stop signal alike."""
+    with pytest.raises(ValueError):
+        Stopped("bored")
+    signal = StopSignal()
+    with pytest.raises(ValueError):
+        signal.set("bored")
+    assert not signal.is_set()
+
+
+def test_retryable_is_exactly_the_retryable_branch():
+    """An error is recorded retryable when its class lies under RetryableError, and only then."""
+    for cls in TREE.values():
+        error = cls.__new__(cls)
+        assert error.retryable is issubclass(cls, RetryableError), cls.__name__
+    assert LeaseLost("x").retryable is False and AlreadyFailed("StageFailed", "x").retryable is False
+
+
+def test_the_docstring_draws_every_error_under_its_parent():
+    """errors.py's drawing names every class it defines, each under the class it derives from."""
+    drawn = {}
+    parents: list[str] = []
+    for line in errors.__doc__.splitlines():
+        root = re.match(r"^ {4}([A-Z]\w+)", line)
+        branch = re.match(r"^ {4}((?:[│ ] {3})*)[├└]── ([A-Z]\w+)", line)
+        if root or branch:
+            depth, name = (0, root.group(1)) if root else (len(branch.group(1)) // 4 + 1, branch.group(2))
+            del parents[depth:]
+            drawn[name] = parents[-1] if parents else None
+            parents.append(name)
+    assert drawn == {name: (cls.__base__.__name__ if cls is not WorkerError else None)
+                     for name, cls in TREE.items()}
 
 
 @pytest.mark.parametrize("action,label,outcome", [

@@ -7,8 +7,7 @@ import time
 
 from tests.voice.conftest import JOB_ID, PROFILE_ID, deliver, message_body
 from tests.support import client_error
-from worker.core.errors import BadRecording
-from worker.voice.job import AlreadyFailed
+from worker.core.errors import AlreadyFailed, BadRecording
 from worker.voice.records.rules import is_complete
 
 

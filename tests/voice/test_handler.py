@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body
+from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, deliver, message_body
 from worker.core.errors import BadRecording, Stopped, StoreError, StaleWrite
 from worker.voice.records.rules import ASSET_KEYS, is_complete
 
@@ -171,6 +171,14 @@ def test_cancel_requested_before_the_claim_ends_cancelled(queues, make_worker, h
     queues.send(message_body())
     assert worker.run_once() == "ack"
     assert raw_store.get_job(JOB_ID)["status"] == "cancelled" and train.runs == 0
+
+
+@pytest.mark.parametrize("status,end", [("completed", "mark_job_completed"), ("cancelled", "mark_cancelled")])
+def test_a_job_the_claim_finds_final_is_acknowledged_under_its_status(handler, raw_store, train, status, end):
+    """A job another attempt ended (its profile not complete) is acknowledged without work, labelled with its status."""
+    raw_store.claim(JOB_ID, owner="w0", token="t0", lease_s=30)
+    getattr(raw_store, end)(JOB_ID, "t0")
+    assert deliver(handler, 1) == status and train.runs == 0
 
 
 def test_cancel_during_training_stops_it_and_ends_cancelled(queues, make_worker, handler, raw_store, train):

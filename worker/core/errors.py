@@ -1,8 +1,10 @@
-"""The project's one error tree. The loop decides a message's fate from the branch alone.
+"""The project's one error tree. Each class names the ``Action`` the loop takes with a message whose
+handler ended with it (``action``; the most specific class wins), so ``decide`` is a look-up.
 
-    WorkerError
+    WorkerError                retry: an error of no branch below (a ConfigError met inside a job)
     ├── ConfigError            settings or pipeline config unusable: stop at start-up, exit non-zero
-    ├── RetryableError         leave the message; SQS redelivers it after the backoff for its receive count
+    ├── RetryableError         retry: leave the message; SQS redelivers it after the backoff for its
+    │   │                      receive count. Recorded on the job as ``retryable: true``
     │   ├── QueueError         SQS throttling, 5xx, network (after botocore's own retries)
     │   ├── StorageError       S3 upload/read failed
     │   ├── StoreError         the records store is unavailable
@@ -11,17 +13,22 @@
     │   ├── JobBusy            this very message is being worked on under a lapsed SQS lease: come back
     │   │                      when that record lease ends (``retry_after_s``)
     │   ├── UnexpectedError    a bug or an unforeseen library error inside the job: retried, reported
-    │   ├── LeaseLost          our claim on the message or the record is gone: commit nothing, delete nothing
     │   ├── DownloadError      a recording could not be fetched this time (timeout, 5xx, network)
     │   └── StageFailed        a pipeline stage exited with a code not declared permanent, or the job's
     │                          work files could not be written (disk full, read-only, WORK_ROOT gone)
-    ├── PermanentError         retrying cannot help: record it, move the body to the DLQ, then delete
+    ├── PermanentError         dead_letter: retrying cannot help: record it, move the body to the DLQ,
+    │   │                      then delete
     │   ├── InvalidMessage     body not JSON or not the schema; one line per violation
     │   ├── BadRecording       a recording is gone, too large, or not decodable audio
     │   ├── StageFailedPermanently   a stage exited with a code listed in permanent_exit_codes
-    │   └── TimeLimitExceeded  one attempt ran past JOB_TIME_LIMIT_SECONDS
-    └── Stopped                the handler was told to stop (shutdown, cancelled, lease lost, time limit);
-                               ``reason`` says which, and the loop maps it to release / cancel / nothing
+    │   ├── TimeLimitExceeded  one attempt ran past JOB_TIME_LIMIT_SECONDS
+    │   └── AlreadyFailed      a redelivery of a message whose permanent failure is recorded: back to
+    │                          the DLQ unworked, under the recorded error type
+    ├── LeaseLost              abandon: our claim on the message or the record is gone: commit nothing,
+    │                          delete nothing
+    └── Stopped                the handler was told to stop; its ``reason`` (a ``StopReason``) names the
+                               action: shutdown -> release, cancelled -> retry (the redelivery records
+                               it), lease_lost -> abandon, time_limit -> dead_letter as TimeLimitExceeded
 
 Adapters translate third-party exceptions (botocore, pymongo, urllib3, sqlite3) into these at their
 boundary, so the loop and the handler only ever catch the project's own types.
@@ -29,15 +36,46 @@ boundary, so the loop and the handler only ever catch the project's own types.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class Action(StrEnum):
+    """What the loop does with a message once its handler returned: ``worker.core.loop.decide`` picks one."""
+
+    ACK = "ack"  # delete it: the job is durably done (or there was nothing to do)
+    RETRY = "retry"  # leave it, visible again after the backoff
+    DEAD_LETTER = "dead_letter"  # copy it to the DLQ with why, then delete it
+    RELEASE = "release"  # make it visible again at once (shutdown)
+    ABANDON = "abandon"  # touch nothing: the lease is lost, the message is not ours
+
+
+class StopReason(StrEnum):
+    """Why work was told to stop (``Stopped.reason``, ``StopSignal.reason``)."""
+
+    SHUTDOWN = "shutdown"
+    CANCELLED = "cancelled"
+    LEASE_LOST = "lease_lost"
+    TIME_LIMIT = "time_limit"
+
 
 class WorkerError(Exception):
     """Root of every error this project raises on purpose."""
 
-    retryable: bool = False
+    # What the loop does with the message when this error ends the handler; each branch names its own.
+    action: Action = Action.RETRY
 
     @property
     def error_type(self) -> str:
         return type(self).__name__
+
+    @property
+    def retryable(self) -> bool:
+        """Whether a later attempt may succeed: the job record's ``error.retryable``."""
+        return isinstance(self, RetryableError)
+
+    def settled_as(self) -> WorkerError:
+        """The error the message is settled with (reported, dead-lettered with): this one."""
+        return self
 
 
 class ConfigError(WorkerError):
@@ -49,7 +87,7 @@ class ConfigError(WorkerError):
 
 
 class RetryableError(WorkerError):
-    retryable = True
+    action = Action.RETRY
     # When set, the message comes back after this long instead of the exponential backoff.
     retry_after_s: float | None = None
 
@@ -84,10 +122,6 @@ class UnexpectedError(RetryableError):
     pass
 
 
-class LeaseLost(RetryableError):
-    pass
-
-
 class DownloadError(RetryableError):
     pass
 
@@ -97,7 +131,7 @@ class StageFailed(RetryableError):
 
 
 class PermanentError(WorkerError):
-    retryable = False
+    action = Action.DEAD_LETTER
 
 
 class InvalidMessage(PermanentError):
@@ -120,17 +154,48 @@ class TimeLimitExceeded(PermanentError):
     pass
 
 
+class AlreadyFailed(PermanentError):
+    """A redelivery of a message whose permanent failure is recorded: dead-lettered again, unworked.
+
+    ``error_type`` is the recorded one, so the DLQ copy says what actually went wrong.
+    """
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.recorded_type = error_type
+
+    @property
+    def error_type(self) -> str:
+        return self.recorded_type
+
+
+class LeaseLost(WorkerError):
+    action = Action.ABANDON
+
+
 class Stopped(WorkerError):
     """The work was stopped on request; nothing after the stop point was committed."""
 
-    SHUTDOWN = "shutdown"
-    CANCELLED = "cancelled"
-    LEASE_LOST = "lease_lost"
-    TIME_LIMIT = "time_limit"
-    REASONS = (SHUTDOWN, CANCELLED, LEASE_LOST, TIME_LIMIT)
+    # The reasons, also under the names the call sites use: ``Stopped(Stopped.SHUTDOWN)``.
+    SHUTDOWN = StopReason.SHUTDOWN
+    CANCELLED = StopReason.CANCELLED
+    LEASE_LOST = StopReason.LEASE_LOST
+    TIME_LIMIT = StopReason.TIME_LIMIT
+    ACTIONS = {
+        StopReason.SHUTDOWN: Action.RELEASE,  # another worker takes the message now
+        # A cancellation the handler did not record as such: the redelivery records it.
+        StopReason.CANCELLED: Action.RETRY,
+        StopReason.LEASE_LOST: Action.ABANDON,  # not ours to touch
+        StopReason.TIME_LIMIT: Action.DEAD_LETTER,  # as TimeLimitExceeded: see ``settled_as``
+    }
 
-    def __init__(self, reason: str, detail: str = ""):
-        if reason not in self.REASONS:
-            raise ValueError(f"unknown stop reason {reason!r}")
-        self.reason = reason
-        super().__init__(f"stopped: {reason}" + (f" ({detail})" if detail else ""))
+    def __init__(self, reason: StopReason | str, detail: str = ""):
+        self.reason = StopReason(reason)
+        self.action = self.ACTIONS[self.reason]
+        super().__init__(f"stopped: {self.reason}" + (f" ({detail})" if detail else ""))
+
+    def settled_as(self) -> WorkerError:
+        """A time-limit stop is dead-lettered as the permanent ``TimeLimitExceeded`` it is."""
+        if self.reason is StopReason.TIME_LIMIT:
+            return TimeLimitExceeded(str(self))
+        return self

@@ -8,7 +8,9 @@ Settling maps the handler's result to exactly one queue action:
     RetryableError                   -> visibility := jittered backoff for the receive count; no delete
     PermanentError / time limit      -> copy to the DLQ with why, then delete; no DLQ -> max backoff
     Stopped(shutdown)                -> visibility := 0, another worker takes it now
-    lease lost (any result)          -> nothing: the message is no longer ours to touch
+    LeaseLost, or a lost lease       -> nothing, whatever the result: the message is not ours to touch
+
+Each error class names its own action (``WorkerError.action``, see ``worker.core.errors``).
 
 A handler is any callable ``handler(message, lease) -> str | None``: it returns to acknowledge (the
 optional string names the outcome for the logs), raises a project error otherwise, and waits on
@@ -21,24 +23,16 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import structlog
 
 from worker.core.config import Backoff, LoopConfig
-from worker.core.errors import (
-    LeaseLost,
-    PermanentError,
-    QueueError,
-    Stopped,
-    TimeLimitExceeded,
-    WorkerError,
-)
+from worker.core.errors import Action, QueueError, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease, Shutdown
 from worker.core.metrics import (
     COUNT, JOB_DURATION, NULL_METRICS, OUTCOME_METRICS, RECEIVE_COUNT_AT_COMPLETION, SECONDS, Metrics,
-    outcome_of,
+    Outcome, outcome_of,
 )
 from worker.core.queue import Message, Queue
 from worker.core.reporting import Reporter
@@ -46,16 +40,6 @@ from worker.core.reporting import Reporter
 log = structlog.get_logger(__name__)
 
 Handler = Callable[[Message, Lease], "str | None"]
-
-class Action(StrEnum):
-    """What the loop does with a message once its handler returned: ``decide`` picks one."""
-
-    ACK = "ack"  # delete it: the job is durably done (or there was nothing to do)
-    RETRY = "retry"  # leave it, visible again after the backoff
-    DEAD_LETTER = "dead_letter"  # copy it to the DLQ with why, then delete it
-    RELEASE = "release"  # make it visible again at once (shutdown)
-    ABANDON = "abandon"  # touch nothing: the lease is lost, the message is not ours
-
 
 ACK, RETRY, DEAD_LETTER, RELEASE, ABANDON = Action
 
@@ -102,23 +86,13 @@ class Decision:
 
 
 def decide(outcome: WorkerError | None, lease_lost: bool) -> Decision:
-    """What to do with the message, from the handler's result and the lease's state."""
-    if lease_lost or isinstance(outcome, LeaseLost):
+    """What to do with the message, from the handler's result and the lease's state: a lost lease
+    abandons whatever the result, a return acknowledges, an error names its own action."""
+    if lease_lost:
         return Decision(ABANDON, outcome)
     if outcome is None:
         return Decision(ACK)
-    if isinstance(outcome, Stopped):
-        if outcome.reason == Stopped.SHUTDOWN:
-            return Decision(RELEASE, outcome)
-        if outcome.reason == Stopped.TIME_LIMIT:
-            return Decision(DEAD_LETTER, TimeLimitExceeded(str(outcome)))
-        if outcome.reason == Stopped.LEASE_LOST:
-            return Decision(ABANDON, outcome)
-        # A cancellation the handler did not record as such: let the redelivery record it.
-        return Decision(RETRY, outcome)
-    if isinstance(outcome, PermanentError):
-        return Decision(DEAD_LETTER, outcome)
-    return Decision(RETRY, outcome)
+    return Decision(outcome.action, outcome.settled_as())
 
 
 class Worker:
@@ -220,12 +194,12 @@ class Worker:
         self._count_outcome(message, decision.action, label, time.monotonic() - started_s)
         return decision.action
 
-    def _count_outcome(self, message: Message, action: str, label: str | None, duration_s: float) -> None:
+    def _count_outcome(self, message: Message, action: Action, label: str | None, duration_s: float) -> None:
         outcome = outcome_of(action, label)
         if outcome not in OUTCOME_METRICS:
             return
         values = {OUTCOME_METRICS[outcome]: (1, COUNT)}
-        if outcome == "completed":
+        if outcome == Outcome.COMPLETED:
             values[JOB_DURATION] = (duration_s, SECONDS)
             values[RECEIVE_COUNT_AT_COMPLETION] = (message.receive_count, COUNT)
         self._metrics.emit(values, outcome=outcome, messageId=message.message_id)

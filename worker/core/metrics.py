@@ -33,6 +33,7 @@ from typing import Any, TextIO
 import structlog
 
 from worker.core.config import MetricsConfig
+from worker.core.errors import Action
 
 log = structlog.get_logger(__name__)
 
@@ -106,14 +107,12 @@ def parse_dimensions(text: str) -> dict[str, str]:
     return dims
 
 
-def outcome_of(action: str, label: str | None) -> Outcome | str:
-    """The outcome counted for the loop's action (ack/retry/…) and the handler's label.
-
-    ``action`` is a ``worker.core.loop.Action`` (a str enum: this module sits below the loop)."""
-    if action == "ack":
+def outcome_of(action: Action, label: str | None) -> Outcome | str:
+    """The outcome counted for the loop's ``Action`` and the handler's label (for an ack)."""
+    if action == Action.ACK:
         return Outcome(label) if label in (Outcome.COMPLETED, Outcome.CANCELLED) else Outcome.SKIPPED
-    return {"retry": Outcome.RETRIED, "dead_letter": Outcome.DEAD_LETTERED, "release": Outcome.RELEASED,
-            "abandon": Outcome.LEASE_LOST}.get(action, action)
+    return {Action.RETRY: Outcome.RETRIED, Action.DEAD_LETTER: Outcome.DEAD_LETTERED,
+            Action.RELEASE: Outcome.RELEASED, Action.ABANDON: Outcome.LEASE_LOST}.get(action, action)
 
 
 def emf_document(namespace: str, dimensions: Mapping[str, str], values: Mapping[str, tuple[float, str]],

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import threading
 
-from worker.core.errors import Stopped
+from worker.core.errors import StopReason, Stopped
 
 
 class StopSignal:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self._reason: str | None = None
+        self._reason: StopReason | None = None
         self._detail = ""
 
-    def set(self, reason: str, detail: str = "") -> bool:
+    def set(self, reason: StopReason | str, detail: str = "") -> bool:
         """Request a stop; returns True only for the call that actually set it."""
-        if reason not in Stopped.REASONS:
-            raise ValueError(f"unknown stop reason {reason!r}")
+        reason = StopReason(reason)  # an unknown reason is a ValueError here, not at the raise
         with self._lock:
             if self._reason is not None:
                 return False
@@ -37,7 +36,7 @@ class StopSignal:
         return self._event.wait(timeout_s)
 
     @property
-    def reason(self) -> str | None:
+    def reason(self) -> StopReason | None:
         return self._reason
 
     def raise_if_set(self) -> None:

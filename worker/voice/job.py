@@ -54,6 +54,7 @@ import stat
 import time
 from collections.abc import Iterable
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -69,10 +70,10 @@ from worker.voice.artifacts import (
 )
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.errors import (
+    AlreadyFailed,
     InvalidMessage,
     JobBusy,
     LeaseLost,
-    PermanentError,
     StageFailed,
     StaleWrite,
     StoreError,
@@ -91,7 +92,7 @@ from worker.core.stop import StopSignal
 from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
 from worker.voice.publish import models_dir_for, publish_all, published_rel
 from worker.voice.records.rules import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, is_complete, utc_now)
-from worker.voice.records import Store
+from worker.voice.records import ClaimOutcome, Store
 
 if TYPE_CHECKING:
     from pipeline.run import Progress
@@ -117,19 +118,14 @@ ATTEMPTS_DIR = "attempts"  # one directory per attempt inside the job's work dir
 DEFAULT_MODELS_DIR = ".models"
 
 
-class AlreadyFailed(PermanentError):
-    """A redelivery of a message whose permanent failure is recorded: dead-lettered again, unworked.
+class Handled(StrEnum):
+    """What the handler returns to acknowledge: logged by the loop, which counts COMPLETED and
+    CANCELLED under their own metrics and the rest as skipped."""
 
-    ``error_type`` is the recorded one, so the DLQ copy says what actually went wrong.
-    """
-
-    def __init__(self, error_type: str, message: str):
-        super().__init__(message)
-        self.recorded_type = error_type
-
-    @property
-    def error_type(self) -> str:
-        return self.recorded_type
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    ALREADY_COMPLETE = "already_complete"
+    DUPLICATE = "duplicate"
 
 
 def unexpected(exc: Exception) -> UnexpectedError:
@@ -334,7 +330,7 @@ class VoiceJobHandler:
             if str(profile.get("jobId")) == job.job_id:
                 # The paths are this job's: redo the (idempotent) clean-ups a crash after the commit skipped.
                 self._clean_up_after_commit(job, profile["s3Paths"], profile["modelPaths"].values())
-            return "already_complete"
+            return Handled.ALREADY_COMPLETE
         failed = recorded_failure(record, message)
         if failed is not None:
             log.warning("job.already_failed", error_type=failed.error_type,
@@ -345,12 +341,12 @@ class VoiceJobHandler:
         claim_sent_s = time.monotonic()
         claim = store.claim(job.job_id, owner=self._worker_id, token=secrets.token_hex(16),
                             lease_s=self._lease_s, message_id=message.message_id)
-        if claim.outcome == "missing":
+        if claim.outcome == ClaimOutcome.MISSING:
             raise UnknownJob(f"no job record {job.job_id} (yet)")
-        if claim.outcome in ("completed", "cancelled"):
+        if claim.outcome in (ClaimOutcome.COMPLETED, ClaimOutcome.CANCELLED):
             log.info("job.nothing_to_do", status=claim.outcome)
-            return claim.outcome
-        if claim.outcome == "held":
+            return Handled(claim.outcome)
+        if claim.outcome == ClaimOutcome.HELD:
             return self._held(claim.job or {}, message, claim.now)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
         attempt = claim.attempt
@@ -367,7 +363,7 @@ class VoiceJobHandler:
             store_lease.end()
             attempt.cancel()
             log.info("job.cancelled", when="at claim")
-            return "cancelled"
+            return Handled.CANCELLED
         try:
             # Inside the try: a work dir that escapes WORK_ROOT is this attempt's recorded failure.
             attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
@@ -396,7 +392,7 @@ class VoiceJobHandler:
             raise error from exc
         self._clean_up_after_commit(job, *committed)
         log.info("job.completed")
-        return "completed"
+        return Handled.COMPLETED
 
     def _published_earlier(self, job: Job, profile: dict | None) -> dict[str, Path] | None:
         """The profile's published paths of this job when all five verify (an earlier attempt reached
@@ -423,7 +419,7 @@ class VoiceJobHandler:
                           "retrying once its record lease ends", retry_after_s=wait_s)
         log.warning("job.duplicate_delivery", holder=holder.get("owner"),
                     note="another message for this job is being worked on; acknowledged without work")
-        return "duplicate"
+        return Handled.DUPLICATE
 
     def _artifacts(self, job: Job, reused: dict[str, Path] | None, stop: StopSignal, attempt: Attempt,
                    attempt_dir: Path) -> dict[str, Path]:
@@ -605,7 +601,7 @@ class VoiceJobHandler:
         if exc.reason == Stopped.CANCELLED:
             attempt.cancel()
             log.info("job.cancelled", when="during work")
-            return "cancelled"
+            return Handled.CANCELLED
         if exc.reason == Stopped.SHUTDOWN:
             self._release(attempt)  # on failure the lease lapses; the message is released anyway
             raise exc

@@ -9,7 +9,7 @@ from pymongo.errors import ServerSelectionTimeoutError
 from tests.voice.records.conftest import JOB_ID, submit
 from worker.core.errors import ConfigError, StoreError
 from worker.settings import load_settings
-from worker.voice.records import open_store
+from worker.voice.records import Access, open_store
 from worker.voice.records.mongo import MongoStore
 from worker.voice.records.sqlite import SqliteStore
 
@@ -84,9 +84,9 @@ def test_reopened_sqlite_store_sees_earlier_records(tmp_path):
         assert store.get_job(JOB_ID)["status"] == "pending"
 
 
-@pytest.mark.parametrize("access", ["existing", "read"])
+@pytest.mark.parametrize("access", [Access.EXISTING, Access.READ, "read"])
 def test_existing_and_read_access_never_create_a_missing_file(tmp_path, access):
-    """access "existing" or "read" on a missing STORE_URL file is a ConfigError naming it; no file or directory appears."""
+    """Access EXISTING or READ (or its string) on a missing STORE_URL file is a ConfigError naming it; no file or directory appears."""
     path = tmp_path / "var" / "records.db"
     with pytest.raises(ConfigError) as raised:
         open_store(load_settings({"STORE_URL": f"sqlite:///{path}"}).store_config(), access=access)

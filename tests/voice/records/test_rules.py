@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.voice.records.conftest import MODEL_PATHS, S3_PATHS
-from worker.voice.records.rules import (CLAIMS_KEPT, HISTORY_LIMIT, claim_refusal, claimed, clock_skew_problem, close_attempt, holds_profile_claim, is_complete, may_stamp_claim, lease_live, stamped_profile, to_ms, with_claim)
+from worker.voice.records.rules import (CLAIMS_KEPT, ClaimOutcome, HISTORY_LIMIT, claim_refusal, claimed, clock_skew_problem, close_attempt, holds_profile_claim, is_complete, may_stamp_claim, lease_live, stamped_profile, to_ms, with_claim)
 
 NOW = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
 
@@ -46,6 +46,17 @@ def test_lease_expiry_boundary():
     assert not lease_live(job, NOW)
     assert claim_refusal(job, NOW) is None
     assert claim_refusal(job, NOW - timedelta(milliseconds=1)) == "held"
+
+
+@pytest.mark.parametrize("job,refusal", [
+    (None, ClaimOutcome.MISSING),
+    ({"status": "completed"}, ClaimOutcome.COMPLETED),
+    ({"status": "cancelled"}, ClaimOutcome.CANCELLED),
+    ({"status": "processing", "lease": {"token": "t", "expiresAt": NOW + timedelta(seconds=1)}}, ClaimOutcome.HELD),
+])
+def test_a_refused_claim_names_why_as_a_claim_outcome(job, refusal):
+    """A refusal is the ClaimOutcome of its cause, equal to the plain string it always was."""
+    assert claim_refusal(job, NOW) is refusal and refusal == refusal.value
 
 
 def test_close_attempt_only_closes_the_running_entry_of_the_token():

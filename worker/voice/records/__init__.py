@@ -8,13 +8,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from worker.core.errors import ConfigError
 from worker.voice.records.attempt import Attempt
+from worker.voice.records.rules import ClaimOutcome
 from worker.voice.records.store import Claim, Clock, Store
 
-__all__ = ["Attempt", "Claim", "Clock", "MongoConfig", "Store", "StoreConfig", "open_store"]
+__all__ = ["Access", "Attempt", "Claim", "ClaimOutcome", "Clock", "MongoConfig", "Store", "StoreConfig", "open_store"]
+
+
+class Access(StrEnum):
+    """What an opened store may do to a SQLite file: create it if missing, only write an existing one,
+    or only read one."""
+
+    CREATE = "create"
+    EXISTING = "existing"
+    READ = "read"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +50,20 @@ class StoreConfig:
 
 
 def open_store(config: StoreConfig, *, mongo_client_factory: Callable[..., Any] | None = None,
-               sleep: Callable[[float], None] | None = None, access: str = "create") -> Store:
+               sleep: Callable[[float], None] | None = None, access: Access | str = Access.CREATE) -> Store:
     """The store the settings select: STORE_URL (SQLite) or MONGO_URI (MongoDB, connect-checked).
 
-    ``access`` "existing" or "read" (read-only) never creates a SQLite file: a missing one is a
+    ``access`` EXISTING or READ (read-only) never creates a SQLite file: a missing one is a
     ConfigError. MongoDB creates nothing on reads, so it ignores ``access``.
     """
     if config.sqlite_path:
         from worker.voice.records.sqlite import CREATE, EXISTING, READ_ONLY, SqliteStore
 
-        modes = {"create": CREATE, "existing": EXISTING, "read": READ_ONLY}
+        access = Access(access)
+        modes = {Access.CREATE: CREATE, Access.EXISTING: EXISTING, Access.READ: READ_ONLY}
         path = config.sqlite_path
         parent = os.path.dirname(path)
-        if parent and access == "create":
+        if parent and access is Access.CREATE:
             os.makedirs(parent, exist_ok=True)
         return SqliteStore(path, mode=modes[access])
     if config.mongo:

@@ -10,6 +10,7 @@ UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores ret
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from enum import StrEnum
 
 from pipeline.config import ASSET_KEYS
 from worker.core.errors import InvalidMessage
@@ -17,6 +18,18 @@ from worker.core.redact import redact_text
 
 PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED = (
     "pending", "processing", "completed", "error", "cancelled")
+
+
+class ClaimOutcome(StrEnum):
+    """What a claim found (``Claim.outcome``): the job is ours now, or why not."""
+
+    CLAIMED = "claimed"
+    HELD = "held"  # another attempt's lease is live
+    COMPLETED = COMPLETED  # a final status: nothing left to do
+    CANCELLED = CANCELLED
+    MISSING = "missing"  # no job record (yet)
+
+
 # No claim, error or cancel request ever moves a job out of these.
 FINAL_STATUSES = (COMPLETED, CANCELLED)
 HISTORY_LIMIT = 20
@@ -70,14 +83,14 @@ def holds_lease(job: dict, token: str) -> bool:
     return job.get("status") == PROCESSING and bool(lease) and lease.get("token") == token
 
 
-def claim_refusal(job: dict | None, now: datetime) -> str | None:
+def claim_refusal(job: dict | None, now: datetime) -> ClaimOutcome | None:
     """Why a claim cannot take this job now, or None when it can."""
     if job is None:
-        return "missing"
+        return ClaimOutcome.MISSING
     if job.get("status") in FINAL_STATUSES:
-        return job["status"]
+        return ClaimOutcome(job["status"])
     if lease_live(job, now):
-        return "held"
+        return ClaimOutcome.HELD
     return None
 
 

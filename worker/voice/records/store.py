@@ -16,11 +16,11 @@ Clock = Callable[[], datetime]
 
 @dataclass(frozen=True)
 class Claim:
-    outcome: str  # "claimed" | "held" | "completed" | "cancelled" | "missing"
+    outcome: rules.ClaimOutcome
     job: dict | None
     cancel_requested: bool = False
-    attempt: Attempt | None = None  # set when the outcome is "claimed"
-    # The store's clock when it decided: a "held" job's lease end is judged on it, never on ours.
+    attempt: Attempt | None = None  # set when the outcome is CLAIMED
+    # The store's clock when it decided: a HELD job's lease end is judged on it, never on ours.
     now: datetime | None = None
 
 
@@ -49,7 +49,7 @@ class Store(ABC):
     @abstractmethod
     def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,
               message_id: str | None = None) -> Claim:
-        """Claim the job under ``token``; a "claimed" outcome carries the ``Attempt`` to write with."""
+        """Claim the job under ``token``; a CLAIMED outcome carries the ``Attempt`` to write with."""
 
     @abstractmethod
     def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:

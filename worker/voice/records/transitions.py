@@ -95,15 +95,16 @@ class TransitionStore(Store):
             self._release_quietly(job_id, token)
             raise
         if job is None:
-            return Claim("missing", None)
+            return Claim(rules.ClaimOutcome.MISSING, None)
         cancel = bool(job.get("cancelRequested"))
         now = decided_at[-1]
         if not changed:
-            return Claim(rules.claim_refusal(job, now) or "held", job, cancel, now=now)
+            return Claim(rules.claim_refusal(job, now) or rules.ClaimOutcome.HELD, job, cancel, now=now)
         profile_id = str(job["profileId"]) if job.get("profileId") else None
         if profile_id is not None:
             self._stamp_profile(job_id, profile_id, token, epoch=int(job["attempts"]))
-        return Claim("claimed", job, cancel, Attempt(self, job_id, profile_id, token, lease_s), now=now)
+        return Claim(rules.ClaimOutcome.CLAIMED, job, cancel, Attempt(self, job_id, profile_id, token, lease_s),
+                     now=now)
 
     def _stamp_profile(self, job_id: str, profile_id: str, token: str, *, epoch: int) -> None:
         """Set this claim's entry on the profile, unless a newer claim of the job (higher epoch) is there."""
