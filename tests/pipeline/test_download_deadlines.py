@@ -28,6 +28,8 @@ DEADLINE_S = 0.4
 # margin is wide for a loaded machine (tests in parallel) and still far below what it tells apart:
 # the client's 30 s read timeout and the servers' own give-up after SERVER_GIVES_UP_S.
 MARGIN_S = 2.0
+# How long a helper thread left behind may take to end on a starved machine.
+LATE_HELPER_S = 30.0
 STOP_AFTER_S = 0.2
 # Servers give up on their own after this long, so a broken client fails a test instead of hanging it.
 SERVER_GIVES_UP_S = 6.0
@@ -282,7 +284,7 @@ def test_a_connect_that_lands_after_the_cut_is_shut_down_when_its_helper_ends():
     from pipeline.download_guard import Cut, Guard
 
     listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(5)
+    listener.settimeout(LATE_HELPER_S)
     kept = []  # the library's socket, still referenced: only the guard can end its connection
 
     def connect_late(guard: Guard):
@@ -301,7 +303,9 @@ def test_a_connect_that_lands_after_the_cut_is_shut_down_when_its_helper_ends():
         with pytest.raises(Cut):
             guard.call(lambda: connect_late(guard))
     conn, _ = listener.accept()
-    conn.settimeout(MARGIN_S)
+    # The helper may end well after the cut on a loaded machine; a connection left open blocks
+    # this recv until the timeout, so only a failing run waits for it.
+    conn.settimeout(LATE_HELPER_S)
     try:
         assert conn.recv(1) == b"", "the late connection was left open"
     finally:
