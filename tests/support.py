@@ -58,6 +58,19 @@ def create_queues(sqs, name: str = "jobs", with_dlq: bool = True) -> Queues:
     return Queues(sqs, url, dlq_url)
 
 
+def on_the_clock(handler, clock):
+    """The handler, started only once the heartbeat thread is parked on ``clock`` (a FakeClock).
+
+    A heartbeat thread just started has not read the clock yet; time moved before it parks would
+    start it late.
+    """
+    def handler_on_the_clock(message, lease):
+        clock.block_until_waiting()
+        return handler(message, lease)
+
+    return handler_on_the_clock
+
+
 def client_error(code: str, message: str = "injected", operation: str = "Op") -> ClientError:
     return ClientError({"Error": {"Code": code, "Message": message}}, operation)
 

@@ -7,14 +7,7 @@ import pytest
 from worker.voice.records.attempt import Attempt, StoreLease
 from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
 from worker.core.stop import StopSignal
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
+from worker.core.testing import FakeClock
 
 
 class FlakyStore:
@@ -31,7 +24,7 @@ class FlakyStore:
 
 
 def make(lease_s=300.0, margin_s=60.0):
-    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    store, clock, stop = FlakyStore(), FakeClock(), StopSignal()
     attempt = Attempt(store, "j", "p", "t", lease_s)
     return StoreLease(attempt, stop, margin_s=margin_s, clock=clock), store, clock, stop
 
@@ -105,7 +98,7 @@ def test_the_local_lease_check_fails_once_the_record_lease_may_lapse():
 
 def test_the_local_lease_deadline_counts_from_when_the_claim_was_sent():
     """A claim that took a while (its profile stamp) leaves less local lease: the deadline starts at the send."""
-    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    store, clock, stop = FlakyStore(), FakeClock(), StopSignal()
     sent_s = clock.now
     clock.now += 100  # the claim's second swap was slow
     lease = StoreLease(Attempt(store, "j", "p", "t", 300.0), stop, margin_s=60.0, clock=clock, claim_sent_s=sent_s)
@@ -116,7 +109,7 @@ def test_the_local_lease_deadline_counts_from_when_the_claim_was_sent():
 
 def test_a_cancel_flag_is_ignored_once_an_earlier_attempt_began_the_commit():
     """With honour_cancel off (the commit is under way), a renewal that reads cancelRequested stops nothing."""
-    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    store, clock, stop = FlakyStore(), FakeClock(), StopSignal()
     lease = StoreLease(Attempt(store, "j", "p", "t", 300.0), stop, clock=clock, honour_cancel=False)
     store.cancel = True
     lease.renew()
