@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import pytest
@@ -95,9 +96,20 @@ def test_ack_only_after_the_handler_returned(memory_queue, make_memory_worker, f
     assert memory_queue.counts() == (0, 0)
 
 
+def joining(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside ``Thread.join``: how a test tells "waits for the heartbeat" from "has not
+    got that far yet" without giving it real time to get there."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "join" and frame.f_globals.get("__name__") == "threading":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_heartbeat_is_joined_before_the_delete(memory_queue, make_memory_worker, fake_clock):
     """A renewal still in flight when the handler returns finishes before the delete; no heartbeat thread is alive then."""
-    alive_at_delete, renewal_ends, returned = [], [], threading.Event()
+    alive_at_delete, renewal_ends, returned, deleted = [], [], threading.Event(), threading.Event()
 
     def slow_renewal(message):
         fake_clock.sleep(0.3)
@@ -107,14 +119,21 @@ def test_heartbeat_is_joined_before_the_delete(memory_queue, make_memory_worker,
         fake_clock.advance(0.3)  # returns while the first renewal (sent at 0.2 s) is still in flight
         returned.set()
 
+    def delete(message):
+        alive_at_delete.append((len(heartbeat_threads()), fake_clock()))
+        deleted.set()
+
     worker = make_memory_worker(handler)
     memory_queue.faults["extend"] = slow_renewal
-    memory_queue.faults["delete"] = lambda message: alive_at_delete.append((len(heartbeat_threads()), fake_clock()))
+    memory_queue.faults["delete"] = delete
     memory_queue.send()
     loop = threading.Thread(target=worker.run_once, daemon=True)
     loop.start()
     assert returned.wait(5)
-    fake_clock.advance(0.3)  # the renewal comes back at 0.5 s, while the loop waits for the heartbeat
+    for _ in range(5000):  # until the loop waits for the heartbeat, or (the bug) deletes without waiting
+        if joining(loop) or deleted.wait(0.001):
+            break
+    fake_clock.advance(0.3)  # the renewal comes back at 0.5 s
     loop.join(5)
     [(alive, deleted_at)] = alive_at_delete
     assert alive == 0
