@@ -68,18 +68,64 @@ def queues(sqs):
 
 
 @pytest.fixture
+def fake_clock():
+    """The heartbeat's clock in tests: it moves only when the test advances it (worker.core.testing)."""
+    from worker.core.testing import FakeClock
+
+    return FakeClock()
+
+
+@pytest.fixture
+def memory_queue(fake_clock):
+    """An in-memory queue with a dead-letter queue, both timed by ``fake_clock``."""
+    from worker.core.testing import MemoryQueue
+
+    return MemoryQueue(fake_clock, url="memory://jobs",
+                       dead_letter_queue=MemoryQueue(fake_clock, url="memory://jobs-dlq"))
+
+
+@pytest.fixture
 def make_worker(queues):
-    """Build a Worker on the moto queue; returns (worker, recording client)."""
-    from tests.support import FAST, FaultyClient
+    """Build a Worker on the moto queue; returns (worker, recording client).
+
+    With ``clock=`` (a FakeClock) the heartbeat runs on that clock and the handler starts once it is
+    parked there, so the handler moves time with ``clock.advance`` instead of sleeping.
+    """
+    from tests.support import FAST, FaultyClient, on_the_clock
     from worker.core.loop import Worker
     from worker.core.queue import Queue
     from worker.settings import load_settings
 
-    def build(handler, *, client=None, reporter=None, **env):
+    def build(handler, *, client=None, reporter=None, clock=None, **env):
         values = {**FAST, "SQS_QUEUE_URL": queues.url, **{k: str(v) for k, v in env.items()}}
         settings = load_settings(values)
         faulty = client or FaultyClient(queues.sqs)
-        worker = Worker(settings.loop_config(), Queue(faulty, queues.url), handler, reporter=reporter)
+        loop_config = settings.loop_config()
+        if clock is None:
+            return Worker(loop_config, Queue(faulty, queues.url), handler, reporter=reporter), faulty
+        worker = Worker(loop_config, Queue(faulty, queues.url, clock=clock), on_the_clock(handler, clock),
+                        reporter=reporter, clock=clock, wait=clock.wait)
         return worker, faulty
+
+    return build
+
+
+@pytest.fixture
+def make_memory_worker(memory_queue):
+    """Build a Worker on ``memory_queue`` with its heartbeat on the queue's fake clock; returns the worker.
+
+    The handler starts once the heartbeat is parked on the clock; it moves time with ``clock.advance``.
+    """
+    from tests.support import FAST, on_the_clock
+    from worker.core.loop import Worker
+    from worker.settings import load_settings
+
+    def build(handler, *, queue=None, **kw):
+        queue = queue or memory_queue
+        env = {k: str(v) for k, v in kw.items() if k.isupper()}
+        options = {k: v for k, v in kw.items() if not k.isupper()}
+        settings = load_settings({**FAST, "SQS_QUEUE_URL": queue.url, **env})
+        return Worker(settings.loop_config(), queue, on_the_clock(handler, queue.clock), clock=queue.clock,
+                      wait=queue.clock.wait, **options)
 
     return build

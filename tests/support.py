@@ -1,16 +1,18 @@
-"""Test helpers shared by the suites: moto queues, a recording/fault-injecting client wrapper."""
+"""Test helpers shared by the suites: moto queues, a recording/fault-injecting client wrapper, a flaky store."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from botocore.exceptions import ClientError
 
 from pipeline.config import load_pipeline_config
+from worker.core.errors import StoreError
 
 # The five artifacts where the shipped pipeline puts them: fakes write exactly that layout.
 SHIPPED_ARTIFACTS = dict(load_pipeline_config(Path(__file__).resolve().parents[1] / "config" / "pipeline.toml").artifacts)
@@ -58,6 +60,19 @@ def create_queues(sqs, name: str = "jobs", with_dlq: bool = True) -> Queues:
     return Queues(sqs, url, dlq_url)
 
 
+def on_the_clock(handler, clock):
+    """The handler, started only once the heartbeat thread is parked on ``clock`` (a FakeClock).
+
+    A heartbeat thread just started has not read the clock yet; time moved before it parks would
+    start it late.
+    """
+    def handler_on_the_clock(message, lease):
+        clock.block_until_waiting()
+        return handler(message, lease)
+
+    return handler_on_the_clock
+
+
 def client_error(code: str, message: str = "injected", operation: str = "Op") -> ClientError:
     return ClientError({"Error": {"Code": code, "Message": message}}, operation)
 
@@ -90,6 +105,53 @@ class FaultyClient:
 
     def ops(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+
+# Store calls that change records; reads are not writes.
+STORE_WRITES = frozenset({"claim", "renew_lease", "set_progress", "record_error", "write_paths",
+                          "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease"})
+
+
+class FlakyStore:
+    """A store behind a switch, for outage tests: while ``down`` is set every call fails.
+
+    The failure is ``StoreError`` naming the call, or the error given to ``fail``; refused calls are
+    counted in ``refused``. ``slow[name]`` makes that method take so many seconds first (real ones: the
+    reliability rig's workers run on the real clock). ``calls`` names every call, in order; the wrapped
+    store is ``wrapped``.
+    """
+
+    def __init__(self, store):
+        self.wrapped = store
+        self.down = threading.Event()
+        self.error: Exception | None = None
+        self.slow: dict[str, float] = {}
+        self.calls: list[str] = []
+        self.refused: Counter = Counter()
+
+    def fail(self, error: Exception | None = None) -> None:
+        """Take the store down: every call raises ``error`` (a StoreError naming the call when None)."""
+        self.error = error
+        self.down.set()
+
+    def writes(self) -> list[str]:
+        return [c for c in self.calls if c in STORE_WRITES]
+
+    def __getattr__(self, name):
+        attr = getattr(self.wrapped, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            if self.down.is_set():
+                self.refused[name] += 1
+                raise self.error or StoreError(f"injected: the store is unavailable ({name})")
+            if name in self.slow:
+                time.sleep(self.slow[name])
+            return attempt_through(self, attr(*args, **kwargs))
+
+        return call
 
 
 def attempt_through(proxy, result):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import pytest
 import structlog
@@ -27,15 +26,16 @@ def json_logs():
     structlog.reset_defaults()
 
 
-def test_every_message_line_carries_its_id_and_receive_count_and_no_body(queues, make_worker, json_logs):
+def test_every_message_line_carries_its_id_and_receive_count_and_no_body(memory_queue, make_memory_worker, fake_clock,
+                                                                        json_logs):
     """Each log line about a message names it and its receive count; the body and signed query never appear."""
     def handler(message, lease):
         structlog.get_logger("handler").info("job.step", source="https://media.example.com/a.wav?X-Amz-Signature=SECRET123")
-        time.sleep(0.3)
+        fake_clock.advance(0.3)  # one heartbeat tick, in the message's log context
         raise DownloadError("fetch of https://media.example.com/a.wav?X-Amz-Signature=SECRET123 timed out")
 
-    worker, _ = make_worker(handler)
-    msg_id = queues.send(SECRET_BODY)
+    worker = make_memory_worker(handler)
+    msg_id = memory_queue.send(SECRET_BODY)
     worker.run_once()
     text = json_logs.getvalue()
     assert "SECRET123" not in text and "PRIVATE-TRANSCRIPT" not in text

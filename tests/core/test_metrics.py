@@ -15,16 +15,16 @@ import pytest
 from tests.deploy.cfn import Resolver
 from tests.deploy.files import REPO
 from tests.voice.conftest import message_body
-from tests.voice.records.conftest import FakeClock, make_store
-from tests.support import FAST, FaultyClient, client_error
+from tests.voice.records.conftest import WallClock, make_store
 from worker.core import metrics as m
-from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, StoreError
+from worker.core.errors import BadRecording, ConfigError, DownloadError, QueueError, Stopped, StoreError
 from worker.voice.records.attempt import Attempt, ProgressReporter
 from worker.core.config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics, parse_dimensions
 from worker.core.queue import Message, Queue
+from worker.core.testing import FakeClock
 from worker.settings import load_settings
 from worker.core.stop import StopSignal
 
@@ -197,13 +197,11 @@ def test_a_stale_age_shorter_than_an_attempt_is_refused():
 # ---------------------------------------------------------------- the loop and the lease
 
 @pytest.fixture
-def build_worker(queues):
-    def build(handler, client=None, **env):
+def build_worker(make_memory_worker):
+    """A worker on the in-memory queue whose metrics go to a string; returns (worker, its EMF output)."""
+    def build(handler, **env):
         out = io.StringIO()
-        settings = load_settings({**FAST, "SQS_QUEUE_URL": queues.url, **env})
-        worker = Worker(settings.loop_config(), Queue(client or queues.sqs, queues.url), handler,
-                        metrics=Metrics(dimensions={"Queue": "jobs"}, stream=out))
-        return worker, out
+        return make_memory_worker(handler, metrics=Metrics(dimensions={"Queue": "jobs"}, stream=out), **env), out
     return build
 
 
@@ -222,52 +220,44 @@ def _raise(exc):
     (_raise(Stopped(Stopped.SHUTDOWN)), "JobsReleased"),
     (_raise(Stopped(Stopped.LEASE_LOST)), "JobsLeaseLost"),
 ])
-def test_each_message_adds_one_to_its_outcome(build_worker, queues, handler, outcome):
+def test_each_message_adds_one_to_its_outcome(build_worker, memory_queue, handler, outcome):
     """After settling, the loop writes one EMF line counting the message's outcome once."""
     worker, out = build_worker(handler)
-    queues.send()
+    memory_queue.send()
     worker.run_once()
     [doc] = emf_lines(out)
     outcome_metrics = metric_names(doc) & set(m.OUTCOME_METRICS.values())
     assert outcome_metrics == {outcome} and doc[outcome] == 1 and doc["Queue"] == "jobs"
 
 
-def test_a_completed_job_reports_its_duration_and_receive_count(build_worker, queues):
+def test_a_completed_job_reports_its_duration_and_receive_count(build_worker, memory_queue, fake_clock):
     """Completion adds JobDuration (seconds) and the receive count it took."""
     def slow(message, lease):
-        time.sleep(0.2)
+        fake_clock.advance(0.25)
         return "completed"
 
     worker, out = build_worker(slow)
-    queues.send()
-    queues.sqs.receive_message(QueueUrl=queues.url, VisibilityTimeout=0)  # a first, abandoned delivery
+    memory_queue.send()
+    memory_queue.receive(wait_s=0, visibility_timeout_s=0)  # a first, abandoned delivery
     worker.run_once()
     [doc] = emf_lines(out)
-    assert 0.2 <= doc["JobDuration"] < 5 and doc["ReceiveCountAtCompletion"] == 2
+    assert doc["JobDuration"] == 0.25 and doc["ReceiveCountAtCompletion"] == 2
     units = {metric["Name"]: metric["Unit"] for metric in doc["_aws"]["CloudWatchMetrics"][0]["Metrics"]}
     assert units == {"JobsCompleted": "Count", "JobDuration": "Seconds", "ReceiveCountAtCompletion": "Count"}
 
 
-def test_failed_queue_renewals_count_as_heartbeat_failures(build_worker, queues):
+def test_failed_queue_renewals_count_as_heartbeat_failures(build_worker, memory_queue, fake_clock):
     """A visibility renewal that fails (throttled) adds one HeartbeatFailures with part=queue."""
-    client = FaultyClient(queues.sqs)
-    failures = []
-
-    def throttle_once(kwargs):
-        if kwargs["VisibilityTimeout"] > 0 and not failures:
-            failures.append(1)
-            return client_error("ThrottlingException")
-        return None
-
-    client.faults["change_message_visibility"] = throttle_once
-    worker, out = build_worker(lambda message, lease: time.sleep(0.5) or "completed", client=client)
-    queues.send()
+    failures = iter([QueueError("ChangeMessageVisibility (renewal) failed: ThrottlingException")])
+    memory_queue.faults["extend"] = lambda message: next(failures, None)
+    worker, out = build_worker(lambda message, lease: fake_clock.advance(0.5) and "completed")
+    memory_queue.send()
     worker.run_once()
     [heartbeat] = with_metric(emf_lines(out), m.HEARTBEAT_FAILURES)
     assert heartbeat["HeartbeatFailures"] == 1 and heartbeat["part"] == "queue"
 
 
-def test_failed_store_renewals_count_as_heartbeat_failures(build_worker, queues):
+def test_failed_store_renewals_count_as_heartbeat_failures(build_worker, memory_queue, fake_clock):
     """A store renewal callback that fails adds HeartbeatFailures with part=store."""
     calls = []
 
@@ -277,11 +267,11 @@ def test_failed_store_renewals_count_as_heartbeat_failures(build_worker, queues)
             if len(calls) == 1:
                 raise StoreError("store down")
         lease.on_renew(renew)
-        time.sleep(0.5)
+        fake_clock.advance(0.5)
         return "completed"
 
     worker, out = build_worker(handler)
-    queues.send()
+    memory_queue.send()
     worker.run_once()
     [heartbeat] = with_metric(emf_lines(out), m.HEARTBEAT_FAILURES)
     assert heartbeat["part"] == "store"
@@ -289,20 +279,10 @@ def test_failed_store_renewals_count_as_heartbeat_failures(build_worker, queues)
 
 # ---------------------------------------------------------------- progress: stage timing and rate limit
 
-class Ticks:
-    """A monotonic clock the test sets by hand."""
-
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(params=["sqlite", "mongo"])
 def claimed(request, tmp_path):
     """A store of either kind holding one job claimed with token "t"."""
-    clock = FakeClock()
+    clock = WallClock()
     store = make_store(request.param, tmp_path, clock)
     store.submit({"_id": "a" * 24, "profileId": "b" * 24, "environment": "production"}, {"_id": "b" * 24})
     store.claim("a" * 24, owner="w", token="t", lease_s=3600)
@@ -318,7 +298,7 @@ def progress_of(store) -> tuple:
 def test_stage_durations_are_timed_from_first_report_to_100_percent(claimed):
     """Each stage emits one StageDuration with a Stage dimension, from its first report to its first 100 %."""
     store, _ = claimed
-    out, ticks = io.StringIO(), Ticks()
+    out, ticks = io.StringIO(), FakeClock(start_s=100.0)
     reporter = ProgressReporter(Attempt(store, "a" * 24, None, "t", 60.0), StopSignal(), clock=ticks,
                                 metrics=Metrics(dimensions={"Queue": "jobs"}, stream=out))
     for at, stage, percent in [(0, "download", 0), (3, "download", 100), (3, "train_full", 0),
@@ -334,7 +314,7 @@ def test_stage_durations_are_timed_from_first_report_to_100_percent(claimed):
 def test_progress_is_rate_limited_per_stage_but_stage_changes_and_100_go_through(claimed):
     """Within 2 s of a write, same-stage reports are dropped; a new stage, 100 % or the interval's end write."""
     store, clock = claimed
-    ticks = Ticks()
+    ticks = FakeClock(start_s=100.0)
     reporter = ProgressReporter(Attempt(store, "a" * 24, None, "t", 60.0), StopSignal(), clock=ticks)
     steps = [  # (seconds since start, stage, percent, written?)
         (0.0, "train_full", 0, True), (0.5, "train_full", 10, False), (1.99, "train_full", 20, False),
@@ -356,7 +336,7 @@ def test_progress_is_rate_limited_per_stage_but_stage_changes_and_100_go_through
 def test_a_chatty_trainer_cannot_flood_the_store(claimed):
     """A thousand PROGRESS lines within one interval cause one write."""
     store, _ = claimed
-    ticks, writes = Ticks(), []
+    ticks, writes = FakeClock(start_s=100.0), []
     real = store.set_progress
     store.set_progress = lambda *a, **k: writes.append(a) or real(*a, **k)
     reporter = ProgressReporter(Attempt(store, "a" * 24, None, "t", 60.0), StopSignal(), clock=ticks)

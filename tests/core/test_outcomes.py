@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
-import time
 
 import pytest
 
@@ -79,44 +79,66 @@ def test_retry_hint_is_not_jittered():
     assert retry_delay_for(StoreError("down"), 3, backoff, rng) == 120 and rng.ranges == [(1, 120)]
 
 
-def test_ack_only_after_the_handler_returned(queues, make_worker):
+def test_ack_only_after_the_handler_returned(memory_queue, make_memory_worker, fake_clock):
     """The delete comes after the handler returned, never while it runs."""
-    events = []
+    ops_when_done = []
 
     def handler(message, lease):
-        time.sleep(0.3)
-        events.append(("handler_done", time.monotonic()))
+        fake_clock.advance(0.3)
+        ops_when_done.extend(memory_queue.ops())
         return "done"
 
-    worker, client = make_worker(handler)
-    queues.send()
+    worker = make_memory_worker(handler)
+    memory_queue.send()
     assert worker.run_once() == "ack"
-    deletes = [c for c in client.calls if c[0] == "delete_message"]
-    assert len(deletes) == 1
-    assert deletes[0][3] > events[0][1]
-    assert queues.counts() == (0, 0)
+    assert ops_when_done == ["receive", "extend"]  # one renewal, at 0.2 s, and no delete yet
+    assert memory_queue.ops() == ["receive", "extend", "delete"]
+    assert memory_queue.counts() == (0, 0)
 
 
-def test_heartbeat_is_joined_before_the_delete(queues, make_worker):
+def joining(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside ``Thread.join``: how a test tells "waits for the heartbeat" from "has not
+    got that far yet" without giving it real time to get there."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "join" and frame.f_globals.get("__name__") == "threading":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_heartbeat_is_joined_before_the_delete(memory_queue, make_memory_worker, fake_clock):
     """A renewal still in flight when the handler returns finishes before the delete; no heartbeat thread is alive then."""
-    alive_at_delete, renewal_ends = [], []
+    alive_at_delete, renewal_ends, returned, deleted = [], [], threading.Event(), threading.Event()
 
-    def slow_renewal(kw):
-        time.sleep(0.3)
-        renewal_ends.append(time.monotonic())
+    def slow_renewal(message):
+        fake_clock.sleep(0.3)
+        renewal_ends.append(fake_clock())
 
     def handler(message, lease):
-        time.sleep(0.3)  # returns while the first renewal (sent at 0.2 s) is still in flight
+        fake_clock.advance(0.3)  # returns while the first renewal (sent at 0.2 s) is still in flight
+        returned.set()
 
-    worker, client = make_worker(handler)
-    client.faults["change_message_visibility"] = slow_renewal
-    client.faults["delete_message"] = lambda kw: alive_at_delete.append((len(heartbeat_threads()), time.monotonic()))
-    queues.send()
-    worker.run_once()
+    def delete(message):
+        alive_at_delete.append((len(heartbeat_threads()), fake_clock()))
+        deleted.set()
+
+    worker = make_memory_worker(handler)
+    memory_queue.faults["extend"] = slow_renewal
+    memory_queue.faults["delete"] = delete
+    memory_queue.send()
+    loop = threading.Thread(target=worker.run_once, daemon=True)
+    loop.start()
+    assert returned.wait(5)
+    for _ in range(5000):  # until the loop waits for the heartbeat, or (the bug) deletes without waiting
+        if joining(loop) or deleted.wait(0.001):
+            break
+    fake_clock.advance(0.3)  # the renewal comes back at 0.5 s
+    loop.join(5)
     [(alive, deleted_at)] = alive_at_delete
     assert alive == 0
-    assert renewal_ends and max(renewal_ends) < deleted_at
-    assert client.ops()[-1] == "delete_message"
+    assert renewal_ends and max(renewal_ends) <= deleted_at
+    assert memory_queue.ops()[-1] == "delete"
 
 
 def test_retryable_error_sets_backoff_and_does_not_delete(queues):
@@ -206,34 +228,36 @@ def test_no_dlq_means_no_delete_and_the_longest_backoff(sqs, make_worker):
     assert bare.counts() == (0, 1)
 
 
-def test_time_limit_stops_the_handler_and_dead_letters(queues, make_worker):
+def test_time_limit_stops_the_handler_and_dead_letters(memory_queue, make_memory_worker, fake_clock):
     """Past JOB_TIME_LIMIT_SECONDS the handler is told to stop and the job is dead-lettered as TimeLimitExceeded."""
     def handler(message, lease):
-        assert lease.stop.wait(5)
+        assert fake_clock.advance(5, until=lease.stop.is_set)
+        assert fake_clock() - message.received_at_s == pytest.approx(1.0)
         lease.stop.raise_if_set()
 
-    worker, client = make_worker(handler, JOB_TIME_LIMIT_SECONDS=1)
-    queues.send()
+    worker = make_memory_worker(handler, JOB_TIME_LIMIT_SECONDS=1)
+    memory_queue.send()
     assert worker.run_once() == "dead_letter"
-    [dead] = queues.receive_now(queues.dlq_url)
-    assert dead["MessageAttributes"]["ErrorType"]["StringValue"] == "TimeLimitExceeded"
+    [dead] = memory_queue.dead_letter_queue.messages
+    assert dead.message_attributes["ErrorType"]["StringValue"] == "TimeLimitExceeded"
+    assert memory_queue.messages == []
 
 
-def test_handler_ignoring_the_time_limit_is_abandoned_after_the_hard_cap(queues, make_worker):
+def test_handler_ignoring_the_time_limit_is_abandoned_after_the_hard_cap(memory_queue, make_memory_worker, fake_clock):
     """A handler still busy past the time limit plus the stop grace gets no more renewals and its message is left to SQS."""
     seen = {}
 
     def handler(message, lease):
         seen["received_at"] = message.received_at_s
-        assert lease.stop.wait(5) and lease.stop.reason == Stopped.TIME_LIMIT
-        time.sleep(1.0)  # hung in the stop: the cap is at 1 + 0.5 + 0.2 s
+        assert fake_clock.advance(5, until=lease.stop.is_set) and lease.stop.reason == Stopped.TIME_LIMIT
+        fake_clock.advance(1.0)  # hung in the stop: the cap is at 1 + 0.5 + 0.2 s
 
-    worker, client = make_worker(handler, JOB_TIME_LIMIT_SECONDS=1, SHUTDOWN_GRACE_SECONDS=0.5)
-    queues.send()
+    worker = make_memory_worker(handler, JOB_TIME_LIMIT_SECONDS=1, SHUTDOWN_GRACE_SECONDS=0.5)
+    memory_queue.send()
     assert worker.run_once() == "abandon"
-    renewals = [c[3] for c in client.calls if c[0] == "change_message_visibility"]
-    assert renewals and max(renewals) < seen["received_at"] + 1.7
-    assert "delete_message" not in client.ops() and "send_message" not in client.ops()
+    renewals = [c.at_s for c in memory_queue.calls if c.op == "extend"]
+    assert renewals and seen["received_at"] + 1.0 < max(renewals) < seen["received_at"] + 1.7
+    assert memory_queue.ops()[-1] == "extend" and memory_queue.counts() == (0, 1)
 
 
 def test_unexpected_exception_propagates_without_delete(queues, make_worker):

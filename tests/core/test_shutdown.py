@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import boto3
@@ -16,52 +15,54 @@ import pytest
 from tests.support import create_queues
 
 
-def test_job_finishing_within_the_grace_is_acked(queues, make_worker):
+def test_job_finishing_within_the_grace_is_acked(memory_queue, make_memory_worker, fake_clock):
     """A shutdown requested mid-job lets the job finish within the grace and acks it."""
     def handler(message, lease):
-        threading.Timer(0.1, worker.stop).start()
-        time.sleep(0.5)
+        fake_clock.advance(0.1)
+        worker.stop()
+        fake_clock.advance(0.4)
         assert not lease.stop.is_set()
 
-    worker, client = make_worker(handler, SHUTDOWN_GRACE_SECONDS=3)
-    queues.send()
+    worker = make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=3)
+    memory_queue.send()
     assert worker.run_once() == "ack"
-    assert queues.counts() == (0, 0)
+    assert memory_queue.counts() == (0, 0)
 
 
-def test_job_past_the_grace_is_stopped_and_released(queues, make_worker):
+def test_job_past_the_grace_is_stopped_and_released(memory_queue, make_memory_worker, fake_clock):
     """Past the grace the handler is told to stop and the message becomes visible at once."""
     seen = {}
 
     def handler(message, lease):
-        threading.Timer(0.1, worker.stop).start()
-        assert lease.stop.wait(5)
-        seen["after_s"] = time.monotonic() - message.received_at_s
+        fake_clock.advance(0.1)
+        worker.stop()
+        assert fake_clock.advance(5, until=lease.stop.is_set)
+        seen["after_s"] = fake_clock() - message.received_at_s
         lease.stop.raise_if_set()
 
-    worker, client = make_worker(handler, SHUTDOWN_GRACE_SECONDS=0.5)
-    queues.send()
+    worker = make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=0.5)
+    memory_queue.send()
     assert worker.run_once() == "release"
-    assert 0.5 <= seen["after_s"] < 1.5
-    assert client.calls[-1][0] == "change_message_visibility" and client.calls[-1][1]["VisibilityTimeout"] == 0
-    assert len(queues.receive_now()) == 1
+    assert seen["after_s"] == pytest.approx(0.6)  # the request at 0.1 s plus the 0.5 s grace
+    assert memory_queue.ops()[-1] == "release" and memory_queue.counts() == (1, 0)
 
 
-def test_second_signal_skips_the_grace(queues, make_worker):
+def test_second_signal_skips_the_grace(memory_queue, make_memory_worker, fake_clock):
     """A second stop request ends the grace immediately."""
     seen = {}
 
     def handler(message, lease):
         worker.stop()
-        threading.Timer(0.2, worker.stop).start()
-        assert lease.stop.wait(5)
-        seen["after_s"] = time.monotonic() - message.received_at_s
+        fake_clock.advance(0.2)
+        worker.stop()
+        assert fake_clock.advance(5, until=lease.stop.is_set)
+        seen["after_s"] = fake_clock() - message.received_at_s
         lease.stop.raise_if_set()
 
-    worker, _ = make_worker(handler, SHUTDOWN_GRACE_SECONDS=60)
-    queues.send()
+    worker = make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=60)
+    memory_queue.send()
     assert worker.run_once() == "release"
-    assert seen["after_s"] < 1.0
+    assert seen["after_s"] == pytest.approx(0.2)  # at the second request, not 60 s later
 
 
 def test_message_arriving_during_shutdown_is_handed_back_unworked(queues, make_worker):
@@ -78,7 +79,7 @@ def test_message_arriving_during_shutdown_is_handed_back_unworked(queues, make_w
 
 @pytest.mark.server
 def test_sigterm_past_grace_releases_and_exits_zero(moto_server, tmp_path):
-    """A real worker process given SIGTERM mid-job past its grace releases the message (visible within a second) and exits 0."""
+    """A real worker process given SIGTERM mid-job past its grace releases the message (visible at once) and exits 0."""
     sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=moto_server)
     q = create_queues(sqs, name=f"sigterm-{os.getpid()}-{time.monotonic_ns()}")
     q.send('{"job": 1}')
@@ -106,11 +107,9 @@ def test_sigterm_past_grace_releases_and_exits_zero(moto_server, tmp_path):
         assert events[-1]["message_id"] and events[-1]["receive_count"] == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
-        exited_at = time.monotonic()
         rest = [json.loads(line) for line in proc.stderr.read().splitlines()]
     finally:
         proc.kill()
     assert [e["event"] for e in rest if e["event"].startswith("message.")][-1] == "message.released"
-    [again] = q.receive_now(wait_s=1)
-    assert time.monotonic() - exited_at < 1.0
+    [again] = q.receive_now(wait_s=0)  # visible at once, not when its 30 s visibility runs out
     assert again["Attributes"]["ApproximateReceiveCount"] == "2"

@@ -87,8 +87,18 @@ def test_redrive_prints_progress_on_stderr(queues, dlq):
     assert "moved 10 of ~12" in err.getvalue().splitlines()
 
 
-def test_first_ctrl_c_stops_redrive_after_the_current_message(queues, client, dlq):
-    """SIGINT during a fallback redrive finishes the message in hand, exits 130 and leaves the rest visible in the DLQ."""
+@pytest.fixture(params=[signal.default_int_handler, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored"])
+def sigint_before(request):
+    """SIGINT's disposition before the command, set here rather than inherited from however the test run was
+    started: under nohup or as a background job it starts ignored."""
+    previous = signal.signal(signal.SIGINT, request.param)
+    yield request.param
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_first_ctrl_c_stops_redrive_after_the_current_message(queues, client, dlq, sigint_before):
+    """SIGINT during a fallback redrive finishes the message in hand, exits 130, leaves the rest visible in the
+    DLQ and puts SIGINT back as it was, also when it was ignored before."""
     for n in range(5):
         dead_letter(queues, n)
     sends = []
@@ -107,7 +117,7 @@ def test_first_ctrl_c_stops_redrive_after_the_current_message(queues, client, dl
     assert len(ops(client, "delete_message")) == 2  # the one in hand was settled
     assert len(source_messages(queues)) == 2
     assert queues.counts(queues.dlq_url) == (3, 0)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is sigint_before
 
 
 def test_ctrl_c_between_send_and_delete_names_the_message(queues, client, dlq):

@@ -11,7 +11,7 @@ import pytest
 
 from tests.deploy.files import REPO, read_unit, timespan_s
 from tests.voice.conftest import message_body
-from tests.voice.records.conftest import FakeClock, make_store
+from tests.voice.records.conftest import WallClock, make_store
 from tests.support import FaultyClient, client_error
 from worker.core.errors import BadRecording, QueueError
 from worker.voice.message import parse_job
@@ -53,7 +53,7 @@ class CountingStore:
 
 @pytest.fixture
 def clock():
-    return FakeClock()
+    return WallClock()
 
 
 @pytest.fixture(params=["sqlite", "mongo"])

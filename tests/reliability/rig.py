@@ -5,15 +5,14 @@ out a request that a fault answered). Faults go in at two depths:
 - ``BotoFaults``: a botocore ``before-send`` hook answers chosen requests with an injected HTTP error
   before they leave, so botocore's own retry mode (standard, 5 attempts) sees real throttling and 5xx
   answers and the worker's adapters see what is left after it;
-- ``FlakyStore``: wraps the real store; while ``down`` every call raises ``StoreError``, and chosen
-  methods can be slowed.
+- ``FlakyStore`` (``tests.support``): wraps the real store; while ``down`` every call raises
+  ``StoreError``, and chosen methods can be slowed.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +23,9 @@ import botocore.retries.standard
 from botocore.awsrequest import AWSResponse
 
 from tests.reliability.stack import ARTIFACTS, ENVIRONMENT, new_object_id
-from tests.support import Queues, attempt_through, create_queues
+from tests.support import FlakyStore, Queues, create_queues
 from worker.voice.artifacts import ArtifactUploader
 from worker.core.aws import client_config, make_client
-from worker.core.errors import StoreError
 from worker.voice.input_policy import InputPolicy
 from worker.voice.job import VoiceJobHandler
 from worker.core.loop import Worker
@@ -48,9 +46,6 @@ RIG_ENV = {
 }
 # botocore's "max_attempts" counts retries: one call is the first attempt plus that many more.
 ATTEMPTS_PER_CALL = client_config(load_settings({}).aws_config()).retries["max_attempts"] + 1
-# Writes that change records (reads are not writes).
-STORE_WRITES = frozenset({"claim", "renew_lease", "set_progress", "record_error", "write_paths",
-                          "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease"})
 
 
 def fast_botocore_backoff(monkeypatch) -> None:
@@ -151,36 +146,6 @@ def first_attempt(params: dict) -> bool:
     return params["attempt"] == 1
 
 
-class FlakyStore:
-    """The real store behind a switch: ``down`` makes every call fail; ``slow`` delays chosen methods."""
-
-    def __init__(self, store):
-        self._store = store
-        self.down = threading.Event()
-        self.slow: dict[str, float] = {}
-        self.calls: list[str] = []
-        self.refused: Counter = Counter()
-
-    def writes(self) -> list[str]:
-        return [c for c in self.calls if c in STORE_WRITES]
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if not callable(attr) or name.startswith("_"):
-            return attr
-
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            if self.down.is_set():
-                self.refused[name] += 1
-                raise StoreError(f"injected: the store is unavailable ({name})")
-            if name in self.slow:
-                time.sleep(self.slow[name])
-            return attempt_through(self, attr(*args, **kwargs))
-
-        return call
-
-
 class Train:
     """The pipeline's stand-in: works ``work_s`` (stoppable), then writes the five artifacts."""
 
@@ -232,7 +197,7 @@ class Rig:
 
     def submit(self, directory: str = "voice-1") -> tuple[str, str, str]:
         job_id, profile_id = new_object_id(), new_object_id()
-        self.store._store.submit({"_id": job_id, "profileId": profile_id, "environment": ENVIRONMENT},
+        self.store.wrapped.submit({"_id": job_id, "profileId": profile_id, "environment": ENVIRONMENT},
                                  {"_id": profile_id})
         body = json.dumps({
             "_doc": {"_id": job_id}, "jobId": job_id, "profileId": profile_id, "environment": ENVIRONMENT,
@@ -244,10 +209,10 @@ class Rig:
         return job_id, profile_id, body
 
     def job(self, job_id: str) -> dict:
-        return self.store._store.get_job(job_id)
+        return self.store.wrapped.get_job(job_id)
 
     def profile(self, profile_id: str) -> dict:
-        return self.store._store.get_profile(profile_id)
+        return self.store.wrapped.get_profile(profile_id)
 
     def counts(self) -> tuple[tuple[int, int], tuple[int, int]]:
         return self.queues.counts(), self.queues.counts(self.queues.dlq_url)

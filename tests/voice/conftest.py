@@ -12,7 +12,7 @@ import boto3
 import mongomock
 import pytest
 
-from tests.support import SHIPPED_ARTIFACTS, attempt_through
+from tests.support import SHIPPED_ARTIFACTS, STORE_WRITES, attempt_through
 from worker.core.config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message, Queue
@@ -25,9 +25,6 @@ JOB_ID = "665f1c2e9b1e8a0012ab34cd"
 PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"
 BUCKET = "voice-models"
 ARTIFACTS = SHIPPED_ARTIFACTS
-# Writes that change records; reads are not writes.
-STORE_WRITES = {"claim", "renew_lease", "set_progress", "record_error", "write_paths",
-                "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease"}
 
 
 def message_body(job_id: str = JOB_ID, profile_id: str = PROFILE_ID, **extra) -> str:

@@ -3,11 +3,8 @@ job (a redrive's copy, a resubmit) and a job the reconciler marked dead-lettered
 
 from __future__ import annotations
 
-import time
-
 from tests.voice.conftest import JOB_ID, PROFILE_ID, deliver, message_body
-from tests.support import client_error
-from worker.core.errors import AlreadyFailed, BadRecording
+from worker.core.errors import AlreadyFailed, BadRecording, QueueError
 from worker.voice.records.rules import is_complete
 
 
@@ -23,28 +20,27 @@ def record_permanent_error(raw_store, message_id: str = "m-1") -> None:
 
 
 def test_redelivery_after_a_failed_delete_is_dead_lettered_again_without_work(
-        queues, make_worker, handler, train, recorder, raw_store):
+        memory_queue, make_memory_worker, fake_clock, handler, train, recorder, raw_store):
     """The message whose permanent failure was recorded but whose delete failed is not trained or claimed again."""
     train.during = bad_recording
-    worker, client = make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=1,
-                                 SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=300)
-    failures = iter([client_error("InternalError")])
-    client.faults["delete_message"] = lambda kw: next(failures, None)
-    queues.send(message_body())
+    worker = make_memory_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=1, SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=300)
+    failures = iter([QueueError("DeleteMessage failed: InternalError")])
+    memory_queue.faults["delete"] = lambda message: next(failures, None)
+    memory_queue.send(message_body())
     assert worker.run_once() == "dead_letter"
-    assert queues.counts() == (0, 1) and train.runs == 1  # the delete failed: the message comes back
+    assert memory_queue.counts() == (0, 1) and train.runs == 1  # the delete failed: the message comes back
     before = raw_store.get_job(JOB_ID)
     recorder.calls.clear()
-    time.sleep(1.2)
+    fake_clock.advance(1.2)  # its visibility runs out: the redelivery
     assert worker.run_once() == "dead_letter"
     assert train.runs == 1, "the failed job was trained again"
     assert recorder.calls == [], f"the redelivery wrote to the store: {recorder.calls}"
     assert raw_store.get_job(JOB_ID) == before
-    assert queues.counts() == (0, 0)
-    copies = queues.receive_now(queues.dlq_url)
+    assert memory_queue.counts() == (0, 0)
+    copies = [held.message_attributes for held in memory_queue.dead_letter_queue.messages]
     assert len(copies) == 2
-    assert {c["MessageAttributes"]["ErrorType"]["StringValue"] for c in copies} == {"BadRecording"}
-    assert all("not decodable" in c["MessageAttributes"]["ErrorMessage"]["StringValue"] for c in copies)
+    assert {c["ErrorType"]["StringValue"] for c in copies} == {"BadRecording"}
+    assert all("not decodable" in c["ErrorMessage"]["StringValue"] for c in copies)
 
 
 def test_recorded_failure_is_raised_with_its_recorded_type_before_any_claim(handler, raw_store, recorder, train):

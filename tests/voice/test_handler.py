@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from datetime import timedelta
 
 import pytest
 
 from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, deliver, message_body
-from worker.core.errors import BadRecording, Stopped, StoreError, StaleWrite
+from worker.core.errors import BadRecording, QueueError, Stopped, StoreError, StaleWrite
 from worker.voice.records.rules import ASSET_KEYS, is_complete
 
 
@@ -58,22 +57,20 @@ def test_update_matching_nothing_is_not_acknowledged(queues, make_worker, handle
 
 
 def test_delete_failure_after_commit_leaves_completed_and_redelivery_only_deletes(
-        queues, make_worker, handler, recorder, raw_store, train):
+        memory_queue, make_memory_worker, fake_clock, handler, recorder, raw_store, train):
     """If the delete fails after the commit, both records stay completed and the redelivery only deletes."""
-    from tests.support import client_error
-
-    worker, client = make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=1, SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=300)
-    failures = iter([client_error("InternalError")])
-    client.faults["delete_message"] = lambda kw: next(failures, None)
-    queues.send(message_body())
+    worker = make_memory_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=1, SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=300)
+    failures = iter([QueueError("DeleteMessage failed: InternalError")])
+    memory_queue.faults["delete"] = lambda message: next(failures, None)
+    memory_queue.send(message_body())
     assert worker.run_once() == "ack"
-    assert queues.counts() == (0, 1)  # still there, invisible
+    assert memory_queue.counts() == (0, 1)  # still there, invisible
     assert is_complete(raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID))
     recorder.calls.clear()
-    time.sleep(1.2)
+    fake_clock.advance(1.2)  # its visibility runs out: the redelivery
     assert worker.run_once() == "ack"
     assert recorder.calls == [] and train.runs == 1
-    assert queues.counts() == (0, 0)
+    assert memory_queue.counts() == (0, 0)
 
 
 def test_duplicate_delivery_under_a_live_lease_is_acked_without_work(queues, make_worker, handler, raw_store, train):
@@ -232,19 +229,18 @@ def test_unknown_job_is_retried_not_dead_lettered(queues, make_worker, handler):
     assert worker.run_once() == "retry"
 
 
-def test_store_lease_is_renewed_with_the_message(queues, make_worker, handler, raw_store, train):
+def test_store_lease_is_renewed_with_the_message(queues, make_worker, fake_clock, handler, raw_store, clock, train):
     """Each heartbeat tick also renews the job's lease in the store."""
     seen = []
 
     def slow(job, work_dir, stop, progress):
         first = raw_store.get_job(JOB_ID)["lease"]["expiresAt"]
-        deadline = time.monotonic() + 1.5  # under the 2 s visibility: only renewals can move it
-        while time.monotonic() < deadline and raw_store.get_job(JOB_ID)["lease"]["expiresAt"] == first:
-            time.sleep(0.05)
+        clock.offset += timedelta(seconds=1)  # the store's clock, so that a renewal moves the expiry
+        fake_clock.advance(0.2)  # one tick, well under the 2 s visibility: only a renewal can move it
         seen.append((first, raw_store.get_job(JOB_ID)["lease"]["expiresAt"]))
 
     train.during = slow
-    worker, _ = make_worker(handler)
+    worker, _ = make_worker(handler, clock=fake_clock)
     queues.send(message_body())
     assert worker.run_once() == "ack"
     first, later = seen[0]
@@ -341,7 +337,8 @@ def test_a_profile_write_refused_while_the_job_lease_is_ours_releases_it(
     assert "delete_message" not in client.ops()
 
 
-def test_lease_lost_after_a_shutdown_request_still_stops_the_commit(queues, make_worker, handler, raw_store, s3):
+def test_lease_lost_after_a_shutdown_request_still_stops_the_commit(queues, make_worker, fake_clock, handler,
+                                                                    raw_store, s3):
     """A lease lost during the uploads, after a shutdown already set the stop reason, still writes no paths."""
     from tests.support import client_error
 
@@ -351,11 +348,11 @@ def test_lease_lost_after_a_shutdown_request_still_stops_the_commit(queues, make
             worker.stop()
             worker.stop()  # second signal: the stop reason becomes "shutdown" at once
             client.faults["change_message_visibility"] = lambda kw: client_error("ReceiptHandleIsInvalid")
-            time.sleep(0.6)  # a few ticks: the lease is lost meanwhile
+            fake_clock.advance(0.6)  # a few ticks: the lease is lost meanwhile
 
     hit = []
     s3.meta.events.register("before-call.s3.PutObject", during_upload)
-    worker, client = make_worker(handler)
+    worker, client = make_worker(handler, clock=fake_clock)
     queues.send(message_body())
     assert worker.run_once() == "abandon"
     assert not raw_store.get_profile(PROFILE_ID).get("modelPaths")

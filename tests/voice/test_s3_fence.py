@@ -122,12 +122,11 @@ def test_a_failed_cleanup_never_fails_the_committed_job(queues, make_worker, han
     assert client.ops()[-1] == "delete_message"
 
 
-def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, make_worker, store, s3, train,
-                                                                     recorder, tmp_path):
+def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, make_worker, fake_clock, store, s3,
+                                                                     train, recorder, tmp_path):
     """The heartbeat losing the lease while a part is in flight: the next part is never sent, the upload is
     aborted, and nothing is written to the store."""
     import os
-    import time
 
     from worker.voice.job import VoiceJobHandler
 
@@ -149,14 +148,10 @@ def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, ma
     def lose_the_lease_during_the_first_part(**_kwargs):
         if recorder.calls.count("s3.UploadPart") == 1:
             client.faults["change_message_visibility"] = lambda kw: client_error("ReceiptHandleIsInvalid")
-            for _ in range(1000):  # until the heartbeat has noticed (bounded, not timed)
-                if leases[0].lost:
-                    break
-                time.sleep(0.01)
-            assert leases[0].lost
+            assert fake_clock.advance(1, until=lambda: leases[0].lost)  # the next tick's renewal is refused
 
     s3.meta.events.register("before-call.s3.UploadPart", lose_the_lease_during_the_first_part)
-    worker, client = make_worker(handler)
+    worker, client = make_worker(handler, clock=fake_clock)
     queues.send(message_body())
     assert worker.run_once() == "abandon"
     assert recorder.calls.count("s3.UploadPart") == 1

@@ -79,6 +79,7 @@ class Lease:
         *,
         shutdown: Shutdown,
         clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[threading.Event, float], object] = threading.Event.wait,
         on_renewed: Callable[[], None] | None = None,
         metrics: Metrics | None = None,
     ):
@@ -95,6 +96,9 @@ class Lease:
         self._shutdown = shutdown
         self._grace_s = timings.shutdown_grace_s
         self._clock = clock
+        # How the heartbeat waits on its wake-up event; tests pass FakeClock.wait (worker.core.testing)
+        # so that time passes only when they move it.
+        self._wait = wait
         self._deadline = message.received_at_s + timings.visibility_timeout_s
         self._callbacks: list[Callable[[], None]] = []
         self._on_renewed = on_renewed
@@ -174,7 +178,7 @@ class Lease:
                 wake_at = min(wake_at, self._time_limit_at)
                 if shutdown_at is not None:
                     wake_at = min(wake_at, shutdown_at)
-            self._wake.wait(max(0.0, wake_at - self._clock()))
+            self._wait(self._wake, max(0.0, wake_at - self._clock()))
             self._wake.clear()
             if self._closing:
                 return

@@ -20,6 +20,7 @@ optional string names the outcome for the logs), raises a project error otherwis
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,8 +108,11 @@ class Worker:
         crash_points: CrashPoints = NEVER,
         metrics: Metrics | None = None,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[threading.Event, float], object] = threading.Event.wait,
     ):
         self._config = config
+        self._clock, self._wait = clock, wait  # the heartbeat's; tests pass a FakeClock
         self._rng = rng  # the backoff's jitter; tests pass a seeded one
         self._metrics = metrics or NULL_METRICS
         self._queue = queue
@@ -162,10 +166,10 @@ class Worker:
 
     # --- one message
     def _process(self, message: Message) -> str:
-        lease = Lease(self._queue, message, self._config.lease, shutdown=self.shutdown,
-                      on_renewed=self._alive, metrics=self._metrics)
+        lease = Lease(self._queue, message, self._config.lease, shutdown=self.shutdown, clock=self._clock,
+                      wait=self._wait, on_renewed=self._alive, metrics=self._metrics)
         log.info("message.received")
-        started_s = time.monotonic()
+        started_s = self._clock()
         outcome: WorkerError | None = None
         label = None
         lease.start()
@@ -188,10 +192,10 @@ class Worker:
             error_type=decision.error.error_type if decision.error else None,
             lease_lost_reason=lease.lost_reason,
             renewals=lease.renewals,
-            duration_s=round(time.monotonic() - started_s, 3),
+            duration_s=round(self._clock() - started_s, 3),
         )
         self._settle(message, decision, lease_lost=lease.lost)
-        self._count_outcome(message, decision.action, label, time.monotonic() - started_s)
+        self._count_outcome(message, decision.action, label, self._clock() - started_s)
         return decision.action
 
     def _count_outcome(self, message: Message, action: Action, label: str | None, duration_s: float) -> None:

@@ -1,4 +1,4 @@
-"""Fixtures for the records-store tests: a movable clock and one store per implementation."""
+"""Fixtures for the records-store tests: a movable wall clock and one store per implementation."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ MODEL_PATHS = {key: f"/work/production/voice-1/{JOB_ID}/output/{key}" for key in
 S3_PATHS = {key: f"s3://voices/production/{JOB_ID}/{key}" for key in ASSETS}
 
 
-class FakeClock:
-    """A clock the test moves by hand; starts at a fixed aware UTC instant with millisecond precision."""
+class WallClock:
+    """The store's clock, moved by hand: aware UTC datetimes from a fixed instant with millisecond precision.
+
+    Not worker.core.testing.FakeClock: that one is monotonic seconds for the heartbeat, this one is the
+    wall time the records hold and compare (lease expiries, history stamps), which may be skewed.
+    """
 
     def __init__(self) -> None:
         self.now = datetime(2024, 5, 1, 12, 0, 0, 250_000, tzinfo=timezone.utc)
@@ -32,8 +36,8 @@ class FakeClock:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> WallClock:
+    return WallClock()
 
 
 def make_store(kind: str, tmp_path, clock):

@@ -4,34 +4,28 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support import FlakyStore
 from worker.voice.records.attempt import Attempt, StoreLease
 from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
 from worker.core.stop import StopSignal
+from worker.core.testing import FakeClock
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
+class Renewals:
+    """The one store call a StoreLease makes: renew_lease, answering whether a cancel was requested."""
 
-    def __call__(self):
-        return self.now
-
-
-class FlakyStore:
-    def __init__(self):
-        self.fail_with = None
-        self.cancel = False
-        self.calls = 0
+    cancel_requested = False
 
     def renew_lease(self, job_id, token, lease_s):
-        self.calls += 1
-        if self.fail_with is not None:
-            raise self.fail_with
-        return self.cancel
+        return self.cancel_requested
+
+
+def flaky_store() -> FlakyStore:
+    return FlakyStore(Renewals())
 
 
 def make(lease_s=300.0, margin_s=60.0):
-    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    store, clock, stop = flaky_store(), FakeClock(), StopSignal()
     attempt = Attempt(store, "j", "p", "t", lease_s)
     return StoreLease(attempt, stop, margin_s=margin_s, clock=clock), store, clock, stop
 
@@ -39,7 +33,7 @@ def make(lease_s=300.0, margin_s=60.0):
 def test_store_outage_shorter_than_the_lease_is_retried():
     """A failed renewal well before the record lease lapses is an ordinary, retried failure."""
     lease, store, clock, _ = make()
-    store.fail_with = StoreError("down")
+    store.fail(StoreError("down"))
     clock.now += 200  # 100 s of lease left, more than one tick (60 s)
     with pytest.raises(StoreError):
         lease.renew()
@@ -48,7 +42,7 @@ def test_store_outage_shorter_than_the_lease_is_retried():
 def test_store_outage_reaching_the_lease_end_loses_the_lease():
     """Renewals failing until less than one tick of record lease is left lose the lease."""
     lease, store, clock, _ = make()
-    store.fail_with = StoreError("down")
+    store.fail(StoreError("down"))
     clock.now += 250  # 50 s left: the next tick would come after another worker could claim
     with pytest.raises(LeaseLost):
         lease.renew()
@@ -59,7 +53,7 @@ def test_a_successful_renewal_moves_the_lapse_forward():
     lease, store, clock, _ = make()
     clock.now += 200
     lease.renew()
-    store.fail_with = StoreError("down")
+    store.fail(StoreError("down"))
     clock.now += 200  # 100 s after the last success: still fine
     with pytest.raises(StoreError):
         lease.renew()
@@ -68,10 +62,10 @@ def test_a_successful_renewal_moves_the_lapse_forward():
 def test_a_refused_renewal_is_a_lost_lease_and_a_cancel_flag_stops_the_work():
     """A renewal matching no record loses the lease; cancelRequested sets the stop signal."""
     lease, store, _, stop = make()
-    store.cancel = True
+    store.wrapped.cancel_requested = True
     lease.renew()
     assert stop.reason == Stopped.CANCELLED
-    store.fail_with = StaleWrite("token replaced")
+    store.fail(StaleWrite("token replaced"))
     with pytest.raises(LeaseLost):
         lease.renew()
 
@@ -81,7 +75,7 @@ def test_no_renewal_after_the_end():
     lease, store, _, _ = make()
     lease.end()
     lease.renew()
-    assert store.calls == 0
+    assert store.calls == []
 
 
 def test_the_local_lease_check_passes_while_renewals_keep_the_record_lease_ahead():
@@ -97,7 +91,7 @@ def test_the_local_lease_check_passes_while_renewals_keep_the_record_lease_ahead
 def test_the_local_lease_check_fails_once_the_record_lease_may_lapse():
     """Without a successful renewal, ensure_live raises LeaseLost one margin before the record lease ends."""
     lease, store, clock, _ = make()
-    store.fail_with = StoreError("down")
+    store.fail(StoreError("down"))
     clock.now += 240
     with pytest.raises(LeaseLost):
         lease.ensure_live()
@@ -105,7 +99,7 @@ def test_the_local_lease_check_fails_once_the_record_lease_may_lapse():
 
 def test_the_local_lease_deadline_counts_from_when_the_claim_was_sent():
     """A claim that took a while (its profile stamp) leaves less local lease: the deadline starts at the send."""
-    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    store, clock, stop = flaky_store(), FakeClock(), StopSignal()
     sent_s = clock.now
     clock.now += 100  # the claim's second swap was slow
     lease = StoreLease(Attempt(store, "j", "p", "t", 300.0), stop, margin_s=60.0, clock=clock, claim_sent_s=sent_s)
@@ -116,8 +110,8 @@ def test_the_local_lease_deadline_counts_from_when_the_claim_was_sent():
 
 def test_a_cancel_flag_is_ignored_once_an_earlier_attempt_began_the_commit():
     """With honour_cancel off (the commit is under way), a renewal that reads cancelRequested stops nothing."""
-    store, clock, stop = FlakyStore(), Clock(), StopSignal()
+    store, clock, stop = flaky_store(), FakeClock(), StopSignal()
     lease = StoreLease(Attempt(store, "j", "p", "t", 300.0), stop, clock=clock, honour_cancel=False)
-    store.cancel = True
+    store.wrapped.cancel_requested = True
     lease.renew()
     assert not stop.is_set()
