@@ -34,3 +34,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/idle_rss.py
 	$(BIN)/python benchmarks/download_rss.py
 	$(BIN)/python benchmarks/resume_fraction.py
+	$(BIN)/python benchmarks/uploads.py
