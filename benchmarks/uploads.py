@@ -6,10 +6,11 @@ The five artifacts (an 800 MiB model and four smaller files, 1 GiB together; at 
 paths) are written once to DIR, with the stage manifests the pipeline writes for them (timed apart:
 that hash belongs to the stages, not to the upload). Then, in each round, in alternating order:
 
-  project   what the job's commit path does for step 1-2: ``verify_local``, then ``upload_all`` of
+  project   what the job's commit path does for step 1-2: ``verify_local``, the digests the stage
+            manifests recorded (``recorded_outputs``), then ``upload_all`` of
             ``worker.voice.artifacts.ArtifactUploader`` as ``worker.app`` builds it, proving the claim
             the way the job does (a real SQLite record lease: a renewal before each object, the local
-            deadline checked before each part)
+            deadline checked before each write)
   baseline  one s3transfer ``TransferManager`` (what boto3's ``upload_file`` runs on), 8 concurrent
             requests, 8 MiB parts, all five files submitted at once
 
@@ -50,7 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline.config import load_pipeline_config  # noqa: E402
-from pipeline.manifest import manifest_path, write_manifest  # noqa: E402
+from pipeline.manifest import manifest_path, recorded_outputs, write_manifest  # noqa: E402
 from worker.core.stop import StopSignal  # noqa: E402
 from worker.voice.artifacts import ArtifactUploader, artifact_key, verify_local  # noqa: E402
 from worker.voice.records.attempt import StoreLease  # noqa: E402
@@ -176,7 +177,7 @@ class ProjectSide:
     def run(self) -> dict[str, str]:
         verify_local(self.output, self.files)
         return self.uploader.upload_all(self.output, self.files, self.key_for, proof=self.proof,
-                                        part_proof=self.part_proof)
+                                        part_proof=self.part_proof, recorded=recorded_outputs(self.output))
 
 
 class BaselineSide:
@@ -246,8 +247,10 @@ def main() -> None:
                   + ", ".join(f"{op} {n}" for op, n in sorted(requests.items())))
         print(f"retry with all five stored: {retry[0]:.2f} s, requests: "
               + ", ".join(f"{op} {n}" for op, n in sorted(retry[2].items())))
+        per_round = [p[0] / b[0] for p, b in zip(results["project"], results["baseline"], strict=True)]
         print(f"ratio project/baseline: {median['project'] / median['baseline']:.2f} "
-              f"(median of {args.rounds} rounds, {'HTTP' if args.http else 'HTTPS'})")
+              f"(medians of {args.rounds} rounds, {'HTTP' if args.http else 'HTTPS'}); per round "
+              + ", ".join(f"{r:.2f}" for r in per_round) + f", median {statistics.median(per_round):.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
