@@ -394,6 +394,15 @@ def test_the_part_proof_runs_before_each_part_and_a_failed_one_aborts(s3, calls,
     assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
 
 
+def test_the_part_proof_runs_before_a_single_put_too(s3, calls, tmp_path):
+    """A PUT queued behind other requests checks the lease again when it is sent: a failed check writes nothing."""
+    write(tmp_path / "model.pth", b"x")
+    with pytest.raises(LeaseLost):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth", part_proof=fail_on_call(1, LeaseLost("lost")))
+    assert calls["PutObject"] == 0
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET)
+
+
 def test_a_file_rewritten_during_a_multipart_upload_is_not_completed(s3, calls, tmp_path):
     """Bytes that no longer hash to the key's digest are never completed under it: StageFailed, aborted."""
     path = write(tmp_path / "big.pth", os.urandom(11 * MIB))
@@ -680,6 +689,19 @@ def test_a_listed_key_of_another_size_fails_before_anything_is_sent(s3, calls, t
     assert body(s3, key) == b"foreign"
 
 
+def test_a_listed_key_of_the_right_size_is_reused_only_if_its_sha256_matches(s3, calls, tmp_path):
+    """The listing's size is not enough: an object of the same size without our sha256 fails unsent."""
+    data = b"same bytes"
+    write(tmp_path / "model.pth", data)
+    key = f"k/{hashlib.sha256(data).hexdigest()}/model.pth"
+    s3.put_object(Bucket=BUCKET, Key=key, Body=b"SAME BYTES", Metadata={"sha256": SHA})
+    calls.clear()
+    with pytest.raises(StorageError, match="already holds other bytes"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+    assert calls == Counter({"ListObjectsV2": 1, "HeadObject": 1})
+    assert body(s3, key) == b"SAME BYTES"
+
+
 def test_each_file_is_hashed_once_when_its_digest_is_recorded(s3, hashing, tmp_path):
     """With the manifests' digests, the upload hashes every byte once (as it is sent), and a retry none."""
     files = mixed_files(tmp_path)
@@ -748,3 +770,35 @@ def test_a_failed_file_aborts_the_others_and_written_names_what_landed(s3, tmp_p
     stored = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET).get("Contents") or []}
     assert sorted(written) == sorted(stored)
     assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_an_object_that_lands_after_a_failed_proof_is_still_named_in_written(s3, tmp_path):
+    """A completion in flight when a later proof fails still lands, and written names it for the cleanup."""
+    files = {"fullModel": write(tmp_path / "model.pth", os.urandom(6 * MIB)),
+             "fullConfig": write(tmp_path / "config.json", b"{}"),
+             "speakerEmbeddings": write(tmp_path / "speakers.pth", b"s")}
+    completing, proof_failed = threading.Event(), threading.Event()
+
+    def hold_the_completion(**_kwargs):
+        completing.set()
+        assert proof_failed.wait(timeout=5)
+
+    proofs = []
+
+    def proof():
+        proofs.append(1)
+        if len(proofs) == 3:  # the third object's: fails while the first one's completion is in flight
+            assert completing.wait(timeout=5)
+            proof_failed.set()
+            raise LeaseLost("claim taken over")
+
+    def after_the_completion_began(**_kwargs):
+        assert completing.wait(timeout=5)  # so the third proof comes once the completion is in flight
+
+    s3.meta.events.register("before-call.s3.CompleteMultipartUpload", hold_the_completion)
+    s3.meta.events.register("before-call.s3.PutObject", after_the_completion_began)
+    written: list[str] = []
+    with pytest.raises(LeaseLost):
+        small_parts_uploader(s3).upload_all(tmp_path, files, key_under("k"), proof=proof, written=written)
+    stored = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
+    assert len(stored) == 2 and sorted(written) == stored
