@@ -96,6 +96,11 @@ class MotoServer:
                     raise RuntimeError("moto server did not start") from None
                 time.sleep(0.2)
 
+    def cpu_s(self) -> float:
+        """The server process's CPU seconds so far (user + system, from /proc)."""
+        fields = Path(f"/proc/{self._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __exit__(self, *_exc) -> None:
         if self._proc is not None:
             self._proc.terminate()
@@ -195,12 +200,13 @@ class BaselineSide:
             future.result()
 
 
-def timed(side) -> tuple[float, float, Counter]:
+def timed(side, server: MotoServer) -> tuple[float, float, Counter, float]:
+    """Wall seconds, this process's CPU seconds, the requests, the server's CPU seconds."""
     side.requests.clear()
-    cpu0, t0 = cpu_s(), time.perf_counter()
+    server0, cpu0, t0 = server.cpu_s(), cpu_s(), time.perf_counter()
     side.run()
     wall_s, client_cpu_s = time.perf_counter() - t0, cpu_s() - cpu0
-    return wall_s, client_cpu_s, Counter(side.requests)
+    return wall_s, client_cpu_s, Counter(side.requests), server.cpu_s() - server0
 
 
 def main() -> None:
@@ -230,9 +236,9 @@ def main() -> None:
             for number in range(args.rounds):
                 order = [("project", project), ("baseline", baseline)]
                 for name, side in order if number % 2 == 0 else reversed(order):
-                    results[name].append(timed(side))
+                    results[name].append(timed(side, server))
                     if name == "project" and retry is None:
-                        retry = timed(project)  # every object is there now: a redelivered job's upload
+                        retry = timed(project, server)  # every object is there now: a redelivered job's upload
                     empty_bucket(setup)
                 wall = {name: results[name][-1][0] for name in results}
                 print(f"round {number + 1}: project {wall['project']:.2f} s, baseline {wall['baseline']:.2f} s "
@@ -240,10 +246,12 @@ def main() -> None:
             baseline.manager.shutdown()
         median = {name: statistics.median(r[0] for r in rows) for name, rows in results.items()}
         cpu = {name: statistics.median(r[1] for r in rows) for name, rows in results.items()}
+        server_cpu = {name: statistics.median(r[3] for r in rows) for name, rows in results.items()}
         for name in ("project", "baseline"):
             requests = results[name][-1][2]
             print(f"{name:9s} median {median[name]:6.2f} s, {total_mib / median[name]:6.1f} MiB/s, "
-                  f"client CPU {cpu[name]:5.2f} s, requests {sum(requests.values())}: "
+                  f"client CPU {cpu[name]:5.2f} s, server CPU {server_cpu[name]:5.2f} s, "
+                  f"requests {sum(requests.values())}: "
                   + ", ".join(f"{op} {n}" for op, n in sorted(requests.items())))
         print(f"retry with all five stored: {retry[0]:.2f} s, requests: "
               + ", ".join(f"{op} {n}" for op, n in sorted(retry[2].items())))

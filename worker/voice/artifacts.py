@@ -12,10 +12,11 @@
   before each request that writes (each part, the completion, a single PUT). A guard that raises stops
   every upload of the call: nothing queued is sent, open multipart uploads are aborted.
 * All the files go up together through one thread pool per uploader (the process has one): at most
-  ``max_concurrency`` requests in flight over all of them, parts of every begun upload taken in turn,
-  at most ``max_concurrency + READ_AHEAD_PARTS`` parts held in memory. Objects are begun one after
-  another, each after its proof and once the previous one's first write returned, so a claim lost
-  while one object goes up lets no later one begin.
+  ``max_concurrency`` requests in flight over all of them, at most ``max_concurrency +
+  READ_AHEAD_PARTS`` parts held in memory. Objects are begun one after another, each after its proof
+  and once the previous one's first write returned, so a claim lost while one object goes up lets no
+  later one begin; between beginnings the largest begun file is read first, so its completion (the
+  longest) overlaps the others' parts.
 * Bytes are read from the file opened without following any link (``pipeline.files.open_output``).
 
 Each file is hashed once, while it is read to be sent. The digest that names the key is the one the
@@ -327,12 +328,14 @@ class ArtifactUploader:
         """Write every object, their requests in flight together (at most ``max_concurrency`` at a time).
 
         Objects are begun in order, each after its ``proof`` and only once the previous one's first write
-        has returned, so a claim lost during one write lets no later object begin; after that the parts
-        of every begun upload are read in turn. Each part is hashed as it is read and sent from that very
-        buffer, so the digest checked before the completion is that of the bytes sent.
+        has returned, so a claim lost during one write lets no later object begin. Between beginnings,
+        the largest begun file with bytes left is read first: its completion, the longest (S3
+        assembles the object), then overlaps the smaller files' parts instead of ending the upload.
+        Each part is hashed as it is read and sent from that very buffer, so the digest checked before
+        the completion is that of the bytes sent.
         """
         to_begin = deque(items)
-        reading: deque[_Artifact] = deque()  # multipart uploads with bytes left to read
+        reading: list[_Artifact] = []  # begun multipart uploads with bytes left to read
         in_flight: dict[Future, tuple[str, _Artifact]] = {}
         first_write: Future | None = None  # the last begun object's first write, until it returns
         pool = self._pool() if items else None
@@ -354,10 +357,10 @@ class ArtifactUploader:
                         in_flight[first_write] = ("put", item)
                     continue
                 if len(in_flight) < room and reading:
-                    item = reading.popleft()
+                    item = max(reading, key=lambda begun: begun.size_bytes)
                     self._submit_part(pool, item, part_proof, in_flight)
-                    if not item.read_all:
-                        reading.append(item)  # the next file's turn
+                    if item.read_all:
+                        reading.remove(item)
                     continue
                 done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                 for future in done:
