@@ -802,3 +802,39 @@ def test_an_object_that_lands_after_a_failed_proof_is_still_named_in_written(s3,
         small_parts_uploader(s3).upload_all(tmp_path, files, key_under("k"), proof=proof, written=written)
     stored = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
     assert len(stored) == 2 and sorted(written) == stored
+
+
+def test_the_next_object_begins_only_once_the_first_write_of_the_one_before_returned(s3, tmp_path):
+    """No object's proof runs while the object before it is still sending its first write."""
+    files = five_files(tmp_path)
+    proofs, second_proof = [], threading.Event()
+    proved_during_first_put: list[bool] = []
+
+    def proof():
+        proofs.append(1)
+        if len(proofs) == 2:
+            second_proof.set()
+
+    def first_put(**_kwargs):
+        if not proved_during_first_put:
+            # Waits briefly for a proof that must not come: the next object waits for this PUT.
+            proved_during_first_put.append(second_proof.wait(timeout=0.5))
+
+    s3.meta.events.register("before-call.s3.PutObject", first_put)
+    ArtifactUploader(s3, BUCKET).upload_all(tmp_path, files, key_under("k"), proof=proof)
+    assert proved_during_first_put == [False] and len(proofs) == 5
+
+
+def test_between_beginnings_the_largest_file_is_read_first(s3, tmp_path, monkeypatch):
+    """One request at a time: each file begins in order, then the largest goes, then the rest in order."""
+    import worker.voice.artifacts
+
+    monkeypatch.setattr(worker.voice.artifacts, "READ_AHEAD_PARTS", 0)
+    files = {"fullModel": write(tmp_path / "a.pth", os.urandom(11 * MIB)),
+             "speakerEmbeddings": write(tmp_path / "b.pth", os.urandom(11 * MIB)),
+             "lightModel": write(tmp_path / "c.onnx", os.urandom(31 * MIB))}
+    sent: list[str] = []
+    s3.meta.events.register("before-call.s3.UploadPart", lambda params, **_: sent.append(
+        params["url_path"].rsplit("/", 1)[-1][0] + str(params["query_string"]["partNumber"])))
+    small_parts_uploader(s3, max_concurrency=1).upload_all(tmp_path, files, key_under("k"))
+    assert sent == ["a1", "b1", "c1", "c2", "c3", "c4", "c5", "c6", "c7", "a2", "a3", "b2", "b3"]
