@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.config import MANIFEST_DIR_NAME
-from pipeline.files import OutputRefused, fsync_dir, open_output, output_sha256_and_size, sha256_and_size_of
+from pipeline.files import (OutputRefused, fsync_dir, open_output, open_regular, output_sha256_and_size,
+                            sha256_and_size_of)
 
 MANIFEST_VERSION = 1
 TEMP_MARKER = ".tmp-"
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @contextmanager
@@ -138,3 +141,46 @@ def read_manifest(
     if not isinstance(recorded, dict) or set(recorded) != set(outputs):
         return None, "manifest lists different outputs"
     return manifest, None
+
+
+def recorded_outputs(output_dir: Path) -> dict[str, tuple[str, int]]:
+    """Relative path -> (sha256 hex, size) of every output a stage manifest in ``output_dir`` records.
+
+    What the manifests say, not what the files hold now: whoever relies on a digest checks the bytes
+    it reads against it (the uploader does). Read by the no-link rule; a manifest that does not parse
+    is skipped, and so is an output whose entry is malformed or that two manifests disagree about.
+    """
+    try:
+        names = sorted(os.listdir(Path(output_dir) / MANIFEST_DIR_NAME))
+    except OSError:
+        return {}
+    recorded: dict[str, tuple[str, int]] = {}
+    disputed: set[str] = set()
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with os.fdopen(open_regular(output_dir, f"{MANIFEST_DIR_NAME}/{name}"), "rb") as handle:
+                manifest = json.loads(handle.read())
+        except (OutputRefused, OSError, ValueError):
+            continue
+        if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+            continue
+        outputs = manifest.get("outputs")
+        for rel, entry in (outputs.items() if isinstance(outputs, dict) else ()):
+            described = _described(entry)
+            if described is None or recorded.get(rel, described) != described:
+                disputed.add(rel)
+            recorded[rel] = described
+    return {rel: entry for rel, entry in recorded.items() if rel not in disputed}
+
+
+def _described(entry: object) -> tuple[str, int] | None:
+    if not isinstance(entry, dict):
+        return None
+    sha256_hex, size = entry.get("sha256"), entry.get("size")
+    if not (isinstance(sha256_hex, str) and _SHA256_HEX.fullmatch(sha256_hex)):
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        return None
+    return sha256_hex, size

@@ -11,6 +11,7 @@ from pipeline.manifest import (
     atomic_write_bytes,
     manifest_path,
     manifest_problem,
+    recorded_outputs,
     remove_stale_temps,
     write_manifest,
 )
@@ -136,3 +137,33 @@ def test_remove_stale_temps_only_touches_temp_files(tmp_path):
     (tmp_path / "model.pth").write_bytes(b"whole")
     remove_stale_temps(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]
+
+
+def test_recorded_outputs_gives_each_manifests_digests(written):
+    """recorded_outputs reads every stage manifest: (sha256, size) by output path."""
+    out, _ = written
+    write_manifest(manifest_path(out, "embed"), out, "embed", "fp2", ["full/config.json"])
+    assert recorded_outputs(out) == {
+        rel: (file_sha256(out / rel), (out / rel).stat().st_size) for rel in OUTPUTS}
+
+
+def test_recorded_outputs_leaves_out_what_manifests_dispute_or_garble(written):
+    """An output two manifests disagree about, or a malformed entry, gets no recorded digest."""
+    out, path = written
+    manifest = json.loads(path.read_text())
+    manifest["outputs"]["full/config.json"]["sha256"] = "0" * 64
+    manifest["outputs"]["full/model.pth"]["sha256"] = "not hex"
+    (path.parent / "other.json").write_text(json.dumps(manifest))
+    (path.parent / "garbled.json").write_text("{")
+    assert recorded_outputs(out) == {}
+
+
+def test_recorded_outputs_reads_no_manifest_behind_a_link(written, tmp_path):
+    """A manifests directory replaced by a link records nothing (and no directory at all records nothing)."""
+    out, path = written
+    elsewhere = tmp_path / "elsewhere"
+    path.parent.rename(elsewhere)
+    path.parent.symlink_to(elsewhere, target_is_directory=True)
+    assert recorded_outputs(out) == {}
+    path.parent.unlink()
+    assert recorded_outputs(out) == {}

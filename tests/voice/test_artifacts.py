@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import threading
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from worker.voice.records.rules import ASSET_KEYS as ASSET_NAMES
 BUCKET = "voice-artifacts"
 MIB = 1024 * 1024
 COUNTED = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
-           "HeadObject", "AbortMultipartUpload")
+           "HeadObject", "AbortMultipartUpload", "ListObjectsV2")
 SHA = "ab" * 32
 
 
@@ -236,7 +238,7 @@ def test_verify_local_reports_every_bad_asset(tmp_path):
 
 
 def test_upload_stores_bytes_with_sha256_under_their_digest(s3, tmp_path):
-    """An upload keys the object by its SHA-256, and stores the bytes with their sha256 and an S3 checksum."""
+    """An upload keys the object by its SHA-256, and stores the bytes with their sha256 and a CRC32 transfer checksum."""
     data = os.urandom(4096)
     write(tmp_path / "full/model.pth", data)
     digest = hashlib.sha256(data).hexdigest()
@@ -245,7 +247,7 @@ def test_upload_stores_bytes_with_sha256_under_their_digest(s3, tmp_path):
     assert stored.uri == f"s3://{BUCKET}/p/j/{digest}/full/model.pth"
     head = s3.head_object(Bucket=BUCKET, Key=stored.key, ChecksumMode="ENABLED")
     assert head["Metadata"]["sha256"] == digest
-    assert head["ChecksumSHA256"] == base64.b64encode(hashlib.sha256(data).digest()).decode()
+    assert head["ChecksumCRC32"] == base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
     assert body(s3, stored.key) == data
 
 
@@ -262,7 +264,7 @@ def test_every_write_is_conditional_on_no_object_at_the_key(s3, tmp_path):
 
 
 def test_reupload_of_same_file_sends_nothing(s3, calls, tmp_path):
-    """A second upload of unchanged bytes only checks the object: no PutObject, no parts."""
+    """A second upload of unchanged bytes only lists and checks the object: no PutObject, no parts."""
     write(tmp_path / "config.json", b'{"sample_rate": 22050}')
     uploader = ArtifactUploader(s3, BUCKET)
     first = upload(uploader, tmp_path, "config.json")
@@ -270,7 +272,7 @@ def test_reupload_of_same_file_sends_nothing(s3, calls, tmp_path):
     calls.clear()
     again = upload(uploader, tmp_path, "config.json")
     assert again.uri == first.uri and not again.written
-    assert calls == Counter({"HeadObject": 1})
+    assert calls == Counter({"ListObjectsV2": 1, "HeadObject": 1})
 
 
 def test_changed_bytes_go_to_a_new_key_and_leave_the_old_object(s3, calls, tmp_path):
@@ -327,7 +329,7 @@ def test_a_put_that_loses_the_race_to_other_bytes_fails_and_keeps_them(s3, tmp_p
 
 
 def test_large_file_goes_multipart_then_is_reused(s3, calls, tmp_path):
-    """A file above the threshold goes in SHA-256-checked parts, with whole-file sha256, then is reused."""
+    """A file above the threshold goes in CRC32-checked parts, with whole-file sha256, then is reused."""
     data = os.urandom(11 * MIB)
     write(tmp_path / "big.pth", data)
     algorithms = []
@@ -337,7 +339,7 @@ def test_large_file_goes_multipart_then_is_reused(s3, calls, tmp_path):
     )
     uploader = small_parts_uploader(s3)
     stored = upload(uploader, tmp_path, "big.pth")
-    assert algorithms == ["SHA256"] * 3
+    assert algorithms == ["CRC32"] * 3
     assert calls["CreateMultipartUpload"] == 1
     assert calls["UploadPart"] == 3
     assert calls["PutObject"] == 0
@@ -347,7 +349,7 @@ def test_large_file_goes_multipart_then_is_reused(s3, calls, tmp_path):
     assert body(s3, stored.key) == data
     calls.clear()
     upload(uploader, tmp_path, "big.pth")
-    assert calls == Counter({"HeadObject": 1})
+    assert calls == Counter({"ListObjectsV2": 1, "HeadObject": 1})
 
 
 def test_a_completion_that_finds_other_bytes_at_the_key_fails_and_aborts(s3, tmp_path):
@@ -392,17 +394,26 @@ def test_the_part_proof_runs_before_each_part_and_a_failed_one_aborts(s3, calls,
     assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
 
 
+def test_the_part_proof_runs_before_a_single_put_too(s3, calls, tmp_path):
+    """A PUT queued behind other requests checks the lease again when it is sent: a failed check writes nothing."""
+    write(tmp_path / "model.pth", b"x")
+    with pytest.raises(LeaseLost):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth", part_proof=fail_on_call(1, LeaseLost("lost")))
+    assert calls["PutObject"] == 0
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET)
+
+
 def test_a_file_rewritten_during_a_multipart_upload_is_not_completed(s3, calls, tmp_path):
     """Bytes that no longer hash to the key's digest are never completed under it: StageFailed, aborted."""
     path = write(tmp_path / "big.pth", os.urandom(11 * MIB))
 
-    def rewrite_tail(params, **_kwargs):
-        if params["query_string"].get("partNumber") == 1:
-            with open(path, "r+b") as handle:
-                handle.seek(-1024, os.SEEK_END)
-                handle.write(b"\0" * 1024)
+    def rewrite_tail(**_kwargs):
+        # After the key is named, before a part is read (parts are read ahead of their sending).
+        with open(path, "r+b") as handle:
+            handle.seek(-1024, os.SEEK_END)
+            handle.write(b"\0" * 1024)
 
-    s3.meta.events.register("before-call.s3.UploadPart", rewrite_tail)
+    s3.meta.events.register("before-call.s3.CreateMultipartUpload", rewrite_tail)
     with pytest.raises(StageFailed, match="changed while it was uploaded"):
         upload(small_parts_uploader(s3, max_concurrency=1), tmp_path, "big.pth")
     assert calls["CompleteMultipartUpload"] == 0
@@ -451,8 +462,9 @@ def test_refused_put_raises_storage_error(s3, tmp_path):
 
 
 def test_head_failure_other_than_404_raises_storage_error(s3, tmp_path):
-    """A refused HeadObject (403) is an error, not a reason to assume the object is absent."""
+    """A refused HeadObject (403) of a listed key is an error, not a reason to write the object again."""
     write(tmp_path / "model.pth", b"x")
+    upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
 
     def forbid(**_kwargs):
         raise ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadObject")
@@ -460,6 +472,19 @@ def test_head_failure_other_than_404_raises_storage_error(s3, tmp_path):
     s3.meta.events.register("before-call.s3.HeadObject", forbid)
     with pytest.raises(StorageError, match="403"):
         upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+
+
+def test_a_refused_listing_raises_storage_error_and_writes_nothing(s3, calls, tmp_path):
+    """A refused ListObjectsV2 is an error, not a reason to assume no object is stored."""
+    write(tmp_path / "model.pth", b"x")
+
+    def forbid(**_kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "ListObjectsV2")
+
+    s3.meta.events.register("before-call.s3.ListObjectsV2", forbid)
+    with pytest.raises(StorageError, match="listing .*AccessDenied"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+    assert calls["PutObject"] == 0
 
 
 def test_missing_local_file_is_stage_failed(s3, tmp_path):
@@ -534,3 +559,282 @@ def test_a_stale_attempt_deletes_nothing_before_the_job_is_committed(status):
 def test_a_stale_attempt_never_deletes_a_key_the_committed_profile_names():
     """Once committed, a stale attempt deletes only its keys the committed paths do not name."""
     assert stale_leftovers(["same-bytes", "own"], {"status": "completed"}, ["same-bytes", "x"]) == ["own"]
+
+
+# ---------------------------------------------------------------- the five together, hashed once
+
+
+class CountingHashlib:
+    """Stands in for ``hashlib`` in the uploader's modules: counts the bytes hashed with SHA-256."""
+
+    def __init__(self):
+        self.hashed_bytes = 0
+
+    def sha256(self, data: bytes = b""):
+        counter, real = self, hashlib.sha256()
+
+        class Counted:
+            def update(self, chunk: bytes) -> None:
+                counter.hashed_bytes += len(chunk)
+                real.update(chunk)
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        counted = Counted()
+        counted.update(data)
+        return counted
+
+
+@pytest.fixture
+def hashing(monkeypatch) -> CountingHashlib:
+    import pipeline.files
+    import worker.voice.artifacts
+
+    counting = CountingHashlib()
+    monkeypatch.setattr(worker.voice.artifacts, "hashlib", counting)
+    monkeypatch.setattr(pipeline.files, "hashlib", counting)
+    return counting
+
+
+def mixed_files(root: Path) -> dict[str, Path]:
+    """Two files above the small-parts threshold (three and two parts), three below it."""
+    sizes = {"fullModel": 11 * MIB, "lightModel": 6 * MIB, "fullConfig": 300, "speakerEmbeddings": 4 * MIB,
+             "lightConfig": 100}
+    return {name: write(root / f"{name}.bin", os.urandom(size)) for name, size in sizes.items()}
+
+
+def recorded_for(root: Path, files: dict[str, Path]) -> dict[str, tuple[str, int]]:
+    """What the stage manifests would record for the files: (sha256, size) by path under ``root``."""
+    return {path.relative_to(root).as_posix(): (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size)
+            for path in files.values()}
+
+
+def test_the_five_files_go_up_at_once(s3, tmp_path):
+    """Each file's second part is held until all five files have sent their first: they all get there."""
+    files = {name: write(tmp_path / f"{name}.bin", os.urandom(6 * MIB)) for name in ASSET_NAMES}
+    begun: set[str] = set()
+    all_begun = threading.Event()
+    held_until_all_begun: list[bool] = []
+    lock = threading.Lock()
+
+    def gate(params, **_kwargs):
+        query = params["query_string"]
+        if query.get("partNumber") == 1:
+            with lock:
+                begun.add(query["uploadId"])
+                if len(begun) == len(ASSET_NAMES):
+                    all_begun.set()
+        else:
+            held_until_all_begun.append(all_begun.wait(timeout=5))
+
+    s3.meta.events.register("before-call.s3.UploadPart", gate)
+    uris = small_parts_uploader(s3).upload_all(tmp_path, files, key_under("k"))
+    assert held_until_all_begun == [True] * len(ASSET_NAMES)
+    for name, uri in uris.items():
+        assert body(s3, uri.removeprefix(f"s3://{BUCKET}/")) == files[name].read_bytes()
+
+
+def test_one_pool_bounds_the_requests_of_every_file_and_call(s3, tmp_path):
+    """Over all files and two calls, at most max_concurrency writes are in flight, on as many threads."""
+    files = mixed_files(tmp_path / "a")
+    more = mixed_files(tmp_path / "b")
+    threads, in_flight, most = set(), [0], [0]
+    lock = threading.Lock()
+
+    def began(**_kwargs):
+        with lock:
+            threads.add(threading.current_thread())
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+
+    def ended(**_kwargs):
+        with lock:
+            in_flight[0] -= 1
+
+    for op in ("PutObject", "UploadPart", "CompleteMultipartUpload"):
+        s3.meta.events.register(f"before-call.s3.{op}", began)
+        s3.meta.events.register(f"after-call.s3.{op}", ended)
+    uploader = small_parts_uploader(s3, max_concurrency=3)
+    uploader.upload_all(tmp_path / "a", files, key_under("a"))
+    uploader.upload_all(tmp_path / "b", more, key_under("b"))
+    assert 1 < most[0] <= 3
+    assert len(threads) <= 3
+
+
+def test_one_listing_finds_what_is_stored_and_only_listed_keys_are_checked(s3, calls, tmp_path):
+    """A first upload lists once and checks no key; a retry lists once and checks only the keys it found."""
+    files = five_files(tmp_path)
+    uploader = ArtifactUploader(s3, BUCKET)
+    uris = uploader.upload_all(tmp_path, files, key_under("k"))
+    assert calls == Counter({"ListObjectsV2": 1, "PutObject": 5})
+    s3.delete_object(Bucket=BUCKET, Key=uris["lightModel"].removeprefix(f"s3://{BUCKET}/"))
+    calls.clear()
+    written: list[str] = []
+    assert uploader.upload_all(tmp_path, files, key_under("k"), written=written) == uris
+    assert calls == Counter({"ListObjectsV2": 1, "HeadObject": 4, "PutObject": 1})
+    assert written == [uris["lightModel"].removeprefix(f"s3://{BUCKET}/")]
+
+
+def test_a_listed_key_of_another_size_fails_before_anything_is_sent(s3, calls, tmp_path):
+    """An object of another size at the key cannot hold the bytes: StorageError, no part sent, object kept."""
+    data = os.urandom(11 * MIB)
+    write(tmp_path / "big.pth", data)
+    key = f"k/{hashlib.sha256(data).hexdigest()}/big.pth"
+    s3.put_object(Bucket=BUCKET, Key=key, Body=b"foreign")
+    calls.clear()
+    with pytest.raises(StorageError, match="already holds other bytes"):
+        upload(small_parts_uploader(s3), tmp_path, "big.pth")
+    assert calls == Counter({"ListObjectsV2": 1})
+    assert body(s3, key) == b"foreign"
+
+
+def test_a_listed_key_of_the_right_size_is_reused_only_if_its_sha256_matches(s3, calls, tmp_path):
+    """The listing's size is not enough: an object of the same size without our sha256 fails unsent."""
+    data = b"same bytes"
+    write(tmp_path / "model.pth", data)
+    key = f"k/{hashlib.sha256(data).hexdigest()}/model.pth"
+    s3.put_object(Bucket=BUCKET, Key=key, Body=b"SAME BYTES", Metadata={"sha256": SHA})
+    calls.clear()
+    with pytest.raises(StorageError, match="already holds other bytes"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth")
+    assert calls == Counter({"ListObjectsV2": 1, "HeadObject": 1})
+    assert body(s3, key) == b"SAME BYTES"
+
+
+def test_each_file_is_hashed_once_when_its_digest_is_recorded(s3, hashing, tmp_path):
+    """With the manifests' digests, the upload hashes every byte once (as it is sent), and a retry none."""
+    files = mixed_files(tmp_path)
+    recorded = recorded_for(tmp_path, files)
+    uploader = small_parts_uploader(s3)
+    uris = uploader.upload_all(tmp_path, files, key_under("k"), recorded=recorded)
+    assert hashing.hashed_bytes == sum(size for _sha, size in recorded.values())
+    hashing.hashed_bytes = 0
+    assert uploader.upload_all(tmp_path, files, key_under("k"), recorded=recorded) == uris
+    assert hashing.hashed_bytes == 0
+    for name, uri in uris.items():
+        assert uri.endswith(f"/{recorded[f'{name}.bin'][0]}/{name}.bin")
+        assert body(s3, uri.removeprefix(f"s3://{BUCKET}/")) == files[name].read_bytes()
+
+
+@pytest.mark.parametrize("size", [1000, 11 * MIB], ids=["single PUT", "multipart"])
+def test_bytes_that_do_not_hash_to_the_recorded_digest_are_never_stored(s3, calls, tmp_path, size):
+    """A file whose bytes are not the ones its manifest recorded is refused: StageFailed, no object, aborted."""
+    write(tmp_path / "model.pth", os.urandom(size))
+    recorded = (hashlib.sha256(b"other bytes").hexdigest(), size)
+    with pytest.raises(StageFailed, match="changed while it was uploaded"):
+        upload(small_parts_uploader(s3), tmp_path, "model.pth", recorded=recorded)
+    assert calls["PutObject"] == calls["CompleteMultipartUpload"] == 0
+    assert calls["AbortMultipartUpload"] == calls["CreateMultipartUpload"]
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET)
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_a_file_rewritten_after_its_digest_was_recorded_is_not_completed(s3, calls, tmp_path):
+    """Bytes changed while the parts go up (after the recorded digest named the key) are never completed."""
+    path = write(tmp_path / "big.pth", os.urandom(16 * MIB))
+    recorded = recorded_for(tmp_path, {"fullModel": path})["big.pth"]
+
+    def rewrite_tail(**_kwargs):
+        with open(path, "r+b") as handle:
+            handle.seek(-1024, os.SEEK_END)
+            handle.write(b"\0" * 1024)
+
+    s3.meta.events.register("before-call.s3.CreateMultipartUpload", rewrite_tail)
+    with pytest.raises(StageFailed, match="changed while it was uploaded"):
+        upload(small_parts_uploader(s3), tmp_path, "big.pth", recorded=recorded)
+    assert calls["CompleteMultipartUpload"] == 0 and calls["AbortMultipartUpload"] == 1
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_a_recorded_size_that_is_not_the_files_fails_before_s3_is_asked(s3, calls, tmp_path):
+    """A file whose size is not the recorded one has changed since its stage: StageFailed, no request."""
+    write(tmp_path / "model.pth", b"12345")
+    with pytest.raises(StageFailed, match="changed since its stage recorded it"):
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth", recorded=(SHA, 4))
+    assert calls == Counter()
+
+
+def test_a_failed_file_aborts_the_others_and_written_names_what_landed(s3, tmp_path):
+    """One file's failed part stops them all: every open multipart upload is aborted, written is exact."""
+    files = mixed_files(tmp_path)
+
+    def fail_light_model(params, **_kwargs):
+        if "lightModel" in params["url_path"] and params["query_string"].get("partNumber") == 2:
+            raise EndpointConnectionError(endpoint_url="https://s3.example/k")
+
+    s3.meta.events.register("before-call.s3.UploadPart", fail_light_model)
+    written: list[str] = []
+    with pytest.raises(StorageError, match="lightModel.bin"):
+        small_parts_uploader(s3).upload_all(tmp_path, files, key_under("k"), written=written)
+    stored = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET).get("Contents") or []}
+    assert sorted(written) == sorted(stored)
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+def test_an_object_that_lands_after_a_failed_proof_is_still_named_in_written(s3, tmp_path):
+    """A completion in flight when a later proof fails still lands, and written names it for the cleanup."""
+    files = {"fullModel": write(tmp_path / "model.pth", os.urandom(6 * MIB)),
+             "fullConfig": write(tmp_path / "config.json", b"{}"),
+             "speakerEmbeddings": write(tmp_path / "speakers.pth", b"s")}
+    completing, proof_failed = threading.Event(), threading.Event()
+
+    def hold_the_completion(**_kwargs):
+        completing.set()
+        assert proof_failed.wait(timeout=5)
+
+    proofs = []
+
+    def proof():
+        proofs.append(1)
+        if len(proofs) == 3:  # the third object's: fails while the first one's completion is in flight
+            assert completing.wait(timeout=5)
+            proof_failed.set()
+            raise LeaseLost("claim taken over")
+
+    def after_the_completion_began(**_kwargs):
+        assert completing.wait(timeout=5)  # so the third proof comes once the completion is in flight
+
+    s3.meta.events.register("before-call.s3.CompleteMultipartUpload", hold_the_completion)
+    s3.meta.events.register("before-call.s3.PutObject", after_the_completion_began)
+    written: list[str] = []
+    with pytest.raises(LeaseLost):
+        small_parts_uploader(s3).upload_all(tmp_path, files, key_under("k"), proof=proof, written=written)
+    stored = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"])
+    assert len(stored) == 2 and sorted(written) == stored
+
+
+def test_the_next_object_begins_only_once_the_first_write_of_the_one_before_returned(s3, tmp_path):
+    """No object's proof runs while the object before it is still sending its first write."""
+    files = five_files(tmp_path)
+    proofs, second_proof = [], threading.Event()
+    proved_during_first_put: list[bool] = []
+
+    def proof():
+        proofs.append(1)
+        if len(proofs) == 2:
+            second_proof.set()
+
+    def first_put(**_kwargs):
+        if not proved_during_first_put:
+            # Waits briefly for a proof that must not come: the next object waits for this PUT.
+            proved_during_first_put.append(second_proof.wait(timeout=0.5))
+
+    s3.meta.events.register("before-call.s3.PutObject", first_put)
+    ArtifactUploader(s3, BUCKET).upload_all(tmp_path, files, key_under("k"), proof=proof)
+    assert proved_during_first_put == [False] and len(proofs) == 5
+
+
+def test_between_beginnings_the_largest_file_is_read_first(s3, tmp_path, monkeypatch):
+    """One request at a time: each file begins in order, then the largest goes, then the rest in order."""
+    import worker.voice.artifacts
+
+    monkeypatch.setattr(worker.voice.artifacts, "READ_AHEAD_PARTS", 0)
+    files = {"fullModel": write(tmp_path / "a.pth", os.urandom(11 * MIB)),
+             "speakerEmbeddings": write(tmp_path / "b.pth", os.urandom(11 * MIB)),
+             "lightModel": write(tmp_path / "c.onnx", os.urandom(31 * MIB))}
+    sent: list[str] = []
+    s3.meta.events.register("before-call.s3.UploadPart", lambda params, **_: sent.append(
+        params["url_path"].rsplit("/", 1)[-1][0] + str(params["query_string"]["partNumber"])))
+    small_parts_uploader(s3, max_concurrency=1).upload_all(tmp_path, files, key_under("k"))
+    assert sent == ["a1", "b1", "c1", "c2", "c3", "c4", "c5", "c6", "c7", "a2", "a3", "b2", "b3"]

@@ -3,13 +3,38 @@
 * Keys are content-addressed: ``<prefix>/<environment>/<profileId>/<jobId>/<sha256>/<path under
   output/>``. Another attempt's different bytes land under other keys; the same bytes under the
   same key, with the same content.
-* Writes are conditional (``If-None-Match: *``): an existing object is never replaced. When one is
-  there already it is reused if its recorded sha256 and size match, else the upload fails. A retry
-  finds its objects with one HeadObject first, so it never re-sends gigabytes it already stored.
-* The claim is proven by the caller's guards: ``proof`` before each object is written, ``part_proof``
-  before each multipart part and before the completion. A guard that raises aborts the upload.
-* Bytes are read from the file opened without following any link (``pipeline.files.open_output``),
-  hashed and sent from that one descriptor, and checksummed (SHA-256) in transit.
+* Writes are conditional (``If-None-Match: *``): an existing object is never replaced. What is stored
+  already is found with one ListObjectsV2 under the keys' common prefix (the job's), not a request
+  per file: an absent key costs nothing more before its write; a listed key of another size, or
+  whose recorded sha256 (user metadata, which a listing does not return, so one HeadObject per listed
+  key of the right size) is another, fails the upload before a byte is sent; a match is reused.
+* The claim is proven by the caller's guards: ``proof`` before each object is begun, ``part_proof``
+  before each request that writes (each part, the completion, a single PUT). A guard that raises stops
+  every upload of the call: nothing queued is sent, open multipart uploads are aborted.
+* All the files go up together through one thread pool per uploader (the process has one): at most
+  ``max_concurrency`` requests in flight over all of them, at most ``max_concurrency +
+  READ_AHEAD_PARTS`` parts held in memory. Objects are begun one after another, each after its proof
+  and once the previous one's first write returned, so a claim lost while one object goes up lets no
+  later one begin; between beginnings the largest begun file is read first, so its completion (the
+  longest) overlaps the others' parts.
+* Bytes are read from the file opened without following any link (``pipeline.files.open_output``).
+
+Each file is hashed once, while it is read to be sent. The digest that names the key is the one the
+file's stage manifest recorded (``recorded``, from ``pipeline.manifest.recorded_outputs``), so the key
+is known, and a stored object reused, before a byte is read; a reused object is not read at all (its
+bytes were checked when it was written, and the published copy is checked against the same digest,
+``worker.voice.publish``). The file can still change between its manifest and the upload: each part
+is hashed as it is read and sent from that same buffer, and the upload is completed (a single PUT:
+sent) only when the digest of everything read is the recorded one; otherwise ``StageFailed`` and the
+multipart upload is aborted, so no key ever names other bytes. A file no manifest records is hashed
+first to name its key, then checked the same way while it is sent.
+
+In flight, every request carries S3's default CRC32 checksum, not SHA-256: a multipart object's
+SHA-256 checksum is a checksum of the parts' checksums, never the file's digest, so it would be a
+second SHA-256 pass over every byte (about 0.6 GB/s per core here, CRC32 about 2.5 GB/s) for what
+CRC32 already catches, a corrupted transfer. (Handing S3 our own digest as a single PUT's checksum is
+no way out: botocore then signs the payload, another SHA-256 pass.) What the bytes are is settled by
+the one SHA-256 above, stored as the ``sha256`` metadata.
 """
 
 from __future__ import annotations
@@ -17,10 +42,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -50,6 +78,10 @@ _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 S3_MAX_PARTS = 10_000
+# Parts read ahead of the threads free to send them, so a thread that finishes finds the next one read.
+READ_AHEAD_PARTS = 2
+# The checksum each write carries in flight (see the module docstring for why not SHA-256).
+TRANSFER_CHECKSUM = "CRC32"
 
 
 def _no_guard() -> None:
@@ -137,7 +169,38 @@ class Stored:
     written: bool  # False: an object already holding these bytes was reused
 
 
+Recorded = tuple[str, int]  # (sha256 hex, size in bytes) a stage manifest records for an output
+
+
+@dataclass(eq=False)
+class _Artifact:
+    """One file of an ``upload_all`` call, from its open descriptor to its stored object."""
+
+    rel: str  # path under the output directory
+    handle: BinaryIO
+    size_bytes: int
+    sha256_hex: str
+    key: str = ""
+    data: bytes | None = None  # a file below the multipart threshold, read whole: the bytes sent
+    hasher: object = None  # the digest of the bytes read so far (multipart)
+    read_bytes: int = 0
+    chunk_bytes: int = 0
+    upload_id: str | None = None
+    parts: list[dict] = field(default_factory=list)  # the parts sent, as the completion names them
+    parts_read: int = 0
+    parts_in_flight: int = 0
+    stored: Stored | None = None
+    started_s: float = 0.0
+
+    @property
+    def read_all(self) -> bool:
+        return self.read_bytes >= self.size_bytes
+
+
 class ArtifactUploader:
+    """Uploads through one thread pool, made at the first upload and kept for the uploader's life: the
+    process has one uploader (``worker.app``), so every job's requests share ``max_concurrency`` threads."""
+
     def __init__(
         self,
         s3_client,
@@ -145,13 +208,15 @@ class ArtifactUploader:
         *,
         multipart_threshold_bytes: int = 8 * 1024 * 1024,
         multipart_chunk_bytes: int = 8 * 1024 * 1024,
-        max_concurrency: int = 4,
+        max_concurrency: int = 8,
     ) -> None:
         self._s3 = s3_client
         self._bucket = bucket
         self._threshold_bytes = multipart_threshold_bytes
         self._chunk_bytes = multipart_chunk_bytes
         self._concurrency = max_concurrency
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
 
     def uri(self, key: str) -> str:
         return f"s3://{self._bucket}/{key}"
@@ -162,68 +227,36 @@ class ArtifactUploader:
         return key if str(uri).startswith("s3://") and bucket == self._bucket and key else None
 
     def upload(self, output_dir: Path, relative_path: str, key_for: Callable[[str], str], *,
-               proof: Guard = _no_guard, part_proof: Guard = _no_guard) -> Stored:
+               proof: Guard = _no_guard, part_proof: Guard = _no_guard, recorded: Recorded | None = None) -> Stored:
         """Store the output at ``key_for(sha256)``, reusing an object that already holds its bytes."""
-        try:
-            fd = open_output(Path(output_dir), relative_path)
-        except OutputRefused as exc:
-            raise StageFailed(f"artifact {relative_path} cannot be uploaded: {exc}") from exc
-        with os.fdopen(fd, "rb") as handle:
-            try:
-                small = os.fstat(handle.fileno()).st_size < self._threshold_bytes
-                data = handle.read() if small else None
-                sha256_hex, size_bytes = (
-                    (hashlib.sha256(data).hexdigest(), len(data)) if data is not None
-                    else sha256_and_size_of(handle))
-            except OSError as exc:
-                raise StageFailed(f"cannot read artifact {relative_path}: {exc.strerror or exc}") from exc
-            key = key_for(sha256_hex)
-            if object_matches(self._head(key), sha256_hex, size_bytes):
-                log.info("artifacts.reused", key=key, size_bytes=size_bytes)
-                return Stored(self.uri(key), key, written=False)
-            proof()
-            started_s = time.monotonic()
-            if data is not None:
-                written = self._put(key, data, sha256_hex)
-            else:
-                handle.seek(0)
-                written = self._put_multipart(handle, key, sha256_hex, size_bytes, part_proof)
-        if written:
-            log.info("artifacts.uploaded", key=key, size_bytes=size_bytes,
-                     duration_s=round(time.monotonic() - started_s, 3))
-        return Stored(self.uri(key), key, written=written)
+        return self._store(Path(output_dir), [relative_path], lambda sha, _rel: key_for(sha), proof, part_proof,
+                           None, {relative_path: recorded} if recorded else {})[0]
 
     def upload_all(self, output_dir: Path, files: Mapping[str, Path], key_for: KeyFor, *,
                    proof: Guard = _no_guard, part_proof: Guard = _no_guard,
-                   written: list[str] | None = None) -> dict[str, str]:
-        """Upload every asset in the fixed order; asset name -> s3:// URI, in that order.
+                   written: list[str] | None = None,
+                   recorded: Mapping[str, Recorded] | None = None) -> dict[str, str]:
+        """Upload every asset, all at once; asset name -> s3:// URI, in the fixed order.
 
+        ``recorded``: (sha256, size) by path under ``output_dir``, as the stage manifests record them
+        (``pipeline.manifest.recorded_outputs``); a file listed there is not hashed before it is sent.
         ``written`` collects, as they land, the keys this call created (not those it reused), so a
         caller that loses its claim midway knows what it may have left behind.
         """
-        uris = {}
-        for name in ordered_assets(files):
+        names = ordered_assets(files)
+        rels = []
+        for name in names:
             path = Path(files[name])
             try:
-                relative = relative_output(Path(output_dir), path)
+                rels.append(relative_output(Path(output_dir), path))
             except ValueError as exc:
                 raise StageFailed(f"artifact {name} ({path}) is outside the output directory") from exc
-            stored = self.upload(output_dir, relative, lambda sha, rel=relative: key_for(sha, rel),
-                                 proof=proof, part_proof=part_proof)
-            if stored.written and written is not None:
-                written.append(stored.key)
-            uris[name] = stored.uri
-        return uris
+        stored = self._store(Path(output_dir), rels, key_for, proof, part_proof, written, recorded or {})
+        return {name: item.uri for name, item in zip(names, stored, strict=True)}
 
     def list_keys(self, prefix: str) -> list[str]:
         """Every key under ``prefix`` (ListObjectsV2, paginated)."""
-        keys = []
-        try:
-            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix):
-                keys.extend(item["Key"] for item in page.get("Contents") or [])
-        except (ClientError, BotoCoreError) as exc:
-            raise StorageError(f"listing {self.uri(prefix)} failed: {_describe(exc)}") from exc
-        return keys
+        return list(self._listing(prefix))
 
     def delete(self, key: str) -> None:
         try:
@@ -231,88 +264,236 @@ class ArtifactUploader:
         except (ClientError, BotoCoreError) as exc:
             raise StorageError(f"deleting {self.uri(key)} failed: {_describe(exc)}") from exc
 
+    # --- the steps of one call: open and name, find what is stored, send the rest
+
+    def _store(self, output_dir: Path, rels: list[str], key_for: KeyFor, proof: Guard, part_proof: Guard,
+               written: list[str] | None, recorded: Mapping[str, Recorded]) -> list[Stored]:
+        with ExitStack() as files:
+            items = [self._open(output_dir, rel, recorded.get(rel), files) for rel in rels]
+            for item in items:
+                item.key = key_for(item.sha256_hex, item.rel)
+            self._find_stored(items)
+            self._send([item for item in items if item.stored is None], proof, part_proof, written)
+        return [item.stored for item in items]
+
+    def _open(self, output_dir: Path, rel: str, recorded: Recorded | None, files: ExitStack) -> _Artifact:
+        """The file opened by the pipeline's rule, and the digest that names its key: the one its stage
+        recorded (checked against the file's size now), else hashed here, once."""
+        try:
+            fd = open_output(output_dir, rel)
+        except OutputRefused as exc:
+            raise StageFailed(f"artifact {rel} cannot be uploaded: {exc}") from exc
+        handle = files.enter_context(os.fdopen(fd, "rb"))
+        try:
+            size_bytes = os.fstat(handle.fileno()).st_size
+            if recorded is not None:
+                if recorded[1] != size_bytes:
+                    raise StageFailed(f"artifact {rel} changed since its stage recorded it: {size_bytes} bytes, "
+                                      f"not {recorded[1]}")
+                return _Artifact(rel, handle, size_bytes, recorded[0])
+            if size_bytes < self._threshold_bytes:
+                data = handle.read()
+                return _Artifact(rel, handle, len(data), hashlib.sha256(data).hexdigest(), data=data)
+            sha256_hex, size_bytes = sha256_and_size_of(handle)
+            handle.seek(0)
+        except OSError as exc:
+            raise StageFailed(f"cannot read artifact {rel}: {exc.strerror or exc}") from exc
+        return _Artifact(rel, handle, size_bytes, sha256_hex)
+
+    def _find_stored(self, items: list[_Artifact]) -> None:
+        """One listing under the keys' common directory (the job's prefix) instead of a HeadObject per
+        file; only a listed key of the right size is read with HeadObject (the sha256 is metadata)."""
+        if not items:
+            return
+        common = os.path.commonprefix([item.key for item in items])
+        listed = self._listing(common[:common.rfind("/") + 1])
+        candidates = []
+        for item in items:
+            if item.key not in listed:
+                continue
+            if listed[item.key] != item.size_bytes:
+                raise StorageError(f"{self.uri(item.key)} already holds other bytes; an existing object is "
+                                   "never replaced")
+            candidates.append(item)
+        for item, head in zip(candidates, self._pool().map(lambda i: self._head(i.key), candidates)):
+            if head is None:
+                continue  # deleted since the listing: written again below
+            if not object_matches(head, item.sha256_hex, item.size_bytes):
+                raise StorageError(f"{self.uri(item.key)} already holds other bytes; an existing object is "
+                                   "never replaced")
+            log.info("artifacts.reused", key=item.key, size_bytes=item.size_bytes)
+            item.stored = Stored(self.uri(item.key), item.key, written=False)
+
+    def _send(self, items: list[_Artifact], proof: Guard, part_proof: Guard, written: list[str] | None) -> None:
+        """Write every object, their requests in flight together (at most ``max_concurrency`` at a time).
+
+        Objects are begun in order, each after its ``proof`` and only once the previous one's first write
+        has returned, so a claim lost during one write lets no later object begin. Between beginnings,
+        the largest begun file with bytes left is read first: its completion, the longest (S3
+        assembles the object), then overlaps the smaller files' parts instead of ending the upload.
+        Each part is hashed as it is read and sent from that very buffer, so the digest checked before
+        the completion is that of the bytes sent.
+        """
+        to_begin = deque(items)
+        reading: list[_Artifact] = []  # begun multipart uploads with bytes left to read
+        in_flight: dict[Future, tuple[str, _Artifact]] = {}
+        first_write: Future | None = None  # the last begun object's first write, until it returns
+        pool = self._pool() if items else None
+        room = self._concurrency + READ_AHEAD_PARTS  # parts in memory: sent, queued or being sent
+        try:
+            while to_begin or reading or in_flight:
+                if len(in_flight) < room and to_begin and first_write is None:
+                    item = to_begin.popleft()
+                    proof()
+                    item.started_s = time.monotonic()
+                    if item.data is None and item.size_bytes >= self._threshold_bytes:
+                        self._create(item)
+                        first_write = self._submit_part(pool, item, part_proof, in_flight)
+                        if not item.read_all:
+                            reading.append(item)
+                    else:
+                        self._read_whole(item)
+                        first_write = pool.submit(self._put, item, part_proof)
+                        in_flight[first_write] = ("put", item)
+                    continue
+                if len(in_flight) < room and reading:
+                    item = max(reading, key=lambda begun: begun.size_bytes)
+                    self._submit_part(pool, item, part_proof, in_flight)
+                    if item.read_all:
+                        reading.remove(item)
+                    continue
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    kind, item = in_flight.pop(future)
+                    result = future.result()
+                    if future is first_write:
+                        first_write = None
+                    if kind == "part":
+                        item.parts.append(result)
+                        item.parts_in_flight -= 1
+                        if item.read_all and not item.parts_in_flight:
+                            in_flight[pool.submit(self._complete, item, part_proof)] = ("complete", item)
+                    else:
+                        self._landed(item, result, written)
+        except BaseException:
+            self._unwind(items, in_flight, written)
+            raise
+
+    def _landed(self, item: _Artifact, written_now: bool, written: list[str] | None) -> None:
+        item.stored = Stored(self.uri(item.key), item.key, written=written_now)
+        if written_now:
+            if written is not None:
+                written.append(item.key)
+            log.info("artifacts.uploaded", key=item.key, size_bytes=item.size_bytes,
+                     duration_s=round(time.monotonic() - item.started_s, 3))
+
+    def _unwind(self, items: list[_Artifact], in_flight: dict[Future, tuple[str, _Artifact]],
+                written: list[str] | None) -> None:
+        """After a failure: nothing queued starts, what is in flight ends, every unfinished multipart
+        upload is aborted, and ``written`` names each object that landed all the same."""
+        for future in in_flight:
+            future.cancel()
+        wait(in_flight)
+        for future, (kind, item) in in_flight.items():
+            if kind != "part" and not future.cancelled() and future.exception() is None:
+                self._landed(item, future.result(), written)
+        for item in items:
+            if item.upload_id is not None and item.stored is None:
+                self._abort(item.key, item.upload_id)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._concurrency, thread_name_prefix="upload")
+            return self._executor
+
+    def _read_whole(self, item: _Artifact) -> None:
+        """A file sent in one PUT: read whole (unless already, to name its key), checked against its digest."""
+        if item.data is None:
+            try:
+                item.data = item.handle.read(item.size_bytes + 1)
+            except OSError as exc:
+                raise StageFailed(f"cannot read artifact {item.rel}: {exc.strerror or exc}") from exc
+            if hashlib.sha256(item.data).hexdigest() != item.sha256_hex:
+                raise _changed(item)
+
+    def _submit_part(self, pool: ThreadPoolExecutor, item: _Artifact, part_proof: Guard,
+                     in_flight: dict[Future, tuple[str, _Artifact]]) -> Future:
+        """Read and hash the file's next part, and queue it; the digest is checked once the last is read."""
+        try:
+            data = item.handle.read(min(item.chunk_bytes, item.size_bytes - item.read_bytes))
+        except OSError as exc:
+            raise StageFailed(f"cannot read artifact {item.rel}: {exc.strerror or exc}") from exc
+        if not data:
+            raise _changed(item)  # shorter than when it was named
+        item.hasher.update(data)
+        item.read_bytes += len(data)
+        if item.read_all and item.hasher.hexdigest() != item.sha256_hex:
+            raise _changed(item)
+        item.parts_read += 1
+        item.parts_in_flight += 1
+        future = pool.submit(self._send_part, item, item.parts_read, data, part_proof)
+        in_flight[future] = ("part", item)
+        return future
+
     # --- writes that never replace an object
 
-    def _put(self, key: str, data: bytes, sha256_hex: str) -> bool:
+    def _put(self, item: _Artifact, part_proof: Guard) -> bool:
+        part_proof()
         try:
-            self._s3.put_object(Bucket=self._bucket, Key=key, Body=data, Metadata={"sha256": sha256_hex},
-                                ChecksumAlgorithm="SHA256", IfNoneMatch="*")
+            self._s3.put_object(Bucket=self._bucket, Key=item.key, Body=item.data, Metadata={"sha256": item.sha256_hex},
+                                ChecksumAlgorithm=TRANSFER_CHECKSUM, IfNoneMatch="*")
         except ClientError as exc:
             if _error_code(exc) in _EXISTS_CODES:
-                self._accept_existing(key, sha256_hex, len(data))
+                self._accept_existing(item.key, item.sha256_hex, item.size_bytes)
                 return False
-            raise StorageError(f"upload to {self.uri(key)} failed: {_describe(exc)}") from exc
+            raise StorageError(f"upload to {self.uri(item.key)} failed: {_describe(exc)}") from exc
         except BotoCoreError as exc:
-            raise StorageError(f"upload to {self.uri(key)} failed: {_describe(exc)}") from exc
+            raise StorageError(f"upload to {self.uri(item.key)} failed: {_describe(exc)}") from exc
         return True
 
     # Hand-written rather than s3transfer's upload_file: that one cannot make the completion
     # conditional (If-None-Match is not among its allowed upload arguments) and has no hook to prove
-    # the claim before each part.
-    def _put_multipart(self, handle: BinaryIO, key: str, sha256_hex: str, size_bytes: int,
-                       part_proof: Guard) -> bool:
-        uri = self.uri(key)
-        chunk_bytes = max(self._chunk_bytes, -(-size_bytes // S3_MAX_PARTS))
+    # the claim before each part, nor to hash exactly the bytes it sends.
+    def _create(self, item: _Artifact) -> None:
+        item.chunk_bytes = max(self._chunk_bytes, -(-item.size_bytes // S3_MAX_PARTS))
+        item.hasher = hashlib.sha256()
         try:
-            upload_id = self._s3.create_multipart_upload(
-                Bucket=self._bucket, Key=key, Metadata={"sha256": sha256_hex}, ChecksumAlgorithm="SHA256",
+            item.upload_id = self._s3.create_multipart_upload(
+                Bucket=self._bucket, Key=item.key, Metadata={"sha256": item.sha256_hex},
+                ChecksumAlgorithm=TRANSFER_CHECKSUM,
             )["UploadId"]
         except (ClientError, BotoCoreError) as exc:
-            raise StorageError(f"upload to {uri} failed: {_describe(exc)}") from exc
+            raise StorageError(f"upload to {self.uri(item.key)} failed: {_describe(exc)}") from exc
+
+    def _send_part(self, item: _Artifact, number: int, data: bytes, part_proof: Guard) -> dict:
+        part_proof()
         try:
-            parts = self._send_parts(handle, key, upload_id, chunk_bytes, sha256_hex, part_proof)
-            part_proof()
-            self._s3.complete_multipart_upload(Bucket=self._bucket, Key=key, UploadId=upload_id,
+            answer = self._s3.upload_part(Bucket=self._bucket, Key=item.key, UploadId=item.upload_id,
+                                          PartNumber=number, Body=data, ChecksumAlgorithm=TRANSFER_CHECKSUM)
+        except (ClientError, BotoCoreError) as exc:
+            raise StorageError(f"upload to {self.uri(item.key)} failed: {_describe(exc)}") from exc
+        part = {"PartNumber": number, "ETag": answer["ETag"]}
+        if answer.get(f"Checksum{TRANSFER_CHECKSUM}"):
+            part[f"Checksum{TRANSFER_CHECKSUM}"] = answer[f"Checksum{TRANSFER_CHECKSUM}"]
+        return part
+
+    def _complete(self, item: _Artifact, part_proof: Guard) -> bool:
+        part_proof()
+        parts = sorted(item.parts, key=lambda part: part["PartNumber"])
+        try:
+            self._s3.complete_multipart_upload(Bucket=self._bucket, Key=item.key, UploadId=item.upload_id,
                                                MultipartUpload={"Parts": parts}, IfNoneMatch="*")
         except ClientError as exc:
-            self._abort(key, upload_id)
             if _error_code(exc) in _EXISTS_CODES:
-                self._accept_existing(key, sha256_hex, size_bytes)
+                self._abort(item.key, item.upload_id)
+                item.upload_id = None
+                self._accept_existing(item.key, item.sha256_hex, item.size_bytes)
                 return False
-            raise StorageError(f"upload to {uri} failed: {_describe(exc)}") from exc
+            raise StorageError(f"upload to {self.uri(item.key)} failed: {_describe(exc)}") from exc
         except BotoCoreError as exc:
-            self._abort(key, upload_id)
-            raise StorageError(f"upload to {uri} failed: {_describe(exc)}") from exc
-        except BaseException:
-            self._abort(key, upload_id)
-            raise
+            raise StorageError(f"upload to {self.uri(item.key)} failed: {_describe(exc)}") from exc
         return True
-
-    def _send_parts(self, handle: BinaryIO, key: str, upload_id: str, chunk_bytes: int, sha256_hex: str,
-                    part_proof: Guard) -> list[dict]:
-        """Read the parts in order (hashing them again) and send up to ``max_concurrency`` at once."""
-        digest = hashlib.sha256()
-        parts: list[dict] = []
-        with ThreadPoolExecutor(self._concurrency, thread_name_prefix="upload-part") as pool:
-            pending: set[Future] = set()
-            try:
-                number = 0
-                while data := handle.read(chunk_bytes):
-                    number += 1
-                    digest.update(data)
-                    while len(pending) >= self._concurrency:
-                        done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                        parts.extend(future.result() for future in done)
-                    pending.add(pool.submit(self._send_part, key, upload_id, number, data, part_proof))
-                done, pending = wait(pending)
-                parts.extend(future.result() for future in done)
-            except BaseException:
-                for future in pending:
-                    future.cancel()  # parts not started yet never start; those in flight finish
-                raise
-        if digest.hexdigest() != sha256_hex:
-            # The key names the bytes hashed first; a file rewritten since is not what it names.
-            raise StageFailed(f"artifact for {key} changed while it was uploaded")
-        return sorted(parts, key=lambda part: part["PartNumber"])
-
-    def _send_part(self, key: str, upload_id: str, number: int, data: bytes, part_proof: Guard) -> dict:
-        part_proof()
-        answer = self._s3.upload_part(Bucket=self._bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                      Body=data, ChecksumAlgorithm="SHA256")
-        part = {"PartNumber": number, "ETag": answer["ETag"]}
-        if answer.get("ChecksumSHA256"):
-            part["ChecksumSHA256"] = answer["ChecksumSHA256"]
-        return part
 
     def _abort(self, key: str, upload_id: str) -> None:
         try:
@@ -334,6 +515,23 @@ class ArtifactUploader:
             if isinstance(exc, ClientError) and _error_code(exc) in _NOT_FOUND_CODES:
                 return None  # not uploaded yet
             raise StorageError(f"checking {self.uri(key)} failed: {_describe(exc)}") from exc
+
+    def _listing(self, prefix: str) -> dict[str, int]:
+        """Key -> size of every object under ``prefix`` (ListObjectsV2, paginated)."""
+        listed = {}
+        try:
+            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix):
+                listed.update((item["Key"], item["Size"]) for item in page.get("Contents") or [])
+        except (ClientError, BotoCoreError) as exc:
+            raise StorageError(f"listing {self.uri(prefix)} failed: {_describe(exc)}") from exc
+        return listed
+
+
+def _changed(item: _Artifact) -> StageFailed:
+    # The key names the digest the file had when it was named; bytes that no longer hash to it are not
+    # what the key says, so they are never stored under it.
+    return StageFailed(f"artifact for {item.key} changed while it was uploaded: its bytes no longer hash to "
+                       "the digest its key names")
 
 
 def _error_code(exc: ClientError) -> str:

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
+from pipeline.manifest import recorded_outputs
 from worker.voice.artifacts import (
     ArtifactUploader,
     artifact_key,
@@ -489,8 +490,10 @@ class VoiceJobHandler:
             self._check_lease(lease)
             store_lease.ensure_live()
 
+        # The digests the stage manifests recorded name the keys, so no file is hashed before it is sent.
         s3_paths = self._uploader.upload_all(base_dir, paths, key_for, proof=proof,      # 2
-                                             part_proof=part_proof, written=written)
+                                             part_proof=part_proof, written=written,
+                                             recorded=recorded_outputs(base_dir))
         self._crash("after_upload")
         self._check_lease(lease)
         # Before the paths, so they never name a file that does not exist (see worker.voice.publish).

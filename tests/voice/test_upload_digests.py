@@ -1,0 +1,97 @@
+"""The job hands the stage manifests' digests to the uploader: no file is hashed before it is sent, and
+bytes that do not match their recorded digest are never stored."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+import worker.voice.artifacts
+from pipeline.manifest import manifest_path, write_manifest
+from tests.voice.conftest import BUCKET, PROFILE_ID, deliver
+from worker.core.errors import StageFailed
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.job import VoiceJobHandler
+
+MIB = 1024 * 1024
+
+
+def objects(s3) -> list[str]:
+    return [item["Key"] for item in s3.list_objects_v2(Bucket=BUCKET).get("Contents") or []]
+
+
+def with_manifest(train, forge: str | None = None):
+    """The fake pipeline with an 11 MiB full model and a stage manifest for its five files; ``forge``
+    names a file whose recorded digest lies."""
+    def run(job, work_dir, stop, progress):
+        paths = train(job, work_dir, stop, progress)
+        paths["fullModel"].write_bytes(os.urandom(11 * MIB))
+        out = work_dir / "output"
+        manifest = manifest_path(out, "train_full")
+        write_manifest(manifest, out, "train_full", "fp", [p.relative_to(out).as_posix() for p in paths.values()])
+        if forge is not None:
+            real = hashlib.sha256(paths[forge].read_bytes()).hexdigest()
+            manifest.write_text(manifest.read_text().replace(real, hashlib.sha256(b"forged").hexdigest()))
+        return paths
+    return run
+
+
+@pytest.fixture
+def small_parts_handler(store, s3, tmp_path):
+    """A handler whose uploader sends files of 5 MiB and more in 5 MiB parts."""
+    def make(train):
+        uploader = ArtifactUploader(s3, BUCKET, multipart_threshold_bytes=5 * MIB, multipart_chunk_bytes=5 * MIB)
+        return VoiceJobHandler(store=store, uploader=uploader, train=train, work_root=tmp_path / "work",
+                               s3_prefix="models", worker_id="test-worker", lease_s=30)
+    return make
+
+
+@pytest.fixture
+def uploader_hashing(monkeypatch) -> list[int]:
+    """Bytes the uploader hashes (not the manifests, nor the published copies): one running total."""
+    total = [0]
+    real_sha256, real_whole = hashlib.sha256, worker.voice.artifacts.sha256_and_size_of
+
+    class Counting:
+        def __init__(self, data=b""):
+            self._real = real_sha256()
+            self.update(data)
+
+        def update(self, chunk):
+            total[0] += len(chunk)
+            self._real.update(chunk)
+
+        def hexdigest(self):
+            return self._real.hexdigest()
+
+    def whole(handle):
+        sha256_hex, size = real_whole(handle)
+        total[0] += size
+        return sha256_hex, size
+
+    monkeypatch.setattr(worker.voice.artifacts, "hashlib", type("hashlib", (), {"sha256": Counting}))
+    monkeypatch.setattr(worker.voice.artifacts, "sha256_and_size_of", whole)
+    return total
+
+
+def test_the_job_uploads_each_file_hashing_it_once(small_parts_handler, train, raw_store, s3, uploader_hashing):
+    """With the stages' manifests, the job's upload hashes each byte once and commits keys named by them."""
+    handler = small_parts_handler(with_manifest(train))
+    assert deliver(handler, 1) == "completed"
+    s3_paths = raw_store.get_profile(PROFILE_ID)["s3Paths"]
+    sizes = [s3.head_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["ContentLength"]
+             for uri in s3_paths.values()]
+    assert uploader_hashing[0] == sum(sizes)
+    assert sorted(uri.removeprefix(f"s3://{BUCKET}/") for uri in s3_paths.values()) == sorted(objects(s3))
+
+
+@pytest.mark.parametrize("forged", ["fullModel", "fullConfig"], ids=["multipart", "single PUT"])
+def test_a_recorded_digest_the_bytes_do_not_match_is_never_stored_under(small_parts_handler, train, s3, forged):
+    """A manifest digest the file's bytes do not hash to fails the attempt; no key names it."""
+    handler = small_parts_handler(with_manifest(train, forge=forged))
+    with pytest.raises(StageFailed, match="changed while it was uploaded"):
+        deliver(handler, 1)
+    assert not [key for key in objects(s3) if hashlib.sha256(b"forged").hexdigest() in key]
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
