@@ -152,6 +152,7 @@ class Downloader:
     stop: StopSignal | None = None
     crash_points: CrashPoints = NEVER
     connections: Connections | None = field(default=None, compare=False)
+    resolver: Resolver | None = None  # tests only; None: the system resolver
 
     def __post_init__(self) -> None:
         if self.connections is None:
@@ -162,7 +163,7 @@ class Downloader:
         self.crash_points.reached("during_download")
         return fetch(url, dest, settings=self.settings, s3_client=self.s3_client,
                      stop=self.stop if stop is None else stop, remaining_job_bytes=remaining_job_bytes,
-                     connections=self.connections)
+                     connections=self.connections, resolver=self.resolver)
 
     def close(self) -> None:
         assert self.connections is not None
