@@ -2,12 +2,14 @@
 
 What the step promises is what the one-at-a-time loop promised, whatever the timing:
 - files start in the order of the recordings, and the step's result is in that order;
-- the job's byte budget (MAX_JOB_DOWNLOAD_BYTES) holds exactly: each file reserves its own maximum
-  (DOWNLOAD_MAX_BYTES) before it starts and gives back what it did not use when it ends. A file whose
-  maximum no longer fits waits until the files in flight have given back theirs, and then gets all
-  that is left: exactly what it would have been given after the files before it, one at a time. So
-  the recording refused for the budget is the same one, and nothing was ever granted twice. (With
-  the defaults, 8 GiB / 2 GiB, that means at most four files in flight while a budget is set.)
+- the job's byte budget (MAX_JOB_DOWNLOAD_BYTES) holds exactly: each file reserves its share before
+  its body is read and gives back what it did not use when it ends. The share is the file's declared
+  length (Content-Length, S3's ContentLength) when the fetcher takes a ``Reservation`` once it knows
+  it (``DownloadPlan.sized_reservations``: the ``Downloader`` does), else its maximum
+  (DOWNLOAD_MAX_BYTES) before it starts. Shares are taken in the order of the recordings, and a
+  file whose share no longer fits waits until the files in flight have given back theirs, then gets
+  all that is left: exactly what it would have been given after the files before it, one at a time.
+  So the recording refused for the budget is the same one, and nothing is ever granted twice.
 - of several failures, the one of the first recording is reported; once one fails, no further file
   starts, and after a permanent failure (no retry will want the other files) the files after it
   that are in flight are cut, while those before it finish, since one of them may fail first;
@@ -62,11 +64,24 @@ class Item:
 _WAIT = object()
 
 
+class _Reservation:
+    """The ``Reservation`` one file's fetch takes its share of the budget from (``pipeline.downloads``)."""
+
+    def __init__(self, pool: DownloadPool, position: int):
+        self._pool, self._position = pool, position
+
+    def take(self, declared: int | None, check: Callable[[], None]) -> int | None:
+        return self._pool._reserve(self._position, declared, check)
+
+
 class DownloadPool:
     """One run of the download step over ``items`` (the recordings not already on disk)."""
 
     def __init__(self, items: Sequence[Item], fetch: Callable[..., Any], stop: StopSignal, *,
-                 budget_bytes: int | None, file_max_bytes: int | None, concurrency: int, over_budget: str):
+                 budget_bytes: int | None, file_max_bytes: int | None, concurrency: int, over_budget: str,
+                 sized_reservations: bool = False):
+        self._sized = sized_reservations and budget_bytes is not None
+        self._granted: dict[int, int] = {}  # position -> its share, while in flight
         self._items = list(items)
         self._fetch = fetch
         self._stop = stop
@@ -123,7 +138,7 @@ class DownloadPool:
                 item = self._items[position]
                 size, error = None, None
                 try:
-                    size = self._fetch_one(item, grant, file_stop)
+                    size = self._fetch_one(position, item, grant, file_stop)
                 except BaseException as exc:  # handed to run(), which raises the first by index
                     error = exc
                 self._settle(position, item.index, grant, size, error, file_stop)
@@ -132,9 +147,11 @@ class DownloadPool:
                 self._running -= 1
                 self._cond.notify_all()
 
-    def _fetch_one(self, item: Item, grant: int | None, file_stop: FileStop) -> int:
+    def _fetch_one(self, position: int, item: Item, grant: int | None, file_stop: FileStop) -> int:
         kwargs: dict[str, Any] = {}
-        if grant is not None:
+        if self._sized:
+            kwargs["reservation"] = _Reservation(self, position)
+        elif grant is not None:
             kwargs["remaining_job_bytes"] = grant
         if self._concurrency > 1:
             kwargs["stop"] = file_stop  # one fetcher at a time needs no stop of its own
@@ -142,6 +159,9 @@ class DownloadPool:
         if not item.dest.is_file():
             raise DownloadError(f"recording {item.index}: the download left no file")
         size = item.dest.stat().st_size
+        if self._sized:
+            with self._cond:
+                grant = self._granted.get(position, 0)  # a file that took no share had none
         if grant is not None and size > grant:
             raise BadRecording(f"recording {item.index}: {self._over_budget}")  # a fetch that ignored its budget
         return size
@@ -152,7 +172,7 @@ class DownloadPool:
             while True:
                 if self._stop.is_set() or self._errors or self._next >= len(self._items):
                     return None
-                grant = self._grant()
+                grant = None if self._sized else self._grant()
                 if grant is not _WAIT:
                     break
                 self._cond.wait(POLL_S)
@@ -164,9 +184,31 @@ class DownloadPool:
             file_stop = self._in_flight[position] = FileStop(self._stop)
             return position, grant, file_stop  # type: ignore[return-value]
 
-    def _grant(self) -> int | None | object:
+    def _reserve(self, position: int, declared: int | None, check: Callable[[], None]) -> int | None:
+        """A file's share once its length is known, taken in the order of the recordings."""
+        while True:
+            with self._cond:
+                if self._unreserved is None:
+                    return None
+                earlier_open = any(p < position and p not in self._granted for p in self._in_flight)
+                share = _WAIT if earlier_open else self._grant(declared)
+                if share is not _WAIT:
+                    assert isinstance(share, int)
+                    self._unreserved -= share
+                    self._granted[position] = share
+                    self._holders += 1
+                    self._cond.notify_all()
+                    return share
+                self._cond.wait(POLL_S)
+            check()  # outside the lock: a cut ends the wait
+
+    def _grant(self, declared: int | None = None) -> int | None | object:
         if self._unreserved is None:
             return None
+        if self._sized and declared is not None:
+            if declared <= self._unreserved:
+                return declared
+            return _WAIT if self._holders else self._unreserved
         if self._file_max is not None and self._file_max <= self._unreserved:
             return self._file_max
         if self._holders:
@@ -177,6 +219,8 @@ class DownloadPool:
                 error: BaseException | None, file_stop: FileStop) -> None:
         with self._cond:
             del self._in_flight[position]
+            if self._sized:
+                grant = self._granted.pop(position, None)
             if grant is not None:
                 assert self._unreserved is not None
                 self._unreserved += grant - min(size or 0, grant)

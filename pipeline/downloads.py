@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urljoin
 
 import structlog
@@ -70,6 +70,15 @@ class DownloadSettings:
     allowed_networks: tuple[IPNetwork, ...] = ()  # local runs and tests only
     ca_certs: str | None = None  # CA bundle path; None = the system's trust store
     concurrency: int = 8  # a job's recordings fetched at once (DOWNLOAD_CONCURRENCY)
+
+
+class Reservation(Protocol):
+    """A file's share of the job's byte budget, taken once its length is known (``pipeline.download_pool``)."""
+
+    def take(self, declared: int | None, check: Callable[[], None]) -> int | None:
+        """The most bytes the file may have, given its declared length (None: unknown); may wait, calling
+        ``check`` (which raises when the download is cut) while it does. None: no job-wide budget."""
+        ...
 
 
 def classify_status(status: int) -> type[WorkerError] | None:
@@ -159,11 +168,11 @@ class Downloader:
             object.__setattr__(self, "connections", Connections(self.settings))
 
     def __call__(self, url: RecordingUrl | str, dest: Path, *, remaining_job_bytes: int | None = None,
-                 stop: StopSignal | None = None) -> int:
+                 stop: StopSignal | None = None, reservation: Reservation | None = None) -> int:
         self.crash_points.reached("during_download")
         return fetch(url, dest, settings=self.settings, s3_client=self.s3_client,
                      stop=self.stop if stop is None else stop, remaining_job_bytes=remaining_job_bytes,
-                     connections=self.connections, resolver=self.resolver)
+                     connections=self.connections, resolver=self.resolver, reservation=reservation)
 
     def close(self) -> None:
         assert self.connections is not None
@@ -181,6 +190,7 @@ def fetch(
     clock: Callable[[], float] = time.monotonic,
     remaining_job_bytes: int | None = None,
     connections: Connections | None = None,
+    reservation: Reservation | None = None,
 ) -> int:
     """Download ``url`` to ``dest`` (replacing it atomically) and return the number of bytes written.
 
@@ -189,14 +199,15 @@ def fetch(
     ``remaining_job_bytes``: what the job may still download (MAX_JOB_DOWNLOAD_BYTES less what its
     other recordings took); going past it is a permanent BadRecording, like ``max_bytes``.
     ``connections``: kept-alive connections to reuse and leave open; None: this call's own, closed
-    when it returns.
+    when it returns. ``reservation``: the job's budget, asked for this file's share once its length
+    is known (instead of a fixed ``remaining_job_bytes``).
     """
     dest = Path(dest)
     shown = url.redacted if isinstance(url, RecordingUrl) else redact_url(url)
     if stop is not None:
         stop.raise_if_set()
     attempt = _Attempt(settings, stop, clock() + settings.timeout_s, clock)
-    cap = _Cap.of(settings.max_bytes, remaining_job_bytes)
+    cap = _Cap.of(settings.max_bytes, remaining_job_bytes, reservation)
     log.info("download.started", url=shown)
     try:
         target = url if isinstance(url, RecordingUrl) else _parsed(url)
@@ -259,12 +270,20 @@ class _Cap:
 
     limit: int
     job_wide: bool
+    reservation: Reservation | None = None  # the job's share still to be taken, once the length is known
 
     @classmethod
-    def of(cls, max_bytes: int, remaining_job_bytes: int | None) -> _Cap:
+    def of(cls, max_bytes: int, remaining_job_bytes: int | None, reservation: Reservation | None = None) -> _Cap:
         if remaining_job_bytes is not None and remaining_job_bytes < max_bytes:
-            return cls(max(remaining_job_bytes, 0), job_wide=True)
-        return cls(max_bytes, job_wide=False)
+            return cls(max(remaining_job_bytes, 0), job_wide=True, reservation=reservation)
+        return cls(max_bytes, job_wide=False, reservation=reservation)
+
+    def sized(self, declared: int | None, guard: Guard) -> _Cap:
+        """This cap once the body's length is known: lowered to the job's share when one is taken."""
+        if self.reservation is None:
+            return self
+        share = self.reservation.take(declared, guard.check)
+        return self if share is None else _Cap.of(self.limit, share)
 
     def refusal(self, url: RecordingUrl, declared: int | None = None) -> BadRecording:
         shown = url.redacted
@@ -413,6 +432,9 @@ def _guard_s3_send(request, **_kwargs) -> None:
 
 def _copy(read, write, declared: int | None, guard: Guard, cap: _Cap, url: RecordingUrl) -> int:
     """Copy a body to ``write`` in chunks of at most CHUNK_BYTES, enforcing the cap, deadline and stop."""
+    if declared is not None and declared > cap.limit:
+        raise cap.refusal(url, declared)
+    cap = cap.sized(declared, guard)
     if declared is not None and declared > cap.limit:
         raise cap.refusal(url, declared)
     total = 0

@@ -88,6 +88,9 @@ class DownloadPlan:
 
     concurrency: int = 1
     file_max_bytes: int | None = None
+    # The fetcher takes ``reservation=`` (``pipeline.downloads.Reservation``) and asks it for its share
+    # once the length is known, so a file reserves its declared length, not its maximum.
+    sized_reservations: bool = False
 
 
 class PipelineTrainer:
@@ -121,7 +124,7 @@ class PipelineTrainer:
 
     @property
     def download_plan(self) -> DownloadPlan:
-        return DownloadPlan(self._downloads.concurrency, self._downloads.max_bytes)
+        return DownloadPlan(self._downloads.concurrency, self._downloads.max_bytes, sized_reservations=True)
 
     @property
     def limits(self) -> JobLimits:
@@ -306,7 +309,8 @@ def download_all(
              for index, (recording, destination, keep) in enumerate(zip(recordings, destinations, kept, strict=True))
              if not keep]
     pool = DownloadPool(items, fetch, stop, budget_bytes=None if budget_bytes is None else budget_bytes - used,
-                        file_max_bytes=plan.file_max_bytes, concurrency=plan.concurrency, over_budget=over)
+                        file_max_bytes=plan.file_max_bytes, concurrency=plan.concurrency, over_budget=over,
+                        sized_reservations=plan.sized_reservations)
     already = sum(kept)
     try:
         sizes = pool.run(lambda done: progress(DOWNLOAD_STEP, 100.0 * (already + done) / len(recordings)))

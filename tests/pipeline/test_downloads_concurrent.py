@@ -68,7 +68,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, body_of(int(arg)))
 
     def route_size(self, arg: str) -> None:
-        self._send(200, b"s" * int(arg))
+        """``size/<n>[/<anything>]``: n bytes with their length declared."""
+        self._send(200, b"s" * int(arg.split("/")[0]))
+
+    def route_chunked(self, arg: str) -> None:
+        """``chunked/<n>``: n bytes (a multiple of 100) with no declared length."""
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for _ in range(int(arg) // 100):
+            self.wfile.write(b"64\r\n" + b"c" * 100 + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
 
     def route_status(self, arg: str) -> None:
         self._send(int(arg), b"error page")
@@ -89,6 +99,13 @@ class _Handler(BaseHTTPRequestHandler):
         with srv.lock:
             srv.request_arrived.wait_for(lambda: f"/{waited}" in srv.served, SERVER_GIVES_UP_S)
         self._send(200, body_of(int(index)))
+
+    def route_late1000(self, arg: str) -> None:
+        """``late1000/<path>``: 1000 bytes, once the request for ``/<path>`` has been answered."""
+        srv: _Server = self.server  # type: ignore[assignment]
+        with srv.lock:
+            srv.request_arrived.wait_for(lambda: f"/{arg}" in srv.served, SERVER_GIVES_UP_S)
+        self._send(200, b"l" * 1000)
 
     def route_late404(self, arg: str) -> None:
         """``late404/<path>``: a 404, once a request for ``/<path>`` has arrived."""
@@ -213,13 +230,13 @@ def job_of(srv: _Server, paths: list[str], host: str = "one.test") -> Job:
 
 
 def run_step(tmp_path: Path, job: Job, settings: DownloadSettings, stop: StopSignal | None = None,
-             budget_bytes: int | None = None) -> list[Path]:
+             budget_bytes: int | None = None, sized: bool = True) -> list[Path]:
     """The download step as ``PipelineTrainer`` runs it: its Downloader and its plan."""
     stop = stop or StopSignal()
     fetch = Downloader(settings, stop=stop, resolver=resolver)
     (tmp_path / "logs").mkdir(exist_ok=True)
     return download_all(job, tmp_path / "downloads", tmp_path / "logs", stop, fetch, lambda _s, _p: None,
-                        budget_bytes, DownloadPlan(settings.concurrency, settings.max_bytes))
+                        budget_bytes, DownloadPlan(settings.concurrency, settings.max_bytes, sized_reservations=sized))
 
 
 def test_several_downloads_are_in_flight_at_once(serve, settings, tmp_path):
@@ -263,14 +280,35 @@ def test_a_connection_is_never_shared_between_names_or_addresses(serve, settings
     assert srv.handshakes == 2 and sorted(srv.per_connection.values()) == [2, 2]
 
 
-def test_the_job_budget_holds_exactly_under_concurrency(serve, settings, tmp_path):
-    """With room for five files and a half, the first five land and the sixth is refused with what was left."""
+@pytest.mark.parametrize("sized", [True, False], ids=["declared-length-shares", "maximum-shares"])
+def test_the_job_budget_holds_exactly_under_concurrency(serve, settings, tmp_path, sized):
+    """With room for five files and a half, the first five land and the sixth is refused with what was left,
+    whether each file reserves its declared length or its maximum."""
     srv = serve()
     small = DownloadSettings(**{**settings.__dict__, "max_bytes": 1500})
-    with pytest.raises(BadRecording, match=r"size/1000: the job's total download limit \(MAX_JOB_DOWNLOAD_BYTES\) "
+    with pytest.raises(BadRecording, match=r"size/1000/5: the job's total download limit \(MAX_JOB_DOWNLOAD_BYTES\) "
                                            r"was hit, 500 bytes were left"):
-        run_step(tmp_path, job_of(srv, ["size/1000"] * 10), small, budget_bytes=5500)
+        run_step(tmp_path, job_of(srv, [f"size/1000/{i}" for i in range(10)]), small, budget_bytes=5500, sized=sized)
     assert leftovers(tmp_path / "downloads") == [f"0000{i}.audio" for i in range(5)]
+
+
+def test_shares_are_taken_in_the_order_of_the_recordings(serve, settings, tmp_path):
+    """The first recording's length arrives last, yet it gets its share first: the third is the one refused."""
+    srv = serve()
+    with pytest.raises(BadRecording, match=r"size/1000/2: the job's total download limit .* 500 bytes were left"):
+        run_step(tmp_path, job_of(srv, ["late1000/size/1000/2", "size/1000/1", "size/1000/2"]), settings,
+                 budget_bytes=2500)
+    assert leftovers(tmp_path / "downloads") == ["00000.audio", "00001.audio"]
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["declared-length-shares", "maximum-shares"])
+def test_a_file_that_does_not_fit_yet_waits_for_what_the_files_in_flight_give_back(serve, settings, tmp_path, sized):
+    """A body of unknown length reserves the file maximum; the next file, which fits only once the first
+    gave back what it did not use, waits for that instead of being refused."""
+    srv = serve()
+    small = DownloadSettings(**{**settings.__dict__, "max_bytes": 1500})
+    paths = run_step(tmp_path, job_of(srv, ["chunked/1000", "size/1000"]), small, budget_bytes=2200, sized=sized)
+    assert [p.stat().st_size for p in paths] == [1000, 1000]
 
 
 def test_reservations_never_exceed_the_budget(tmp_path):
