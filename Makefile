@@ -35,3 +35,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/download_rss.py
 	$(BIN)/python benchmarks/resume_fraction.py
 	$(BIN)/python benchmarks/dataset.py
+	$(BIN)/python benchmarks/downloads.py
