@@ -162,6 +162,7 @@ class Downloader:
     crash_points: CrashPoints = NEVER
     connections: Connections | None = field(default=None, compare=False)
     resolver: Resolver | None = None  # tests only; None: the system resolver
+    sync_dir: bool = True  # False: the caller syncs the directory once the files are in (the step)
 
     def __post_init__(self) -> None:
         if self.connections is None:
@@ -172,7 +173,8 @@ class Downloader:
         self.crash_points.reached("during_download")
         return fetch(url, dest, settings=self.settings, s3_client=self.s3_client,
                      stop=self.stop if stop is None else stop, remaining_job_bytes=remaining_job_bytes,
-                     connections=self.connections, resolver=self.resolver, reservation=reservation)
+                     connections=self.connections, resolver=self.resolver, reservation=reservation,
+                     sync_dir=self.sync_dir)
 
     def close(self) -> None:
         assert self.connections is not None
@@ -191,6 +193,7 @@ def fetch(
     remaining_job_bytes: int | None = None,
     connections: Connections | None = None,
     reservation: Reservation | None = None,
+    sync_dir: bool = True,
 ) -> int:
     """Download ``url`` to ``dest`` (replacing it atomically) and return the number of bytes written.
 
@@ -200,7 +203,8 @@ def fetch(
     other recordings took); going past it is a permanent BadRecording, like ``max_bytes``.
     ``connections``: kept-alive connections to reuse and leave open; None: this call's own, closed
     when it returns. ``reservation``: the job's budget, asked for this file's share once its length
-    is known (instead of a fixed ``remaining_job_bytes``).
+    is known (instead of a fixed ``remaining_job_bytes``). ``sync_dir=False``: the rename onto
+    ``dest`` is left for the caller to make durable (``pipeline.part_file``).
     """
     dest = Path(dest)
     shown = url.redacted if isinstance(url, RecordingUrl) else redact_url(url)
@@ -214,7 +218,7 @@ def fetch(
         if cap.limit <= 0:
             raise cap.refusal(target)
         try:
-            with Guard(attempt.remaining_s, stop) as guard, part_file(dest) as write:
+            with Guard(attempt.remaining_s, stop) as guard, part_file(dest, sync_dir=sync_dir) as write:
                 if target.scheme == S3:
                     size = _fetch_s3(target, write, guard, cap, s3_client)
                 elif connections is None:

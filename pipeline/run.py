@@ -27,7 +27,7 @@ from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
 from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import DownloadSettings, Downloader
-from pipeline.files import output_problem
+from pipeline.files import fsync_dir, output_problem
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
@@ -120,7 +120,9 @@ class PipelineTrainer:
     def downloader(self, stop: StopSignal) -> Downloader:
         """The job's fetcher: bound per call, so every download of the job answers to its stop signal,
         and its kept-alive connections are the job's alone."""
-        return Downloader(self._downloads, s3_client=self._s3_client, stop=stop, crash_points=self._crash_points)
+        # The step syncs downloads/ once when all files are in, instead of once per file.
+        return Downloader(self._downloads, s3_client=self._s3_client, stop=stop, crash_points=self._crash_points,
+                          sync_dir=False)
 
     @property
     def download_plan(self) -> DownloadPlan:
@@ -318,6 +320,7 @@ def download_all(
         close = getattr(fetch, "close", None)
         if close is not None:
             close()
+    fsync_dir(downloads_dir, strict=True)  # the renames of every fetched file, at once
     progress(DOWNLOAD_STEP, 100.0)
     notes = [f"recording {index}: kept from an earlier attempt" if keep else f"recording {index}: fetched {sizes[index]} bytes"
              for index, keep in enumerate(kept)]

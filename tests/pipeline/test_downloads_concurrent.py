@@ -6,21 +6,23 @@ from __future__ import annotations
 import ssl
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from pipeline.download_pool import DownloadPool, Item
-from pipeline.downloads import Connections, DownloadSettings, Downloader
+from pipeline.config import load_pipeline_config
+from pipeline.downloads import Connections, DownloadSettings
 from pipeline.recording_url import RecordingUrl, parse_recording_url
-from pipeline.run import DownloadPlan, download_all
+from pipeline.run import PipelineTrainer, download_all
 from tests.pipeline.tls_server import LOOPBACK, ca, ca_path, leftovers  # noqa: F401  (ca, ca_path are fixtures)
 from worker.core.errors import BadRecording, Stopped
 from worker.core.stop import StopSignal
 from worker.settings import load_settings
 
+REPO = Path(__file__).resolve().parents[2]
 SERVER_GIVES_UP_S = 10.0  # a broken client fails a test instead of hanging it
 STALL_S = 5.0  # a stalled body completes after this long, well before the client's 30 s deadline
 NAMES = {"one.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]}
@@ -231,12 +233,13 @@ def job_of(srv: _Server, paths: list[str], host: str = "one.test") -> Job:
 
 def run_step(tmp_path: Path, job: Job, settings: DownloadSettings, stop: StopSignal | None = None,
              budget_bytes: int | None = None, sized: bool = True) -> list[Path]:
-    """The download step as ``PipelineTrainer`` runs it: its Downloader and its plan."""
+    """The download step as ``PipelineTrainer`` runs it: its Downloader (with the test resolver) and its plan."""
     stop = stop or StopSignal()
-    fetch = Downloader(settings, stop=stop, resolver=resolver)
+    trainer = PipelineTrainer(load_pipeline_config(REPO / "config" / "pipeline.toml"), settings)
+    fetch = replace(trainer.downloader(stop), resolver=resolver, connections=None)
     (tmp_path / "logs").mkdir(exist_ok=True)
     return download_all(job, tmp_path / "downloads", tmp_path / "logs", stop, fetch, lambda _s, _p: None,
-                        budget_bytes, DownloadPlan(settings.concurrency, settings.max_bytes, sized_reservations=sized))
+                        budget_bytes, replace(trainer.download_plan, sized_reservations=sized))
 
 
 def test_several_downloads_are_in_flight_at_once(serve, settings, tmp_path):
@@ -379,6 +382,16 @@ def test_the_first_failure_by_recording_is_the_one_reported(tmp_path):
                         over_budget="over")
     with pytest.raises(BadRecording, match="recording 0 is gone"):
         pool.run(lambda _done: None)
+
+
+def test_the_step_syncs_the_downloads_directory_once(serve, settings, tmp_path, monkeypatch):
+    """Each file's data is synced before its rename; the renames are made durable by one sync at the end."""
+    synced: list[Path] = []
+    monkeypatch.setattr("pipeline.part_file.fsync_dir", lambda d, **_k: synced.append(d))
+    monkeypatch.setattr("pipeline.run.fsync_dir", lambda d, **_k: synced.append(d))
+    srv = serve()
+    run_step(tmp_path, job_of(srv, [f"rec/{i}" for i in range(5)]), settings)
+    assert synced == [tmp_path / "downloads"]
 
 
 def test_download_concurrency_reaches_the_downloader():
