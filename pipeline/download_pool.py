@@ -96,6 +96,7 @@ class DownloadPool:
         self._running = 0
         self.sizes: dict[int, int] = {}  # by recording index
         self._errors: dict[int, BaseException] = {}
+        self._abandoned = False  # the step itself failed: nothing more starts
 
     def run(self, on_progress: Callable[[int], None]) -> dict[int, int]:
         """Fetch every item; ``on_progress(done)`` is called from this thread as files complete.
@@ -112,16 +113,26 @@ class DownloadPool:
         for thread in threads:
             thread.start()
         reported = 0
-        with self._cond:
-            while self._running:
-                self._cond.wait(POLL_S)
-                if len(self.sizes) != reported:
-                    reported = len(self.sizes)
-                    self._cond.release()
-                    try:
-                        on_progress(reported)
-                    finally:
-                        self._cond.acquire()
+        try:
+            with self._cond:
+                while self._running:
+                    self._cond.wait(POLL_S)
+                    if len(self.sizes) != reported:
+                        reported = len(self.sizes)
+                        self._cond.release()
+                        try:
+                            on_progress(reported)
+                        finally:
+                            self._cond.acquire()
+        except BaseException:
+            # The progress report failed: no download may outlive the step, so all are cut.
+            with self._cond:
+                self._abandoned = True
+                for other in self._in_flight.values():
+                    other.set(Stopped.CANCELLED, CUT_DETAIL)
+            for thread in threads:
+                thread.join()
+            raise
         for thread in threads:
             thread.join()
         if len(self.sizes) != reported:
@@ -170,7 +181,7 @@ class DownloadPool:
         """The next item and its reservation, waiting while its maximum does not fit yet."""
         with self._cond:
             while True:
-                if self._stop.is_set() or self._errors or self._next >= len(self._items):
+                if self._stop.is_set() or self._errors or self._abandoned or self._next >= len(self._items):
                     return None
                 grant = None if self._sized else self._grant()
                 if grant is not _WAIT:

@@ -372,7 +372,7 @@ def test_the_first_failure_by_recording_is_the_one_reported(tmp_path):
             raise BadRecording("recording 1 is gone")
         # Recording 0 fails only once the worker that fetched recording 1 has ended: after its failure.
         assert one_failed.wait(10)
-        while sum(t.name.startswith("download-") for t in threading.enumerate()) > 1:
+        while len([t for t in threading.enumerate() if t.name.removeprefix("download-").isdigit()]) > 1:
             threading.Event().wait(0.01)
         raise BadRecording("recording 0 is gone")
 
@@ -382,6 +382,29 @@ def test_the_first_failure_by_recording_is_the_one_reported(tmp_path):
                         over_budget="over")
     with pytest.raises(BadRecording, match="recording 0 is gone"):
         pool.run(lambda _done: None)
+
+
+def test_a_failing_progress_report_cuts_the_downloads_in_flight(serve, settings, tmp_path):
+    """When reporting progress fails, the step ends with that error and no download goes on without it."""
+    srv = serve()
+
+    class ReportFailed(Exception):
+        pass
+
+    def progress(_step: str, percent: float) -> None:
+        if 0 < percent < 100:
+            raise ReportFailed
+
+    stop = StopSignal()
+    trainer = PipelineTrainer(load_pipeline_config(REPO / "config" / "pipeline.toml"), settings)
+    fetch = replace(trainer.downloader(stop), resolver=resolver, connections=None)
+    (tmp_path / "logs").mkdir()
+    job = job_of(srv, ["rec/0"] + [f"stall/{i}" for i in range(1, 4)])
+    with pytest.raises(ReportFailed):
+        download_all(job, tmp_path / "downloads", tmp_path / "logs", stop, fetch, progress, None,
+                     trainer.download_plan)
+    assert leftovers(tmp_path / "downloads") == ["00000.audio"]
+    assert not [t for t in threading.enumerate() if t.name.removeprefix("download-").isdigit()]
 
 
 def test_the_step_syncs_the_downloads_directory_once(serve, settings, tmp_path, monkeypatch):
