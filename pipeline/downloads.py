@@ -98,9 +98,10 @@ def s3_error_is_permanent(code: str, http_status: int | None) -> bool:
 class Connections:
     """Kept-alive HTTPS connections, one pool per (checked address, port, TLS name).
 
-    Keyed by the address that was checked, never by the name: a hop reuses a connection only when
-    its own resolution and check gave that very address, so no DNS answer can steer a request onto
-    a connection made for another address. Safe to share between threads.
+    Keyed by the address that was checked (with the name, which TLS verified), never by the name
+    alone: a hop reuses a connection only when its own resolution and check gave that very address,
+    so no DNS answer can steer a request onto a connection made for another address. Safe to share
+    between threads.
     """
 
     def __init__(self, settings: DownloadSettings):
