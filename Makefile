@@ -36,3 +36,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/resume_fraction.py
 	$(BIN)/python benchmarks/dataset.py
 	$(BIN)/python benchmarks/uploads.py
+	$(BIN)/python benchmarks/downloads.py

@@ -13,6 +13,10 @@ What a download guarantees, whatever happens:
 - a job-wide byte budget (``remaining_job_bytes``) caps a file further than ``max_bytes`` does;
 - each https hop is checked by ``netguard`` and connected to by the checked IP (SNI and the Host
   header still carry the real name), and redirects are followed here, never by urllib3;
+- a connection is kept alive only for the same checked address, port and name (``Connections``, one
+  per ``Downloader``, so per job): a later file or hop reuses it only when its own check gave that
+  address; a connection that was cut, failed, or carried a body not read to its end is closed; a
+  host is resolved and checked once per job;
 - errors come out as the project's own types: ``BadRecording`` when retrying cannot help (gone,
   refused, too large), ``DownloadError`` when it might (network, 5xx, throttling, deadline, disk),
   ``Stopped`` when the stop signal was set; their messages never hold a query string.
@@ -22,11 +26,12 @@ from __future__ import annotations
 
 import functools
 import http.client
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urljoin
 
 import structlog
@@ -64,6 +69,16 @@ class DownloadSettings:
     max_redirects: int = 3
     allowed_networks: tuple[IPNetwork, ...] = ()  # local runs and tests only
     ca_certs: str | None = None  # CA bundle path; None = the system's trust store
+    concurrency: int = 8  # a job's recordings fetched at once (DOWNLOAD_CONCURRENCY)
+
+
+class Reservation(Protocol):
+    """A file's share of the job's byte budget, taken once its length is known (``pipeline.download_pool``)."""
+
+    def take(self, declared: int | None, check: Callable[[], None]) -> int | None:
+        """The most bytes the file may have, given its declared length (None: unknown); may wait, calling
+        ``check`` (which raises when the download is cut) while it does. None: no job-wide budget."""
+        ...
 
 
 def classify_status(status: int) -> type[WorkerError] | None:
@@ -80,22 +95,91 @@ def s3_error_is_permanent(code: str, http_status: int | None) -> bool:
     return code in {"NoSuchKey", "NoSuchBucket", "AccessDenied"} or http_status in (403, 404)
 
 
+class Connections:
+    """Kept-alive HTTPS connections, one pool per (checked address, port, TLS name).
+
+    Keyed by the address that was checked (with the name, which TLS verified), never by the name
+    alone: a hop reuses a connection only when its own resolution and check gave that very address,
+    so no DNS answer can steer a request onto a connection made for another address. Safe to share
+    between threads.
+    """
+
+    def __init__(self, settings: DownloadSettings):
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._pools: dict[tuple[str, int, str], urllib3.HTTPSConnectionPool] = {}
+        self._checked: dict[tuple[str, int], list[str]] = {}
+
+    def checked_addresses(self, host: str, port: int, check: Callable[[], list[str]]) -> list[str]:
+        """``host``'s addresses as ``check`` resolved and checked them, once per job and host.
+
+        Caching the answer weakens nothing: every connection still goes to an address that passed
+        the check, whatever DNS says later. A refusal or a failure is not kept: it is raised again.
+        """
+        key = (host, port)
+        with self._lock:
+            known = self._checked.get(key)
+        if known is None:
+            known = check()
+            with self._lock:
+                self._checked.setdefault(key, known)
+        return list(known)
+
+    def pool(self, address: str, target: RecordingUrl) -> urllib3.HTTPSConnectionPool:
+        key = (address, target.connect_port, target.host)
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                # block=False: a download never waits for a connection; past maxsize one is made
+                # and closed after use. The name only travels in SNI, the certificate check and the
+                # Host header.
+                pool = self._pools[key] = urllib3.HTTPSConnectionPool(
+                    address, target.connect_port, maxsize=max(self._settings.concurrency, 1), block=False,
+                    retries=False, cert_reqs="CERT_REQUIRED", ca_certs=self._settings.ca_certs,
+                    server_hostname=target.host, assert_hostname=target.host,
+                )
+            return pool
+
+    def close(self) -> None:
+        """Close every kept-alive connection (the job's downloads are done)."""
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+
+
 @dataclass(frozen=True)
 class Downloader:
     """``fetch`` with one job's fixed arguments bound: the pipeline's ``Fetcher`` (``pipeline.run``).
 
-    ``pipeline.run.PipelineTrainer`` makes one per job, with that job's stop signal.
+    ``pipeline.run.PipelineTrainer`` makes one per job, with that job's stop signal; the job's files
+    share its kept-alive connections, which ``close`` ends once the download step is over. ``stop``
+    given to a call replaces the bound one for that file (the step's per-file signal).
     """
 
     settings: DownloadSettings
     s3_client: Any = None
     stop: StopSignal | None = None
     crash_points: CrashPoints = NEVER
+    connections: Connections | None = field(default=None, compare=False)
+    resolver: Resolver | None = None  # tests only; None: the system resolver
+    sync_dir: bool = True  # False: the caller syncs the directory once the files are in (the step)
 
-    def __call__(self, url: RecordingUrl | str, dest: Path, *, remaining_job_bytes: int | None = None) -> int:
+    def __post_init__(self) -> None:
+        if self.connections is None:
+            object.__setattr__(self, "connections", Connections(self.settings))
+
+    def __call__(self, url: RecordingUrl | str, dest: Path, *, remaining_job_bytes: int | None = None,
+                 stop: StopSignal | None = None, reservation: Reservation | None = None) -> int:
         self.crash_points.reached("during_download")
-        return fetch(url, dest, settings=self.settings, s3_client=self.s3_client, stop=self.stop,
-                     remaining_job_bytes=remaining_job_bytes)
+        return fetch(url, dest, settings=self.settings, s3_client=self.s3_client,
+                     stop=self.stop if stop is None else stop, remaining_job_bytes=remaining_job_bytes,
+                     connections=self.connections, resolver=self.resolver, reservation=reservation,
+                     sync_dir=self.sync_dir)
+
+    def close(self) -> None:
+        assert self.connections is not None
+        self.connections.close()
 
 
 def fetch(
@@ -108,6 +192,9 @@ def fetch(
     resolver: Resolver | None = None,
     clock: Callable[[], float] = time.monotonic,
     remaining_job_bytes: int | None = None,
+    connections: Connections | None = None,
+    reservation: Reservation | None = None,
+    sync_dir: bool = True,
 ) -> int:
     """Download ``url`` to ``dest`` (replacing it atomically) and return the number of bytes written.
 
@@ -115,24 +202,34 @@ def fetch(
     and one that does not parse is a BadRecording.
     ``remaining_job_bytes``: what the job may still download (MAX_JOB_DOWNLOAD_BYTES less what its
     other recordings took); going past it is a permanent BadRecording, like ``max_bytes``.
+    ``connections``: kept-alive connections to reuse and leave open; None: this call's own, closed
+    when it returns. ``reservation``: the job's budget, asked for this file's share once its length
+    is known (instead of a fixed ``remaining_job_bytes``). ``sync_dir=False``: the rename onto
+    ``dest`` is left for the caller to make durable (``pipeline.part_file``).
     """
     dest = Path(dest)
     shown = url.redacted if isinstance(url, RecordingUrl) else redact_url(url)
     if stop is not None:
         stop.raise_if_set()
     attempt = _Attempt(settings, stop, clock() + settings.timeout_s, clock)
-    cap = _Cap.of(settings.max_bytes, remaining_job_bytes)
+    cap = _Cap.of(settings.max_bytes, remaining_job_bytes, reservation)
     log.info("download.started", url=shown)
     try:
         target = url if isinstance(url, RecordingUrl) else _parsed(url)
         if cap.limit <= 0:
             raise cap.refusal(target)
         try:
-            with Guard(attempt.remaining_s, stop) as guard, part_file(dest) as write:
+            with Guard(attempt.remaining_s, stop) as guard, part_file(dest, sync_dir=sync_dir) as write:
                 if target.scheme == S3:
                     size = _fetch_s3(target, write, guard, cap, s3_client)
+                elif connections is None:
+                    own = Connections(settings)
+                    try:
+                        size = _fetch_https(target, write, guard, cap, settings, resolver, own)
+                    finally:
+                        own.close()
                 else:
-                    size = _fetch_https(target, write, guard, cap, settings, resolver)
+                    size = _fetch_https(target, write, guard, cap, settings, resolver, connections)
         except Cut as cut:
             raise attempt.cut_error(target, cut.reason) from None
     except Stopped as exc:
@@ -178,12 +275,20 @@ class _Cap:
 
     limit: int
     job_wide: bool
+    reservation: Reservation | None = None  # the job's share still to be taken, once the length is known
 
     @classmethod
-    def of(cls, max_bytes: int, remaining_job_bytes: int | None) -> _Cap:
+    def of(cls, max_bytes: int, remaining_job_bytes: int | None, reservation: Reservation | None = None) -> _Cap:
         if remaining_job_bytes is not None and remaining_job_bytes < max_bytes:
-            return cls(max(remaining_job_bytes, 0), job_wide=True)
-        return cls(max_bytes, job_wide=False)
+            return cls(max(remaining_job_bytes, 0), job_wide=True, reservation=reservation)
+        return cls(max_bytes, job_wide=False, reservation=reservation)
+
+    def sized(self, declared: int | None, guard: Guard) -> _Cap:
+        """This cap once the body's length is known: lowered to the job's share when one is taken."""
+        if self.reservation is None:
+            return self
+        share = self.reservation.take(declared, guard.check)
+        return self if share is None else _Cap.of(self.limit, share)
 
     def refusal(self, url: RecordingUrl, declared: int | None = None) -> BadRecording:
         shown = url.redacted
@@ -199,14 +304,16 @@ class _Cap:
 
 
 def _fetch_https(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard, cap: _Cap,
-                 settings: DownloadSettings, resolver: Resolver | None) -> int:
+                 settings: DownloadSettings, resolver: Resolver | None, connections: Connections) -> int:
     current = url
     with guard.own_sockets():
         for hop in range(settings.max_redirects + 1):
             guard.check()
-            addresses = guard.call(functools.partial(
-                netguard.checked_addresses, current.host, current.connect_port, settings.allowed_networks, resolver))
-            pool, resp = _open(current, addresses, guard, settings)
+            addresses = connections.checked_addresses(current.host, current.connect_port, functools.partial(
+                guard.call, functools.partial(netguard.checked_addresses, current.host, current.connect_port,
+                                              settings.allowed_networks, resolver)))
+            resp = _open(current, addresses, guard, connections)
+            whole = False
             try:
                 # A cut can end the headers early, and what arrived before it is no answer.
                 guard.check()
@@ -224,12 +331,19 @@ def _fetch_https(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard
                 if error is not None:
                     raise error(f"{current.redacted} answered HTTP {resp.status}")
                 declared = _content_length(resp.headers.get("Content-Length"))
-                return _copy(resp.read1, write, declared, guard, cap, current)
+                size = _copy(resp.read1, write, declared, guard, cap, current)
+                whole = True
+                return size
             finally:
-                # Close, never drain: a redirect or an error page may come with a huge body.
-                resp.close()
-                pool.close()
+                # Forgotten by the guard first: once back in the pool, the connection is another
+                # download's, which a late firing of this guard must not cut.
                 guard.release()
+                # Kept only when whole and uncut (an answer with "Connection: close" has already
+                # let go of its socket, and the pool will open a new one). Otherwise close, never
+                # drain: a redirect or an error page may come with a huge body.
+                if not whole or guard.fired is not None:
+                    resp.close()
+                resp.release_conn()
     raise AssertionError("unreachable: the last hop either returns or raises")
 
 
@@ -247,39 +361,31 @@ def _redirect_target(current: RecordingUrl, location: str) -> RecordingUrl:
     return target
 
 
-def _open(target: RecordingUrl, addresses: list[str], guard: Guard, settings: DownloadSettings):
+def _open(target: RecordingUrl, addresses: list[str], guard: Guard, connections: Connections):
     """Send the GET to the first checked address that accepts a connection."""
     headers = {"Host": target.host_header, "Accept-Encoding": "identity", "User-Agent": "voice-worker"}
     refused = "no address"
     for address in addresses:
         guard.check()
-        # The pool is keyed by the checked IP; the name only travels in SNI, the certificate check
-        # and the Host header, so no second DNS answer can steer the connection.
-        pool = urllib3.HTTPSConnectionPool(
-            address, target.connect_port,
-            timeout=urllib3.Timeout(total=guard.remaining_s() + SOCKET_TIMEOUT_SLACK_S),
-            retries=False, maxsize=1, cert_reqs="CERT_REQUIRED", ca_certs=settings.ca_certs,
-            server_hostname=target.host, assert_hostname=target.host,
-        )
+        # The pool is keyed by the checked IP, so no second DNS answer can steer the connection.
+        pool = connections.pool(address, target)
         try:
             resp = pool.urlopen(
                 "GET", target.request_target, headers=headers, redirect=False, retries=False,
+                timeout=urllib3.Timeout(total=guard.remaining_s() + SOCKET_TIMEOUT_SLACK_S),
                 preload_content=False, decode_content=False, release_conn=False, assert_same_host=False,
             )
         except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError) as exc:
-            pool.close()
             guard.check()
             refused = describe_error(exc, target)  # nothing was sent: the next address may answer
             continue
         except (ValueError, http.client.InvalidURL) as exc:
-            pool.close()
             # http.client refuses control characters in the target, and its message quotes the target.
             raise BadRecording(f"{target.redacted}: unusable request ({type(exc).__name__})") from None
         except _TRANSPORT_ERRORS as exc:
-            pool.close()
             guard.check()
             raise DownloadError(f"{target.redacted}: {describe_error(exc, target)}") from None
-        return pool, resp
+        return resp
     raise DownloadError(f"{target.redacted}: could not connect ({refused})")
 
 
@@ -331,6 +437,9 @@ def _guard_s3_send(request, **_kwargs) -> None:
 
 def _copy(read, write, declared: int | None, guard: Guard, cap: _Cap, url: RecordingUrl) -> int:
     """Copy a body to ``write`` in chunks of at most CHUNK_BYTES, enforcing the cap, deadline and stop."""
+    if declared is not None and declared > cap.limit:
+        raise cap.refusal(url, declared)
+    cap = cap.sized(declared, guard)
     if declared is not None and declared > cap.limit:
         raise cap.refusal(url, declared)
     total = 0

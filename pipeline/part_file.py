@@ -12,8 +12,12 @@ from worker.core.errors import DownloadError
 
 
 @contextmanager
-def part_file(dest: Path) -> Iterator[Callable[[bytes], None]]:
-    """Yield a writer into ``dest.part``; rename it onto ``dest`` on success, remove it on any failure."""
+def part_file(dest: Path, *, sync_dir: bool = True) -> Iterator[Callable[[bytes], None]]:
+    """Yield a writer into ``dest.part``; rename it onto ``dest`` on success, remove it on any failure.
+
+    ``sync_dir=False`` leaves the directory's sync to the caller (once for many files): the data is
+    synced before the rename either way, so a crash can lose the new name, never leave a partial file.
+    """
     part = dest.with_name(dest.name + ".part")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -34,8 +38,9 @@ def part_file(dest: Path) -> Iterator[Callable[[bytes], None]]:
             file.flush()
             os.fsync(file.fileno())
         os.replace(part, dest)
-        # The rename is durable only once the directory entry is on disk.
-        fsync_dir(dest.parent, strict=True)
+        if sync_dir:
+            # The rename is durable only once the directory entry is on disk.
+            fsync_dir(dest.parent, strict=True)
     except OSError as exc:
         part.unlink(missing_ok=True)
         raise DownloadError(f"finishing {dest.name} failed: {_os_reason(exc)}") from None

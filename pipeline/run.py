@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,8 +25,9 @@ import structlog
 
 from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
+from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import DownloadSettings, Downloader
-from pipeline.files import output_problem
+from pipeline.files import fsync_dir, output_problem
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
@@ -33,7 +35,7 @@ from pipeline.recording_url import RecordingUrl
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
 from pipeline.stages import DEFAULT_GRACE_S, Progress, StageContext, end_survivors, open_step_log, run_stage
-from worker.core.errors import BadRecording, DownloadError, StageFailed
+from worker.core.errors import BadRecording, StageFailed
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.stop import StopSignal
 
@@ -67,12 +69,28 @@ class Job(Protocol):
 class Fetcher(Protocol):
     """What the pipeline calls to download one recording to ``dest``: ``pipeline.downloads.Downloader``.
 
-    ``remaining_job_bytes`` is passed only when the job has a download budget (``JobLimits``), so a
-    fake for a job without one may take ``(url, dest)`` alone. The result is not read: the pipeline
-    takes the size from the file, which must be whole or absent.
+    ``remaining_job_bytes`` is passed only when the job has a download budget (``JobLimits``), and
+    ``stop`` (this file's own signal, which also answers to the job's) only when several files are
+    fetched at once, so a fake for a job without either may take ``(url, dest)`` alone. The result
+    is not read: the pipeline takes the size from the file, which must be whole or absent. Calls
+    come from the step's threads, in the order of the recordings.
     """
 
-    def __call__(self, url: RecordingUrl, dest: Path, /, *, remaining_job_bytes: int = ...) -> object: ...
+    def __call__(self, url: RecordingUrl, dest: Path, /, *, remaining_job_bytes: int = ...,
+                 stop: StopSignal = ...) -> object: ...
+
+
+@dataclass(frozen=True)
+class DownloadPlan:
+    """How the download step runs: how many files at once, and the most one file may take
+    (DOWNLOAD_MAX_BYTES), which is what each reserves of the job's budget; None: unknown, so each
+    file reserves all that is left and the files run one at a time while a budget is set."""
+
+    concurrency: int = 1
+    file_max_bytes: int | None = None
+    # The fetcher takes ``reservation=`` (``pipeline.downloads.Reservation``) and asks it for its share
+    # once the length is known, so a file reserves its declared length, not its maximum.
+    sized_reservations: bool = False
 
 
 class PipelineTrainer:
@@ -95,10 +113,24 @@ class PipelineTrainer:
         self._crash_points = crash_points
 
     def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress, /) -> dict[str, Path]:
-        # Bound per call: every download of this job answers to this job's stop signal.
-        fetch = Downloader(self._downloads, s3_client=self._s3_client, stop=stop, crash_points=self._crash_points)
-        return run_pipeline(job, work_dir, stop, config=self._config, fetch=fetch, progress=progress,
-                            grace_s=self._grace_s, limits=self._limits, stage_env=self._stage_env)
+        return run_pipeline(job, work_dir, stop, config=self._config, fetch=self.downloader(stop), progress=progress,
+                            grace_s=self._grace_s, limits=self._limits, stage_env=self._stage_env,
+                            plan=self.download_plan)
+
+    def downloader(self, stop: StopSignal) -> Downloader:
+        """The job's fetcher: bound per call, so every download of the job answers to its stop signal,
+        and its kept-alive connections are the job's alone."""
+        # The step syncs downloads/ once when all files are in, instead of once per file.
+        return Downloader(self._downloads, s3_client=self._s3_client, stop=stop, crash_points=self._crash_points,
+                          sync_dir=False)
+
+    @property
+    def download_plan(self) -> DownloadPlan:
+        return DownloadPlan(self._downloads.concurrency, self._downloads.max_bytes, sized_reservations=True)
+
+    @property
+    def limits(self) -> JobLimits:
+        return self._limits or JobLimits()
 
 
 def work_layout(work_dir: Path) -> dict[str, Path]:
@@ -146,15 +178,16 @@ def run_pipeline(
     grace_s: float = DEFAULT_GRACE_S,
     limits: JobLimits | None = None,
     stage_env: Mapping[str, str] | None = None,
+    plan: DownloadPlan = DownloadPlan(),
 ) -> dict[str, Path]:
     """Run every step that is not already complete; returns the five artifact paths by key.
 
     ``stage_env`` is the stages' whole environment (``pipeline.stage_env``); None means the built-in
-    allow-list from this process.
+    allow-list from this process. ``plan``: how the downloads run (one at a time unless told).
     """
     try:
         return _run(job, Path(work_dir), stop, config, fetch, _without_repeats(progress), grace_s,
-                    stage_env, limits or JobLimits())
+                    stage_env, limits or JobLimits(), plan)
     except OSError as exc:
         # Our own file system work failed (full or unavailable shared disk): worth another attempt.
         where = Path(exc.filename).name if exc.filename else "work dir"
@@ -171,6 +204,7 @@ def _run(
     grace_s: float,
     stage_env: Mapping[str, str] | None,
     limits: JobLimits,
+    plan: DownloadPlan,
 ) -> dict[str, Path]:
     dirs = work_layout(work_dir)
     for directory in dirs.values():
@@ -192,8 +226,8 @@ def _run(
                              [download_path(dirs["downloads"], i).name for i in range(len(job.recordings))])
     if copied:
         log.info("pipeline.downloads_reused", count=len(copied))
-    sources = _download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
-                            limits.max_job_download_bytes)
+    sources = download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
+                           limits.max_job_download_bytes, plan)
 
     stop.raise_if_set()
     progress(DATASET_STEP, 0.0)
@@ -256,38 +290,42 @@ def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path
     return paths
 
 
-def _download_all(
+def download_all(
     job: Job, downloads_dir: Path, log_dir: Path, stop: StopSignal, fetch: Fetcher, progress: Progress,
-    budget_bytes: int | None = None,
+    budget_bytes: int | None = None, plan: DownloadPlan = DownloadPlan(),
 ) -> list[Path]:
+    """The download step: every recording not already on disk fetched (``pipeline.download_pool``);
+    the paths in the order of the recordings. A fetcher with ``close`` is closed at the end (the
+    ``Downloader``'s kept-alive connections)."""
     recordings = list(job.recordings)
     progress(DOWNLOAD_STEP, 0.0)
     destinations = [download_path(downloads_dir, index) for index in range(len(recordings))]
+    kept = [path.is_file() for path in destinations]
     # Files kept from an earlier attempt were downloaded for this job too: they spend the same budget.
-    used = sum(path.stat().st_size for path in destinations if path.is_file())
+    used = sum(path.stat().st_size for path, keep in zip(destinations, kept, strict=True) if keep)
     over = f"the job's total download limit of {budget_bytes} bytes (MAX_JOB_DOWNLOAD_BYTES) was hit"
     if budget_bytes is not None and used > budget_bytes:
         raise BadRecording(f"recordings kept from an earlier attempt: {over}")
-    paths, notes = [], []
-    for index, (recording, destination) in enumerate(zip(recordings, destinations, strict=True)):
-        stop.raise_if_set()
-        if destination.is_file():
-            notes.append(f"recording {index}: kept from an earlier attempt")
-        else:
-            if budget_bytes is None:
-                fetch(recording.url, destination)
-            else:
-                fetch(recording.url, destination, remaining_job_bytes=budget_bytes - used)
-            if not destination.is_file():
-                raise DownloadError(f"recording {index}: the download left no file")
-            used += destination.stat().st_size
-            if budget_bytes is not None and used > budget_bytes:
-                raise BadRecording(f"recording {index}: {over}")  # a fetch that ignored its budget
-            notes.append(f"recording {index}: fetched {destination.stat().st_size} bytes")
-        paths.append(destination)
-        progress(DOWNLOAD_STEP, 100.0 * (index + 1) / len(recordings))
+    stop.raise_if_set()
+    items = [Item(index, recording.url, destination)
+             for index, (recording, destination, keep) in enumerate(zip(recordings, destinations, kept, strict=True))
+             if not keep]
+    pool = DownloadPool(items, fetch, stop, budget_bytes=None if budget_bytes is None else budget_bytes - used,
+                        file_max_bytes=plan.file_max_bytes, concurrency=plan.concurrency, over_budget=over,
+                        sized_reservations=plan.sized_reservations)
+    already = sum(kept)
+    try:
+        sizes = pool.run(lambda done: progress(DOWNLOAD_STEP, 100.0 * (already + done) / len(recordings)))
+    finally:
+        close = getattr(fetch, "close", None)
+        if close is not None:
+            close()
+    fsync_dir(downloads_dir, strict=True)  # the renames of every fetched file, at once
+    progress(DOWNLOAD_STEP, 100.0)
+    notes = [f"recording {index}: kept from an earlier attempt" if keep else f"recording {index}: fetched {sizes[index]} bytes"
+             for index, keep in enumerate(kept)]
     _write_step_log(log_dir, DOWNLOAD_STEP, notes)
-    return paths
+    return destinations
 
 
 def _without_repeats(progress: Progress) -> Progress:
@@ -307,3 +345,4 @@ def _write_step_log(log_dir: Path, step: str, lines: Sequence[str]) -> None:
     _path, handle = open_step_log(log_dir, step, datetime.now(UTC))
     with handle:
         handle.write("".join(f"{line}\n" for line in lines).encode())
+

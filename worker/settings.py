@@ -107,6 +107,8 @@ class Settings(BaseModel):
     # --- downloads
     download_timeout_s: float = Field(60.0, alias="DOWNLOAD_TIMEOUT_SECONDS", gt=0)
     download_max_bytes: int = Field(2 * 1024**3, alias="DOWNLOAD_MAX_BYTES", ge=1)
+    # A job's recordings fetched at once (each reserves DOWNLOAD_MAX_BYTES of MAX_JOB_DOWNLOAD_BYTES).
+    download_concurrency: int = Field(8, alias="DOWNLOAD_CONCURRENCY", ge=1, le=64)
     # Local runs only: lets recordings come from loopback/private hosts (never in production).
     download_allow_private_hosts: bool = Field(False, alias="DOWNLOAD_ALLOW_PRIVATE_HOSTS")
     # s3:// recordings must be in this bucket (unset: s3:// recordings are refused), under this key
@@ -281,7 +283,7 @@ class Settings(BaseModel):
 
         return DownloadSettings(
             timeout_s=self.download_timeout_s, max_bytes=self.download_max_bytes,
-            allowed_networks=LOCAL_RUN_NETWORKS if self.download_allow_private_hosts else ())
+            concurrency=self.download_concurrency, allowed_networks=LOCAL_RUN_NETWORKS if self.download_allow_private_hosts else ())
 
 
 def consistency_problems(s: Settings) -> list[str]:
