@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 ALLOWED: dict[str, set[str]] = {
     "worker.core": set(),
     "worker.voice": {"worker.core", "pipeline"},
+    # The records stand below the job: the handler uses them, they never use the handler.
+    "worker.voice.records": {"worker.core", "pipeline"},
     "pipeline": {"worker.core"},
 }
 
@@ -55,6 +57,11 @@ def test_the_core_imports_only_the_core():
 def test_the_voice_job_and_the_pipeline_import_no_operator_command():
     """The pipeline stands on the core alone, the job on the core and the pipeline; neither on settings or ops."""
     assert crossings("worker.voice") == {} and crossings("pipeline") == {}
+
+
+def test_the_records_import_nothing_of_the_job():
+    """worker/voice/records uses the core and the pipeline, never the handler, the message or the uploads."""
+    assert crossings("worker.voice.records") == {}
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
