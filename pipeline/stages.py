@@ -62,11 +62,11 @@ from pipeline.proctree import (
     end_tree,
     env_value,
     job_processes,
+    live_processes,  # noqa: F401 - tests/reliability read /proc through it
 )
 from pipeline.reuse import attempt_order
-from pipeline.stage_keeper import FAILED, STARTED, keeper_argv
-from pipeline.proctree import live_processes  # noqa: F401 - tests/reliability read /proc through it
 from pipeline.stage_env import stage_environment
+from pipeline.stage_keeper import FAILED, STARTED, keeper_argv
 from worker.core.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import FaultyClient, client_error
-from worker.ops import cli
 from worker.core.errors import ConfigError, QueueError
 from worker.core.queue import Queue
+from worker.ops import cli
 
 REPO = Path(__file__).resolve().parents[2]
 NO_REGION = "AWS_REGION is not set and cannot be derived from SQS_QUEUE_URL: set AWS_REGION"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from tests.voice.conftest import JOB_ID, PROFILE_ID, deliver, message_body
 from tests.support import client_error
+from tests.voice.conftest import JOB_ID, PROFILE_ID, deliver, message_body
 from worker.core.errors import AlreadyFailed, BadRecording
 from worker.voice.records.rules import is_complete
 

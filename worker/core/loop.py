@@ -31,8 +31,15 @@ from worker.core.errors import Action, QueueError, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease, Shutdown
 from worker.core.metrics import (
-    COUNT, JOB_DURATION, NULL_METRICS, OUTCOME_METRICS, RECEIVE_COUNT_AT_COMPLETION, SECONDS, Metrics,
-    Outcome, outcome_of,
+    COUNT,
+    JOB_DURATION,
+    NULL_METRICS,
+    OUTCOME_METRICS,
+    RECEIVE_COUNT_AT_COMPLETION,
+    SECONDS,
+    Metrics,
+    Outcome,
+    outcome_of,
 )
 from worker.core.queue import Message, Queue
 from worker.core.reporting import Reporter

@@ -9,11 +9,11 @@ import textwrap
 
 import structlog
 
-from worker.ops.commands import EXIT_INTERRUPTED
 from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
+from worker.ops.commands import EXIT_INTERRUPTED
 from worker.settings import Settings, daemon_problems, load_settings, missing
 
 log = structlog.get_logger(__name__)
@@ -133,7 +133,8 @@ def cmd_health(settings: Settings, _args) -> int:
 
 def cmd_reconcile(settings: Settings, _args) -> int:
     from worker.core.metrics import Metrics
-    from worker.ops.reconcile import Reconciler, cmd_reconcile as reconcile
+    from worker.ops.reconcile import Reconciler
+    from worker.ops.reconcile import cmd_reconcile as reconcile
 
     if problems := missing(settings, "queue", "store"):
         return _fail(problems)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.voice.records.attempt import Attempt, StoreLease
 from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
 from worker.core.stop import StopSignal
+from worker.voice.records.attempt import Attempt, StoreLease
 
 
 class Clock:

@@ -9,7 +9,7 @@ UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores ret
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
 from pipeline.config import ASSET_KEYS
@@ -45,14 +45,14 @@ COMMITTING = "(committing)"
 
 
 def utc_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def to_ms(moment: datetime) -> datetime:
     """Aware UTC at millisecond precision, the resolution MongoDB stores."""
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    moment = moment.astimezone(timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
+    moment = moment.astimezone(UTC)
     return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
 
 
@@ -234,7 +234,10 @@ def may_stamp_claim(profile: dict | None, job_id: str, token: str, epoch: int) -
 
 
 def with_claim(claims: list[dict], job_id: str, token: str, epoch: int) -> list[dict]:
-    """``claims`` with ``job_id``'s entry set to ``token`` at ``epoch`` and moved last; the oldest past the cap dropped."""
+    """``claims`` with ``job_id``'s entry set to ``token`` at ``epoch`` and moved last.
+
+    The oldest entries past the cap are dropped.
+    """
     kept = [entry for entry in claims if entry.get("jobId") != str(job_id)]
     return [*kept, {"jobId": str(job_id), "token": token, "epoch": int(epoch)}][-CLAIMS_KEPT:]
 

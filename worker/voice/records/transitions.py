@@ -27,9 +27,9 @@ from datetime import datetime
 
 import structlog
 
+from worker.core.errors import StaleWrite, StoreError
 from worker.voice.records import recovery, rules
 from worker.voice.records.attempt import Attempt
-from worker.core.errors import StaleWrite, StoreError
 from worker.voice.records.store import Claim, Store
 
 log = structlog.get_logger(__name__)
