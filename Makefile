@@ -27,7 +27,7 @@ run: $(STAMP)
 	$(BIN)/python -m worker run
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # Benchmarks (not part of `make test`): ratios against baselines measured side by side in one run.
 .PHONY: bench

@@ -205,7 +205,7 @@ class Worker:
         outcome = outcome_of(action, label)
         if outcome not in OUTCOME_METRICS:
             return
-        values = {OUTCOME_METRICS[outcome]: (1, COUNT)}
+        values: dict[str, tuple[float, str]] = {OUTCOME_METRICS[outcome]: (1, COUNT)}
         if outcome == Outcome.COMPLETED:
             values[JOB_DURATION] = (duration_s, SECONDS)
             values[RECEIVE_COUNT_AT_COMPLETION] = (message.receive_count, COUNT)

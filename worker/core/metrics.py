@@ -58,7 +58,8 @@ class Outcome(StrEnum):
     LEASE_LOST = "lease_lost"
 
 
-OUTCOME_METRICS = {
+# Keyed by text: ``outcome_of`` passes an action it does not map through unchanged.
+OUTCOME_METRICS: dict[str, str] = {
     Outcome.COMPLETED: "JobsCompleted",
     Outcome.RETRIED: "JobsRetried",
     Outcome.DEAD_LETTERED: "JobsDeadLettered",

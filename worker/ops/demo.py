@@ -175,7 +175,7 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
         job = store.get_job(job_id) or {}
         progress = job.get("progress") or {}
         stage, percent = progress.get("stage"), progress.get("percent")
-        if stage is None:
+        if stage is None or percent is None:  # with_progress writes both, or nothing yet
             continue
         clock.see(stage, percent, time.monotonic())
         if (stage, percent) != last:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, cast
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic_core import ErrorDetails
 
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from worker.core.errors import BadRecording, InvalidMessage
@@ -251,7 +252,7 @@ def _problem_lines(exc: ValidationError) -> list[str]:
     return lines
 
 
-def _problem_line(err: dict) -> str:
+def _problem_line(err: ErrorDetails) -> str:
     where, kind = _location(err["loc"]), err["type"]
     if kind in _TYPE_WORDING:
         return f"{where}: {_TYPE_WORDING[kind]}, got {_json_type(err.get('input'))}"

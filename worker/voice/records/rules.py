@@ -74,13 +74,13 @@ def is_complete(job: dict | None, profile: dict | None) -> bool:
 
 def lease_live(job: dict, now: datetime) -> bool:
     lease = job.get("lease")
-    return bool(lease) and lease["expiresAt"] > now
+    return bool(lease and lease["expiresAt"] > now)
 
 
 def holds_lease(job: dict, token: str) -> bool:
     """The fence of every write made during an attempt: our token, and the job still being worked."""
     lease = job.get("lease")
-    return job.get("status") == PROCESSING and bool(lease) and lease.get("token") == token
+    return job.get("status") == PROCESSING and bool(lease and lease.get("token") == token)
 
 
 def claim_refusal(job: dict | None, now: datetime) -> ClaimOutcome | None:
@@ -116,8 +116,11 @@ def may_request_cancel(job: dict, now: datetime) -> bool:
     return job.get("status") not in FINAL_STATUSES and not committing(job, now)
 
 
-def close_attempt(history: list, outcome: str, now: datetime, token: str | None = None) -> list:
-    """Close the newest history entry if it is still running (and is ``token``'s, when given)."""
+def close_attempt(history: list[dict] | None, outcome: str, now: datetime, token: str | None = None) -> list[dict]:
+    """Close the newest history entry if it is still running (and is ``token``'s, when given).
+
+    A record without a history (None) has nothing to close: the result is a new, empty list.
+    """
     history = [dict(entry) for entry in history or []]
     if history and history[-1].get("outcome") == "running":
         if token is None or history[-1].get("token") == token:
