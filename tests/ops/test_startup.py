@@ -47,6 +47,17 @@ def test_a_missing_region_is_one_settings_line_and_exit_2(env, tmp_path, capsys,
     assert not (tmp_path / "records.db").exists()
 
 
+@pytest.mark.parametrize("argv", [["submit", "-"], ["doctor"], ["reconcile"], ["dlq", "list"]],
+                         ids=lambda argv: " ".join(argv))
+def test_a_command_that_needs_the_queue_names_a_missing_one_and_exits_2(env, tmp_path, capsys, argv):
+    """Every command that talks to the queue, given no SQS_QUEUE_URL, prints the one settings line and exits 2, creating no store file."""
+    env.delenv("SQS_QUEUE_URL")
+    env.setenv("AWS_REGION", "us-east-1")
+    code = cli.main(argv)
+    assert (code, capsys.readouterr().err.splitlines()) == (2, ["SQS_QUEUE_URL is required: the queue to take jobs from"])
+    assert not (tmp_path / "records.db").exists()
+
+
 @pytest.mark.parametrize("service", ["s3", "sts", "sqs"])
 def test_no_client_quietly_falls_back_to_a_default_region(env, service):
     """S3 and STS would pick us-east-1 on their own: without a region every client is refused with the settings line."""
