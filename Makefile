@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test run clean
+.PHONY: demo test check run clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +15,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python -m worker demo
 
-test: $(STAMP)
+# Lint and types first: they take seconds, and `make test` (what CI runs) then covers them too.
+test: $(STAMP) check
 	$(BIN)/python -m pytest -q -n 2
+
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 run: $(STAMP)
 	$(BIN)/python -m worker run
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # Benchmarks (not part of `make test`): ratios against baselines measured side by side in one run.
 .PHONY: bench

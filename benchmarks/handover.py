@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sqs_bench import ROOT, LocalAws, session
@@ -108,7 +108,7 @@ def one_run(endpoint: str, work: Path, grace_s: float, run_no: int) -> tuple[flo
                  60, "the first worker to be training")
         idle = start("idle")
         wait_for(lambda: (work / "idle.alive").exists(), 60, "the second worker to poll")
-        sent_at = datetime.now(timezone.utc)
+        sent_at = datetime.now(UTC)
         sent_s = time.monotonic()
         busy.send_signal(signal.SIGTERM)
         history = wait_for(lambda: [h for h in (store.get_job(job_id) or {}).get("history", [])

@@ -19,8 +19,8 @@ from pathlib import Path
 from sqs_bench import LocalAws, session
 
 from worker.app import build_app
-from worker.ops.demo import demo_settings, provision, sample_job
 from worker.core.logs import configure_logging
+from worker.ops.demo import demo_settings, provision, sample_job
 from worker.voice.submit import submit
 
 

@@ -72,7 +72,7 @@ class Feeder(threading.Thread):
             self.started_at = time.perf_counter()
             for n in range(self._total):
                 with self._handled.changed:
-                    self._handled.changed.wait_for(lambda: self._base + n - self._handled.count < self._depth)
+                    self._handled.changed.wait_for(lambda n=n: self._base + n - self._handled.count < self._depth)
                 self._send(n)
         except BaseException as exc:  # reported by the caller; a dead feeder must not look like a slow consumer
             self.error = exc

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import soundfile as sf
@@ -41,7 +42,6 @@ import soxr
 
 from pipeline.manifest import replaced_atomically
 from worker.core.errors import BadRecording, DownloadError
-from worker.core.stop import StopSignal
 
 TARGET_RATE_HZ = 22_050
 SILENCE_PEAK_DBFS = -60.0
@@ -103,7 +103,7 @@ def read_header(path: Path, index: int, max_seconds: float) -> AudioHeader:
 
 
 def convert(path: Path, dest: Path, index: int, *, max_seconds: float, job_seconds_left: float,
-            stop: StopSignal | None = None, more_job_seconds: Callable[[], float] | None = None) -> Converted:
+            stop: Checks | None = None, more_job_seconds: Callable[[], float] | None = None) -> Converted:
     """Decode ``path`` block by block into ``dest`` (atomically); BadRecording when unusable.
 
     Call ``read_header`` first: this re-checks the lengths on the frames it counts, not the rest.
@@ -147,6 +147,12 @@ def resample_blocks(blocks: Iterable[np.ndarray], rate_hz: int) -> Iterator[np.n
     yield stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
 
 
+
+class Checks(Protocol):
+    """What a conversion checks between blocks: a job's ``StopSignal``, or the dataset stage's checks."""
+
+    def raise_if_set(self) -> None: ...
+
 @dataclass
 class _Decoded:
     frames: int = 0
@@ -155,7 +161,7 @@ class _Decoded:
 
 def _checked_mono_blocks(audio: sf.SoundFile, index: int, decoded: _Decoded, *, max_seconds: float,
                          job_seconds_left: float, more_job_seconds: Callable[[], float] | None,
-                         stop: StopSignal | None) -> Iterator[np.ndarray]:
+                         stop: Checks | None) -> Iterator[np.ndarray]:
     """The decoded audio as mono float32 blocks, each counted against the caps before it is yielded."""
     rate_hz, channels = audio.samplerate, audio.channels
     # Floors: the caps are checked on whole frames, so a recording exactly at a cap passes.
@@ -224,7 +230,8 @@ def _wav_writer(dest: Path) -> Iterator:
         def write(samples: np.ndarray) -> int:
             if len(samples):
                 with _own_file_error(temp):
-                    out.writeframesraw(to_pcm16(samples))
+                    # numpy declares ndarray's buffer protocol to type checkers only from Python 3.12 on.
+                    out.writeframesraw(to_pcm16(samples))  # type: ignore[arg-type]
             return len(samples)
 
         try:

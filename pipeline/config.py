@@ -163,7 +163,7 @@ def _parse_artifacts(raw: Any, problems: list[str]) -> dict[str, str]:
             problems.append(f"artifacts.{key}: must be a string path")
             continue
         normalised, why = normalise_output_path(value)
-        if why:
+        if normalised is None:
             problems.append(f"artifacts.{key}: {value!r} {why}")
         else:
             artifacts[key] = normalised
@@ -233,9 +233,9 @@ def _parse_stage_body(
             if not isinstance(raw, str):
                 problems.append(f"{label}: outputs entries must be strings, got {raw!r}")
                 continue
-            normalised, why = normalise_output_path(raw)
-            if why:
-                problems.append(f"{label}: output {raw!r} {why}")
+            normalised, why_not = normalise_output_path(raw)
+            if normalised is None:
+                problems.append(f"{label}: output {raw!r} {why_not}")
             elif normalised in outputs:
                 problems.append(f"{label}: output {raw!r} is listed twice")
             else:

@@ -76,7 +76,9 @@ def escape_text(text: str) -> str:
 
 def split_metadata_line(line: str) -> list[str]:
     """Split one metadata row on unescaped ``|`` and unescape each field."""
-    fields, current, i = [], [], 0
+    fields: list[str] = []
+    current: list[str] = []
+    i = 0
     while i < len(line):
         ch = line[i]
         if ch == "|":

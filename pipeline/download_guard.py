@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from worker.core.stop import StopSignal
 
@@ -114,7 +114,7 @@ class Guard:
 
         A call left behind passes its late result to ``discard``, so nothing it opened stays open.
         """
-        outcome: dict[str, object] = {}
+        outcome: dict[str, Any] = {}  # flags, and the call's value or exception
         finished = threading.Event()
         lock = threading.Lock()
 

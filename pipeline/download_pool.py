@@ -26,7 +26,7 @@ from typing import Any
 
 from pipeline.download_guard import POLL_S
 from pipeline.recording_url import RecordingUrl
-from worker.core.errors import BadRecording, DownloadError, Stopped
+from worker.core.errors import BadRecording, DownloadError, Stopped, StopReason
 from worker.core.stop import StopSignal
 
 CUT_DETAIL = "an earlier recording failed"
@@ -43,7 +43,7 @@ class FileStop(StopSignal):
         return self._job_stop.is_set() or super().is_set()
 
     @property
-    def reason(self) -> str | None:
+    def reason(self) -> StopReason | None:
         return self._job_stop.reason or super().reason
 
     def raise_if_set(self) -> None:
@@ -188,7 +188,7 @@ class DownloadPool:
                     break
                 self._cond.wait(POLL_S)
             position, self._next = self._next, self._next + 1
-            if grant is not None:
+            if isinstance(grant, int):  # (not _WAIT any more: an int, or None without a budget)
                 assert self._unreserved is not None
                 self._unreserved -= grant
                 self._holders += 1

@@ -40,8 +40,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline import netguard
 from pipeline.download_guard import Cut, CutReason, Guard, guard_of_this_thread
+from pipeline.netguard import IPNetwork, Resolver, describe_error
 from pipeline.part_file import part_file
-from pipeline.netguard import LOCAL_RUN_NETWORKS, IPNetwork, Resolver, describe_error
 from pipeline.recording_url import HTTPS, S3, RecordingUrl, parse_recording_url
 from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
 from worker.core.faults import NEVER, CrashPoints

@@ -17,8 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.config import MANIFEST_DIR_NAME
-from pipeline.files import (OutputRefused, fsync_dir, open_output, open_regular, output_sha256_and_size,
-                            sha256_and_size_of)
+from pipeline.files import (
+    OutputRefused,
+    fsync_dir,
+    open_output,
+    open_regular,
+    output_sha256_and_size,
+    sha256_and_size_of,
+)
 
 MANIFEST_VERSION = 1
 TEMP_MARKER = ".tmp-"
@@ -100,7 +106,7 @@ def manifest_problem(
 ) -> str | None:
     """Why the manifest does not vouch for the outputs on disk, or None when it does."""
     manifest, problem = read_manifest(path, stage_name, fingerprint, outputs)
-    if problem is not None:
+    if manifest is None:
         return problem
     recorded = manifest["outputs"]
     for rel in outputs:
@@ -171,7 +177,8 @@ def recorded_outputs(output_dir: Path) -> dict[str, tuple[str, int]]:
             described = _described(entry)
             if described is None or recorded.get(rel, described) != described:
                 disputed.add(rel)
-            recorded[rel] = described
+            if described is not None:
+                recorded[rel] = described
     return {rel: entry for rel, entry in recorded.items() if rel not in disputed}
 
 

@@ -63,9 +63,9 @@ def adopt_verified_outputs(stage: StageSpec, earlier_output_dirs: Sequence[Path]
     for source in earlier_output_dirs:
         if not _is_real_dir(source):
             continue
-        manifest, problem = read_manifest(manifest_path(source, stage.name), stage.name, stage.fingerprint,
-                                          stage.outputs)
-        if problem is not None:
+        manifest, _problem = read_manifest(manifest_path(source, stage.name), stage.name, stage.fingerprint,
+                                           stage.outputs)
+        if manifest is None:
             continue
         copied = []
         try:

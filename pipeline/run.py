@@ -26,7 +26,7 @@ import structlog
 from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import run_dataset_stage
 from pipeline.download_pool import DownloadPool, Item
-from pipeline.downloads import DownloadSettings, Downloader
+from pipeline.downloads import Downloader, DownloadSettings
 from pipeline.files import fsync_dir, output_problem
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
@@ -322,7 +322,8 @@ def download_all(
             close()
     fsync_dir(downloads_dir, strict=True)  # the renames of every fetched file, at once
     progress(DOWNLOAD_STEP, 100.0)
-    notes = [f"recording {index}: kept from an earlier attempt" if keep else f"recording {index}: fetched {sizes[index]} bytes"
+    notes = [f"recording {index}: kept from an earlier attempt" if keep
+             else f"recording {index}: fetched {sizes[index]} bytes"
              for index, keep in enumerate(kept)]
     _write_step_log(log_dir, DOWNLOAD_STEP, notes)
     return destinations

@@ -192,6 +192,7 @@ def exit_as(status: int) -> None:
     """End this process the way the stage ended: its exit code, or death by its signal."""
     code, signum = exit_status_code(status)
     if signum is None:
+        assert code is not None  # exit_status_code sets exactly one of the two
         os._exit(code)
     sys.stdout.flush()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the stage's core dump, if any, is its own

@@ -62,11 +62,11 @@ from pipeline.proctree import (
     end_tree,
     env_value,
     job_processes,
+    live_processes,  # noqa: F401 - tests/reliability read /proc through it
 )
 from pipeline.reuse import attempt_order
-from pipeline.stage_keeper import FAILED, STARTED, keeper_argv
-from pipeline.proctree import live_processes  # noqa: F401 - tests/reliability read /proc through it
 from pipeline.stage_env import stage_environment
+from pipeline.stage_keeper import FAILED, STARTED, keeper_argv
 from worker.core.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
@@ -331,7 +331,7 @@ def end_survivors(job_mark: str, grace_s: float, step: str | None = None, attemp
 
 def is_newer_attempt(theirs: str | None, ours: str) -> bool:
     """Whether a process's attempt name is a later attempt than ours (unknown: not newer)."""
-    return bool(theirs) and attempt_order(theirs) > attempt_order(ours)
+    return bool(theirs and attempt_order(theirs) > attempt_order(ours))
 
 
 def _end_survivors(stage: StageSpec, env: Mapping[str, str], log_file: IO[bytes], grace_s: float) -> None:
@@ -371,6 +371,7 @@ def _supervise(
     poll_interval_s: float,
     clock: Callable[[], float],
 ) -> int:
+    assert proc.stdout is not None  # started with stdout=PIPE
     tree = StageTree(pgid=proc.pid, token=token, pipe_inode=os.fstat(proc.stdout.fileno()).st_ino)
     reader = OutputReader(proc.stdout, log_file, updates, name=f"stage-{stage.name}-output")
     problem = _await_keeper(proc, lifeline)

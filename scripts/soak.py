@@ -37,9 +37,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the run's files (logs, records) and print where")
     args = parser.parse_args(argv)
     window_s = args.minutes * 60
+    faults = args.faults if args.faults is not None else max(1, int(args.minutes * FAULTS_PER_MINUTE))
     config = SoakConfig(seed=args.seed, workers=args.workers, jobs=args.jobs, window_s=window_s, train_s=args.train_s,
-                        faults=args.faults if args.faults is not None else max(1, int(args.minutes * FAULTS_PER_MINUTE)),
-                        settle_timeout_s=max(120.0, window_s / 2))
+                        faults=faults, settle_timeout_s=max(120.0, window_s / 2))
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, LocalAws() as aws:
         root = Path(tempfile.mkdtemp(prefix="soak-")) if args.keep else Path(tmp)
         result = run_soak(aws.url, root, config)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC
 
 import pytest
 import structlog
@@ -49,7 +50,7 @@ def test_unexpected_loop_end_exits_non_zero_with_the_reason_logged():
     finally:
         structlog.reset_defaults()
     assert code == EXIT_CRASHED
-    crash = [json.loads(l) for l in stream.getvalue().splitlines() if '"worker.crashed"' in l]
+    crash = [json.loads(line) for line in stream.getvalue().splitlines() if '"worker.crashed"' in line]
     assert crash and "the loop broke" in crash[0]["error"]
     assert closed == [True] and pulse.states == ["READY", "STOPPING"]
 
@@ -75,8 +76,8 @@ def test_unreachable_store_at_start_exits_one_with_the_reason(moto_server):
                  "SQS_QUEUE_URL": queue_url, "AWS_ENDPOINT_URL": moto_server, "AWS_REGION": "us-east-1",
                  "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"})
     assert proc.returncode == 1
-    lines = [json.loads(l) for l in proc.stderr.splitlines() if l.startswith("{")]
-    failed = [l for l in lines if l["event"] == "worker.startup_failed"]
+    lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    failed = [line for line in lines if line["event"] == "worker.startup_failed"]
     assert failed and failed[0]["error_type"] == "StoreError"
 
 
@@ -133,7 +134,7 @@ def test_the_app_makes_every_client_from_one_session_and_s3_only_when_used(queue
     try:
         assert len(sessions) == 1 and made == ["sqs", "sqs"]
         uploader = app.worker._handler._uploader
-        uploader._s3.meta  # the first use
+        _ = uploader._s3.meta  # the first use
         assert made == ["sqs", "sqs", "s3"]
     finally:
         app.close()
@@ -165,7 +166,7 @@ def test_a_lazy_client_is_made_once_when_threads_race_to_use_it():
 @pytest.mark.parametrize("skew_s", [30, -300])
 def test_run_refuses_to_start_on_a_clock_off_from_the_stores(queues, tmp_path, monkeypatch, capsys, skew_s):
     """A host clock further from the store's than MAX_CLOCK_SKEW_SECONDS: one line on stderr, exit 2, store closed."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from worker.app import build_app
     from worker.core.errors import ConfigError
@@ -176,7 +177,7 @@ def test_run_refuses_to_start_on_a_clock_off_from_the_stores(queues, tmp_path, m
         "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
         "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1",
         "MAX_CLOCK_SKEW_SECONDS": "10"})
-    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=skew_s))
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(UTC) + timedelta(seconds=skew_s))
     monkeypatch.setattr(os, "umask", lambda _mask: 0o022)  # cmd_run's umask must not outlive the test
     assert cli.cmd_run(settings, None) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -191,7 +192,7 @@ def test_run_refuses_to_start_on_a_clock_off_from_the_stores(queues, tmp_path, m
 
 def test_run_starts_on_a_clock_within_the_margin(queues, tmp_path, monkeypatch):
     """A host clock 5 s off from the store's, under the 10 s margin, starts."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from worker.app import build_app
     from worker.voice.records import rules
@@ -199,13 +200,13 @@ def test_run_starts_on_a_clock_within_the_margin(queues, tmp_path, monkeypatch):
     settings = load_settings({
         "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
         "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1"})
-    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=5))
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(UTC) + timedelta(seconds=5))
     build_app(settings).close()
 
 
 def test_the_start_up_clock_check_reads_mongodbs_server_time():
     """On MongoDB the host's clock is compared with the server's (here an injected server clock 30 s ahead)."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     import mongomock
 
@@ -214,7 +215,7 @@ def test_the_start_up_clock_check_reads_mongodbs_server_time():
     from worker.voice.records.mongo import MongoStore, ServerClock
 
     client = mongomock.MongoClient()
-    server = ServerClock(lambda: datetime.now(timezone.utc) + timedelta(seconds=30))
+    server = ServerClock(lambda: datetime.now(UTC) + timedelta(seconds=30))
     with MongoStore(client["voice"], clock=server, client=client) as store:
         with pytest.raises(ConfigError) as caught:
             refuse_clock_skew(store, 10)

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.stage_env import BUILTIN_NAMES
 from worker.ops.cli import build_parser
-from worker.voice.input_policy import InputPolicy
 from worker.settings import ENV_NAMES
+from worker.voice.input_policy import InputPolicy
 from worker.voice.submit import prepare
 
 REPO = Path(__file__).resolve().parent.parent

@@ -107,8 +107,8 @@ def test_bad_settings_stop_the_process_before_any_aws_call(tmp_path):
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "worker", "run"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert any(l.startswith("SQS_WAIT_TIME_SECONDS=30") for l in lines)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert any(line.startswith("SQS_WAIT_TIME_SECONDS=30") for line in lines)
     assert time.monotonic() - started < 20
     assert "Traceback" not in proc.stderr
 

@@ -11,19 +11,19 @@ import structlog
 from pipeline.config import load_pipeline_config
 from pipeline.run import PipelineTrainer
 from pipeline.stage_env import stage_env_problems, stage_environment
-from worker.voice.artifacts import ArtifactUploader
 from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
 from worker.core.errors import ConfigError
 from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
-from worker.voice.job import VoiceJobHandler
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics
 from worker.core.queue import Queue
 from worker.core.reporting import Reporter
 from worker.settings import Settings, daemon_targets
-from worker.voice.records.rules import clock_skew_problem
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.job import VoiceJobHandler
 from worker.voice.records import Store, open_store
+from worker.voice.records.rules import clock_skew_problem
 
 log = structlog.get_logger(__name__)
 

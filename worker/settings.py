@@ -283,7 +283,8 @@ class Settings(BaseModel):
 
         return DownloadSettings(
             timeout_s=self.download_timeout_s, max_bytes=self.download_max_bytes,
-            concurrency=self.download_concurrency, allowed_networks=LOCAL_RUN_NETWORKS if self.download_allow_private_hosts else ())
+            concurrency=self.download_concurrency,
+            allowed_networks=LOCAL_RUN_NETWORKS if self.download_allow_private_hosts else ())
 
 
 def consistency_problems(s: Settings) -> list[str]:

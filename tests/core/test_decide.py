@@ -16,8 +16,8 @@ from worker.core.errors import (
     LeaseLost,
     PermanentError,
     RetryableError,
-    StopReason,
     Stopped,
+    StopReason,
     TimeLimitExceeded,
     WorkerError,
 )

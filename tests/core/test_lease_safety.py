@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from worker.core.errors import Stopped
 from worker.core.config import LeaseTimings
+from worker.core.errors import Stopped
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message
 from worker.core.testing import FakeClock

@@ -39,11 +39,11 @@ def test_every_message_line_carries_its_id_and_receive_count_and_no_body(memory_
     worker.run_once()
     text = json_logs.getvalue()
     assert "SECRET123" not in text and "PRIVATE-TRANSCRIPT" not in text
-    lines = [json.loads(l) for l in text.splitlines()]
-    about_message = [l for l in lines if l["event"].split(".")[0] in ("message", "heartbeat", "job")]
-    assert {l["event"] for l in about_message} >= {"message.received", "job.step", "message.handled"}
-    assert all(l["message_id"] == msg_id and l["receive_count"] == 1 for l in about_message)
-    assert all("timestamp" in l and "level" in l for l in lines)
+    lines = [json.loads(entry) for entry in text.splitlines()]
+    about_message = [entry for entry in lines if entry["event"].split(".")[0] in ("message", "heartbeat", "job")]
+    assert {entry["event"] for entry in about_message} >= {"message.received", "job.step", "message.handled"}
+    assert all(entry["message_id"] == msg_id and entry["receive_count"] == 1 for entry in about_message)
+    assert all("timestamp" in entry and "level" in entry for entry in lines)
 
 
 def test_console_format_is_readable(json_logs):

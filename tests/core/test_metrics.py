@@ -17,16 +17,15 @@ from tests.deploy.files import REPO
 from tests.voice.conftest import message_body
 from tests.voice.records.conftest import WallClock, make_store
 from worker.core import metrics as m
-from worker.core.errors import BadRecording, ConfigError, DownloadError, QueueError, Stopped, StoreError
-from worker.voice.records.attempt import Attempt, ProgressReporter
 from worker.core.config import LeaseTimings
+from worker.core.errors import BadRecording, ConfigError, DownloadError, QueueError, Stopped, StoreError
 from worker.core.lease import Lease, Shutdown
-from worker.core.loop import Worker
 from worker.core.metrics import Metrics, parse_dimensions
 from worker.core.queue import Message, Queue
+from worker.core.stop import StopSignal
 from worker.core.testing import FakeClock
 from worker.settings import load_settings
-from worker.core.stop import StopSignal
+from worker.voice.records.attempt import Attempt, ProgressReporter
 
 # The EMF document structure, restated from CloudWatch's specification.
 _UNITS = ["Seconds", "Microseconds", "Milliseconds", "Bytes", "Kilobytes", "Megabytes", "Gigabytes",

@@ -286,14 +286,14 @@ def test_cancellation_not_recorded_by_handler_is_retried_not_acked(queues, make_
 
 def test_empty_queue_returns_none(queues, make_worker):
     """An empty long poll does nothing."""
-    worker, client = make_worker(lambda m, l: None)
+    worker, client = make_worker(lambda message, lease: None)
     assert worker.run_once() is None
     assert client.ops() == ["receive_message"]
 
 
 def test_receive_asks_for_the_lease_and_receive_count(queues, make_worker):
     """The receive itself sets the visibility timeout, one message, the long-poll wait and asks for the receive count."""
-    worker, client = make_worker(lambda m, l: None, SQS_WAIT_TIME_SECONDS=1)
+    worker, client = make_worker(lambda message, lease: None, SQS_WAIT_TIME_SECONDS=1)
     queues.send()
     worker.run_once()
     kw = client.calls[0][1]

@@ -68,7 +68,7 @@ def test_second_signal_skips_the_grace(memory_queue, make_memory_worker, fake_cl
 def test_message_arriving_during_shutdown_is_handed_back_unworked(queues, make_worker):
     """A message received after the stop request is released without running the handler."""
     ran = []
-    worker, client = make_worker(lambda m, l: ran.append(1))
+    worker, client = make_worker(lambda message, lease: ran.append(1))
     worker.stop()
     queues.send()
     assert worker.run_once() == "release"

@@ -33,14 +33,14 @@ def test_follows_the_order_and_groups_of_settings_py(example):
 def test_every_line_has_a_one_line_meaning(example):
     """Each variable has a comment line right above it saying what it means."""
     lines, _ = example
-    assert all(len(line.comment) > 10 for line in lines), [l.name for l in lines if not l.comment]
+    assert all(len(line.comment) > 10 for line in lines), [line.name for line in lines if not line.comment]
 
 
 def test_commented_values_are_the_real_defaults(example):
     """Each ``#NAME=value`` shows exactly what Settings uses when NAME is unset."""
     lines, _ = example
     defaults = load_settings({})
-    for line in (l for l in lines if not l.active):
+    for line in (entry for entry in lines if not entry.active):
         field = Settings.model_fields[FIELD_OF[line.name]]
         if line.value == "":
             # Empty means unset: the default must be "nothing" (or computed, like WORKER_ID).
@@ -53,9 +53,9 @@ def test_commented_values_are_the_real_defaults(example):
 def test_active_lines_are_exactly_the_required_settings(example):
     """Uncommented lines are marked REQUIRED, load as valid daemon settings, and each one is needed."""
     lines, _ = example
-    active = {l.name: l.value for l in lines if l.active}
-    assert all(l.comment.startswith("REQUIRED") for l in lines if l.active)
-    assert not any(l.comment.startswith("REQUIRED") for l in lines if not l.active)
+    active = {line.name: line.value for line in lines if line.active}
+    assert all(line.comment.startswith("REQUIRED") for line in lines if line.active)
+    assert not any(line.comment.startswith("REQUIRED") for line in lines if not line.active)
     assert daemon_problems(load_settings(active)) == []
     for name in active:
         without = {k: v for k, v in active.items() if k != name}

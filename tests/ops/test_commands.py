@@ -7,7 +7,7 @@ import io
 import json
 import os
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import boto3
 import pytest
@@ -17,8 +17,8 @@ from tests.support import create_queues
 from worker.ops.commands import cmd_cancel, cmd_health, cmd_status, cmd_submit
 from worker.ops.doctor import report, run_checks
 from worker.settings import load_settings
-from worker.voice.records.rules import COMMITTING
 from worker.voice.records import open_store
+from worker.voice.records.rules import COMMITTING
 from worker.voice.records.sqlite import SqliteStore
 
 PAYLOAD = {
@@ -114,8 +114,8 @@ def test_status_watch_repeats_until_the_job_ends(store, queues):
 
     buf = io.StringIO()
     assert cmd_status(store, job_id, as_json=True, watch_s=1.0, out=buf, sleep=sleep) == 0
-    lines = [json.loads(l) for l in buf.getvalue().splitlines()]
-    assert [l["job"]["status"] for l in lines] == ["processing", "processing", "cancelled"]
+    lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+    assert [line["job"]["status"] for line in lines] == ["processing", "processing", "cancelled"]
 
 
 def test_cancel_marks_the_request_and_refuses_finished_jobs(store, queues):
@@ -238,12 +238,12 @@ def test_cancel_of_a_running_job_says_who_stops_and_when(store, job_id):
 
 def test_cancel_judges_the_running_lease_on_the_stores_clock(store, job_id, monkeypatch):
     """An operator host whose clock runs 300 s ahead still sees the 60 s lease as live: it is the store's clock that counts."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from worker.voice.records import rules
 
     store.claim(job_id, owner="gpu-3:412", token="t", lease_s=60)
-    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(timezone.utc) + timedelta(seconds=300))
+    monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(UTC) + timedelta(seconds=300))
     code, out, _ = cancel(store, job_id, heartbeat_s=15.0)
     assert code == 0 and "the running attempt on gpu-3:412 stops at its next heartbeat" in out
 
@@ -355,7 +355,7 @@ def test_a_commit_that_began_after_cancels_read_is_refused_by_the_store(store, j
 
 def test_a_committing_stage_left_by_an_earlier_attempt_does_not_block_a_cancel(tmp_path, queues):
     """Only the running attempt's own committing stage counts: after a re-claim the cancel is requested."""
-    start = datetime.now(timezone.utc)
+    start = datetime.now(UTC)
     moments = iter(start + timedelta(seconds=s) for s in range(100))
     store = SqliteStore(str(tmp_path / "clocked.db"), clock=lambda: next(moments))
     job_id = json.loads(submit(store, queues, PAYLOAD)[1])["jobId"]

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from tests.voice.conftest import message_body
 from tests.support import FaultyClient, client_error, create_queues
-from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
-from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue, dead_letter_receives
+from tests.voice.conftest import message_body
 from worker.core.errors import BadRecording, QueueError
 from worker.core.queue import Message, Queue
+from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
+from worker.ops.dlq import RECEIVE_SEND_DELETE, DeadLetterQueue, dead_letter_receives
 
 
 def dead_letter(queues, n: int, receive_count: int = 3, **attrs) -> str:

@@ -12,10 +12,10 @@ import pytest
 
 from tests.ops.test_dlq import dead_letter, ops, source_messages
 from tests.support import FaultyClient, create_queues
-from worker.ops.commands import cmd_dlq_redrive
-from worker.ops.dlq import DeadLetterQueue
 from worker.core.errors import BadRecording
 from worker.core.queue import Message, Queue
+from worker.ops.commands import cmd_dlq_redrive
+from worker.ops.dlq import DeadLetterQueue
 
 
 class RedeadLetteringClient(FaultyClient):

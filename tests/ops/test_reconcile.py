@@ -10,14 +10,14 @@ import time
 import pytest
 
 from tests.deploy.files import REPO, read_unit, timespan_s
+from tests.support import FaultyClient, client_error
 from tests.voice.conftest import message_body
 from tests.voice.records.conftest import WallClock, make_store
-from tests.support import FaultyClient, client_error
 from worker.core.errors import BadRecording, QueueError
-from worker.voice.message import parse_job
 from worker.core.queue import Message, Queue
 from worker.ops.reconcile import Reconciler, cmd_reconcile, message_body_for
 from worker.settings import load_settings
+from worker.voice.message import parse_job
 from worker.voice.submit import submit as submit_job
 
 LEASE_S = 300
@@ -157,7 +157,7 @@ def test_lost_worker_rule_never_touches_live_recent_completed_or_cancelled_jobs(
 def test_pending_job_whose_send_failed_is_enqueued_once(store, reconciler, sqs_client, queues, clock):
     """A submit whose send failed leaves a pending job; the reconciler sends the stored body once, ever."""
     sqs_client.faults["send_message"] = lambda kw: client_error("ServiceUnavailable")
-    with pytest.raises(Exception):
+    with pytest.raises(QueueError):
         submit_job(store, sqs_client, queues.url, PAYLOAD)
     [job_id] = [j["_id"] for j in store.find_unenqueued(0)]
     sqs_client.faults.clear()

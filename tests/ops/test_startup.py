@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import FaultyClient, client_error
-from worker.ops import cli
 from worker.core.errors import ConfigError, QueueError
 from worker.core.queue import Queue
+from worker.ops import cli
 
 REPO = Path(__file__).resolve().parents[2]
 NO_REGION = "AWS_REGION is not set and cannot be derived from SQS_QUEUE_URL: set AWS_REGION"
@@ -44,6 +44,17 @@ def test_a_missing_region_is_one_settings_line_and_exit_2(env, tmp_path, capsys,
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.splitlines() == [NO_REGION]
+    assert not (tmp_path / "records.db").exists()
+
+
+@pytest.mark.parametrize("argv", [["submit", "-"], ["doctor"], ["reconcile"], ["dlq", "list"]],
+                         ids=lambda argv: " ".join(argv))
+def test_a_command_that_needs_the_queue_names_a_missing_one_and_exits_2(env, tmp_path, capsys, argv):
+    """Every command that talks to the queue, given no SQS_QUEUE_URL, prints the one settings line and exits 2, creating no store file."""
+    env.delenv("SQS_QUEUE_URL")
+    env.setenv("AWS_REGION", "us-east-1")
+    code = cli.main(argv)
+    assert (code, capsys.readouterr().err.splitlines()) == (2, ["SQS_QUEUE_URL is required: the queue to take jobs from"])
     assert not (tmp_path / "records.db").exists()
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
 import boto3
 import pytest
 from botocore.config import Config

@@ -29,7 +29,6 @@ from tests.pipeline.tls_server import (  # noqa: F401  (ca, ca_path, server, bas
 from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped
 from worker.core.stop import StopSignal
 
-
 # --- success
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.download_pool import DownloadPool, Item
 from pipeline.config import load_pipeline_config
+from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import Connections, DownloadSettings
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from pipeline.run import PipelineTrainer, download_all

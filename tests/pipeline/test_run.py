@@ -10,7 +10,7 @@ import boto3
 import pytest
 
 from pipeline.config import load_pipeline_config, parse_pipeline_config
-from pipeline.downloads import DownloadSettings, Downloader
+from pipeline.downloads import Downloader, DownloadSettings
 from pipeline.limits import JobLimits
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from pipeline.run import DATASET_STEP, PipelineTrainer, run_pipeline, verify_artifacts

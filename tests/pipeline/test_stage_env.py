@@ -14,8 +14,8 @@ from pipeline.stage_env import BUILTIN_NAMES, is_secret_name, stage_env_problems
 from pipeline.stages import StageContext, run_stage
 from tests.pipeline.test_dataset import write_inputs
 from worker.core.errors import ConfigError
-from worker.settings import load_settings
 from worker.core.stop import StopSignal
+from worker.settings import load_settings
 from worker.voice.records.rules import ASSET_KEYS
 
 REPO = Path(__file__).resolve().parents[2]

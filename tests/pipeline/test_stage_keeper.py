@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import StageSpec
 from pipeline.proctree import JOB_NAME
 from pipeline.stage_keeper import exit_status_code, parse_argv
-from pipeline.stages import StageContext, run_stage
+from pipeline.stages import StageContext, is_newer_attempt, run_stage
 from tests.pipeline.test_stages import process_alive
 from worker.core.errors import StageFailed
 from worker.core.stop import StopSignal
@@ -151,6 +151,14 @@ def test_keeper_argv_and_wait_statuses_parse():
         parse_argv(["12", "5", "1.5", "a"])
     assert exit_status_code(3 << 8) == (3, None)
     assert exit_status_code(int(signal.SIGTERM)) == (None, int(signal.SIGTERM))
+
+
+def test_only_a_later_attempt_number_is_newer():
+    """Attempts compare by number: a later one is newer; an earlier one, our own and an unknown one are not."""
+    assert is_newer_attempt("0010-bbbbbbbb", "0009-aaaaaaaa")
+    assert not is_newer_attempt("0008-bbbbbbbb", "0009-aaaaaaaa")
+    assert not is_newer_attempt("0009-aaaaaaaa", "0009-aaaaaaaa")
+    assert not is_newer_attempt(None, "0009-aaaaaaaa") and not is_newer_attempt("", "0009-aaaaaaaa")
 
 
 def test_a_stale_attempt_never_ends_a_newer_attempts_process(tmp_path):

@@ -119,7 +119,7 @@ class FaultProxy:
         while not self._stopped.is_set():
             try:
                 client, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -142,7 +142,7 @@ class FaultProxy:
             while not self._stopped.is_set():
                 try:
                     data = src.recv(_CHUNK_BYTES)
-                except (TimeoutError, socket.timeout):
+                except TimeoutError:
                     continue
                 if not data:
                     return

@@ -24,13 +24,12 @@ from botocore.awsrequest import AWSResponse
 
 from tests.reliability.stack import ARTIFACTS, ENVIRONMENT, new_object_id
 from tests.support import FlakyStore, Queues, create_queues
-from worker.voice.artifacts import ArtifactUploader
 from worker.core.aws import client_config, make_client
-from worker.voice.input_policy import InputPolicy
-from worker.voice.job import VoiceJobHandler
 from worker.core.loop import Worker
 from worker.core.queue import Queue
 from worker.settings import Settings, load_settings
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.job import VoiceJobHandler
 from worker.voice.records.sqlite import SqliteStore
 
 VISIBILITY_S = 2

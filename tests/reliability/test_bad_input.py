@@ -24,16 +24,14 @@ from pipeline.config import load_pipeline_config
 from pipeline.downloads import DownloadSettings, fetch
 from pipeline.run import run_pipeline
 from tests.reliability.bodies import CORPUS, JOB_ID, PROFILE_ID, RECORDINGS_BUCKET, message_bodies
-from tests.reliability.stack import recording_key_for
-from tests.reliability.stack import new_object_id, quick_pipeline, write_tiny_wav
+from tests.reliability.stack import new_object_id, quick_pipeline, recording_key_for, write_tiny_wav
 from tests.support import FaultyClient, create_queues
-from worker.voice.artifacts import ArtifactUploader
-from worker.voice.input_policy import InputPolicy
-from worker.voice.job import VoiceJobHandler
 from worker.core.loop import Worker
-from worker.voice.message import is_safe_name
 from worker.core.queue import Queue
 from worker.settings import load_settings
+from worker.voice.artifacts import ArtifactUploader
+from worker.voice.job import VoiceJobHandler
+from worker.voice.message import is_safe_name
 from worker.voice.records.rules import is_complete
 from worker.voice.records.sqlite import SqliteStore
 

@@ -16,13 +16,21 @@ from pymongo.errors import ServerSelectionTimeoutError
 from structlog.testing import capture_logs
 
 from tests.reliability.rig import (
-    ATTEMPTS_PER_CALL, INTERNAL, RECEIPT_INVALID, THROTTLING, UNAVAILABLE, VISIBILITY_S, Rig,
-    fast_botocore_backoff, first_attempt, make_rig,
+    ATTEMPTS_PER_CALL,
+    INTERNAL,
+    RECEIPT_INVALID,
+    THROTTLING,
+    UNAVAILABLE,
+    VISIBILITY_S,
+    Rig,
+    fast_botocore_backoff,
+    first_attempt,
+    make_rig,
 )
 from tests.reliability.stack import REPO
+from worker.core.daemon import EXIT_CRASHED
 from worker.ops import cli
 from worker.voice.records import mongo as store_mongo
-from worker.core.daemon import EXIT_CRASHED
 
 SQS_OPERATIONS = ("ReceiveMessage", "ChangeMessageVisibility", "DeleteMessage", "GetQueueAttributes",
                   "GetQueueUrl", "SendMessage")

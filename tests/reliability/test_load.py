@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from datetime import datetime
+from datetime import UTC, datetime
+from itertools import pairwise
 
 import pytest
 
@@ -29,7 +30,7 @@ LOAD_TIMEOUT_S = 180
 def overlapping_attempts(history: list[dict]) -> list[tuple[dict, dict]]:
     """Pairs of attempts whose [start, end] intervals overlap; an attempt with no end is still running."""
     ordered = sorted(history, key=lambda h: h["start"])
-    return [(a, b) for a, b in zip(ordered, ordered[1:]) if a.get("end") is None or a["end"] > b["start"]]
+    return [(a, b) for a, b in pairwise(ordered) if a.get("end") is None or a["end"] > b["start"]]
 
 
 def attempts_from_logs(workers: list[WorkerProcess]) -> dict[str, list[dict]]:
@@ -49,16 +50,16 @@ def attempts_from_logs(workers: list[WorkerProcess]) -> dict[str, list[dict]]:
                 attempts.setdefault(job_id, []).append(
                     {"worker": worker.env["WORKER_ID"], "start": start,
                      "end": datetime.fromisoformat(event["timestamp"])})
-        for message_id, (job_id, start) in open_claims.items():
+        for job_id, start in open_claims.values():
             attempts.setdefault(job_id, []).append({"worker": worker.env["WORKER_ID"], "start": start, "end": None})
     return attempts
 
 
 def test_overlap_check_finds_overlaps():
     """The interval check itself flags overlapping and unfinished attempts and passes back-to-back ones."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
-    t = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    t = datetime(2026, 1, 1, tzinfo=UTC)
     s = timedelta(seconds=1)
     assert overlapping_attempts([{"start": t, "end": t + s}, {"start": t + s, "end": t + 2 * s}]) == []
     assert len(overlapping_attempts([{"start": t, "end": t + 2 * s}, {"start": t + s, "end": t + 3 * s}])) == 1
@@ -72,7 +73,7 @@ def test_four_workers_two_hundred_messages_each_job_completed_once(moto_server, 
     jobs = [stack.submit(directory="load", send=False) for _ in range(JOBS)]
     bodies = [body for _, _, body in jobs]
     copies = [1] * SINGLES + [2] * DOUBLES + [3] * TRIPLES
-    messages = [body for body, n in zip(bodies, copies) for _ in range(n)]
+    messages = [body for body, n in zip(bodies, copies, strict=True) for _ in range(n)]
     random.Random(7).shuffle(messages)
     assert len(messages) == MESSAGES
 

@@ -15,6 +15,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
+from worker.core.errors import LeaseLost, StageFailed, StorageError
 from worker.voice.artifacts import (
     ArtifactUploader,
     artifact_key,
@@ -24,7 +25,6 @@ from worker.voice.artifacts import (
     unreferenced,
     verify_local,
 )
-from worker.core.errors import LeaseLost, StageFailed, StorageError
 from worker.voice.records.rules import ASSET_KEYS as ASSET_NAMES
 
 BUCKET = "voice-artifacts"

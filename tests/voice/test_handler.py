@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import pytest
 
-from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, deliver, message_body
-from worker.core.errors import BadRecording, QueueError, Stopped, StoreError, StaleWrite
+from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, deliver, message_body
+from worker.core.errors import BadRecording, QueueError, StaleWrite, StoreError
 from worker.voice.records.rules import ASSET_KEYS, is_complete
 
 

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from tests.voice.conftest import JOB_ID, PROFILE_ID, message_body
-from worker.voice import message as message_module
 from worker.core.errors import InvalidMessage
+from worker.settings import load_settings
+from worker.voice import message as message_module
 from worker.voice.input_policy import SHAPE_ONLY, SQS_MAX_BODY_BYTES, InputPolicy
 from worker.voice.message import job_id_hint, parse_job
-from worker.settings import load_settings
 
 RECORDINGS = "voice-recordings"
 OWN_KEY = f"recordings/{PROFILE_ID}/take-1.wav"

@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 
 from pipeline.recording_url import parse_recording_url
 from worker.core.errors import InvalidMessage
+from worker.core.names import SAFE_NAME
+from worker.core.redact import redact_url
 from worker.voice.message import (
     Job,
     Recording,
     job_id_hint,
     parse_job,
 )
-from worker.core.names import SAFE_NAME
-from worker.core.redact import redact_url
 
 SECRET = "SIGSECRET123"
 DELETE = object()

@@ -1,5 +1,7 @@
 """Redaction never shows credentials or query text, however the URL is malformed."""
 
+from datetime import UTC
+
 import pytest
 
 from worker.core.logs import scrub
@@ -59,7 +61,7 @@ def test_log_scrub_masks_userinfo_of_any_scheme():
 
 def test_a_recorded_error_and_a_dead_letter_never_carry_a_credential():
     """Whatever text an error carries, the job record and the DLQ attribute get it redacted."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from worker.core.errors import UnexpectedError
     from worker.core.queue import Message, dead_letter_attributes
@@ -67,7 +69,7 @@ def test_a_recorded_error_and_a_dead_letter_never_carry_a_credential():
 
     text = "unexpected ServerSelectionTimeoutError: mongodb://voice:hunter2@db.internal:27017/voice timed out"
     record = errored({"_id": "j"}, token=None, error_type="UnexpectedError", message=text, retryable=True,
-                     now=datetime.now(timezone.utc))
+                     now=datetime.now(UTC))
     attributes = dead_letter_attributes(Message("m", "-", "{}", 3, 0.0), UnexpectedError(text), "q")
     for stored in (record["error"]["message"], attributes["ErrorMessage"]["StringValue"]):
         assert "hunter2" not in stored and "db.internal" in stored

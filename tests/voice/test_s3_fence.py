@@ -7,8 +7,8 @@ from datetime import timedelta
 
 import boto3
 
-from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body
 from tests.support import client_error
+from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body
 from worker.voice.artifacts import ArtifactUploader, artifact_key, job_key_prefix
 from worker.voice.records.rules import ASSET_KEYS
 

@@ -47,7 +47,7 @@ class LazyClient:
 
     def __init__(self, make: Callable[[], object]):
         self._make = make
-        self._client = None
+        self._client: object | None = None
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str):

@@ -16,6 +16,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import structlog
 
@@ -27,6 +29,8 @@ log = structlog.get_logger(__name__)
 EXIT_OK, EXIT_CRASHED, EXIT_CONFIG = 0, 1, 2
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What signal.signal returns and takes back: a callable, SIG_DFL/SIG_IGN, or None (set outside Python).
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class SignalRelay:
@@ -37,7 +41,7 @@ class SignalRelay:
         self._read_fd, self._write_fd = os.pipe()
         # A full pipe must not block the handler: 64 KiB of unread signals already mean "hurry".
         os.set_blocking(self._write_fd, False)
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
         self._thread = threading.Thread(target=self._relay, name="signal-relay", daemon=True)
 
     def on_signal(self, _signum, _frame) -> None:

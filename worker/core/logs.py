@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 from worker.core.redact import redact_text
 
@@ -43,7 +44,7 @@ def scrub_value(value: Any, *, drop_keys: frozenset = frozenset(), _depth: int =
     return value
 
 
-def _scrub_event(_logger, _name, event_dict: dict) -> dict:
+def _scrub_event(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
     for key, value in event_dict.items():
         event_dict[key] = scrub_value(value)
     return event_dict

@@ -32,8 +32,15 @@ from worker.core.errors import Action, QueueError, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease, Shutdown
 from worker.core.metrics import (
-    COUNT, JOB_DURATION, NULL_METRICS, OUTCOME_METRICS, RECEIVE_COUNT_AT_COMPLETION, SECONDS, Metrics,
-    Outcome, outcome_of,
+    COUNT,
+    JOB_DURATION,
+    NULL_METRICS,
+    OUTCOME_METRICS,
+    RECEIVE_COUNT_AT_COMPLETION,
+    SECONDS,
+    Metrics,
+    Outcome,
+    outcome_of,
 )
 from worker.core.queue import Message, Queue
 from worker.core.reporting import Reporter
@@ -202,7 +209,7 @@ class Worker:
         outcome = outcome_of(action, label)
         if outcome not in OUTCOME_METRICS:
             return
-        values = {OUTCOME_METRICS[outcome]: (1, COUNT)}
+        values: dict[str, tuple[float, str]] = {OUTCOME_METRICS[outcome]: (1, COUNT)}
         if outcome == Outcome.COMPLETED:
             values[JOB_DURATION] = (duration_s, SECONDS)
             values[RECEIVE_COUNT_AT_COMPLETION] = (message.receive_count, COUNT)

@@ -19,8 +19,6 @@ ones config/cloudwatch-dashboard.json and config/cloudwatch-alarms.yaml refer to
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import json
 import math
 import re
@@ -28,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from enum import StrEnum
 from typing import Any, TextIO
 
 import structlog
@@ -59,7 +58,8 @@ class Outcome(StrEnum):
     LEASE_LOST = "lease_lost"
 
 
-OUTCOME_METRICS = {
+# Keyed by text: ``outcome_of`` passes an action it does not map through unchanged.
+OUTCOME_METRICS: dict[str, str] = {
     Outcome.COMPLETED: "JobsCompleted",
     Outcome.RETRIED: "JobsRetried",
     Outcome.DEAD_LETTERED: "JobsDeadLettered",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from worker.core.errors import StopReason, Stopped
+from worker.core.errors import Stopped, StopReason
 
 
 class StopSignal:

@@ -324,8 +324,10 @@ class MemoryQueue:
                     message_attributes=dict(held.message_attributes),
                 )
                 break
+        dead_letters = self.dead_letter_queue  # set whenever anything was redriven
         for held in redriven:  # outside the lock: the DLQ reads the clock
-            self.dead_letter_queue.send(held.body, message_attributes=held.message_attributes)
+            assert dead_letters is not None
+            dead_letters.send(held.body, message_attributes=held.message_attributes)
         return taken
 
     def _soonest_visible_s(self) -> float | None:

@@ -9,11 +9,11 @@ import textwrap
 
 import structlog
 
-from worker.ops.commands import EXIT_INTERRUPTED
 from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
+from worker.ops.commands import EXIT_INTERRUPTED
 from worker.settings import Settings, daemon_problems, load_settings, missing
 
 log = structlog.get_logger(__name__)
@@ -29,6 +29,14 @@ def _fail(problems: list[str]) -> int:
     for line in problems:
         print(line, file=sys.stderr)
     return EXIT_CONFIG
+
+
+def _queue_url(settings: Settings, *also: str) -> str:
+    """SQS_QUEUE_URL, or ConfigError (exit 2) naming it and whichever of ``also`` is missing too."""
+    problems = missing(settings, "queue", *also)
+    if problems or not settings.sqs_queue_url:
+        raise ConfigError(problems)
+    return settings.sqs_queue_url
 
 
 def _store(settings: Settings, access: str = "create"):
@@ -86,12 +94,11 @@ def cmd_dev_stack(_settings, args) -> int:
 def cmd_submit(settings: Settings, args) -> int:
     from worker.ops.commands import cmd_submit as submit
 
-    if problems := missing(settings, "queue", "store"):
-        return _fail(problems)
+    queue_url = _queue_url(settings, "store")
     sqs = _client("sqs", settings)  # first: a settings problem must not leave a new store file behind
     source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
     with source:
-        return submit(lambda: _store(settings), sqs, settings.sqs_queue_url, source, as_json=args.json,
+        return submit(lambda: _store(settings), sqs, queue_url, source, as_json=args.json,
                       policy=settings.input_policy())
 
 
@@ -133,14 +140,14 @@ def cmd_health(settings: Settings, _args) -> int:
 
 def cmd_reconcile(settings: Settings, _args) -> int:
     from worker.core.metrics import Metrics
-    from worker.ops.reconcile import Reconciler, cmd_reconcile as reconcile
+    from worker.ops.reconcile import Reconciler
+    from worker.ops.reconcile import cmd_reconcile as reconcile
 
-    if problems := missing(settings, "queue", "store"):
-        return _fail(problems)
+    queue_url = _queue_url(settings, "store")
     sqs = _client("sqs", settings)  # a settings problem first, before any store connection
     try:
         with _store(settings, "existing") as store:
-            reconciler = Reconciler(store, sqs, settings.sqs_queue_url,
+            reconciler = Reconciler(store, sqs, queue_url,
                                     stale_after_s=settings.reconcile_stale_s,
                                     pending_after_s=settings.reconcile_pending_after_s,
                                     metrics=Metrics.from_config(settings.metrics_config()))
@@ -156,14 +163,13 @@ def cmd_dlq(settings: Settings, args) -> int:
     from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive
     from worker.ops.dlq import DeadLetterQueue
 
-    if problems := missing(settings, "queue"):
-        return _fail(problems)
+    queue_url = _queue_url(settings)
     if args.max is not None and args.max < 1:
         return _fail([f"--max must be at least 1, got {args.max}"])
     try:
-        dlq = DeadLetterQueue.of(_client("sqs", settings), settings.sqs_queue_url)
+        dlq = DeadLetterQueue.of(_client("sqs", settings), queue_url)
         if dlq is None:
-            return _fail([f"{settings.sqs_queue_url} has no RedrivePolicy: there is no dead-letter queue"])
+            return _fail([f"{queue_url} has no RedrivePolicy: there is no dead-letter queue"])
         if args.action == "list":
             return cmd_dlq_list(dlq, as_json=args.json)
         return cmd_dlq_redrive(dlq, max_messages=args.max, fallback=args.fallback)

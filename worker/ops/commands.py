@@ -12,19 +12,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
-from typing import Any, ContextManager, TextIO
+from typing import Any, TextIO
 
-from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.core.errors import InvalidMessage, WorkerError
-from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.core.health import liveness_problem
 from worker.core.logs import scrub
 from worker.core.redact import strip_control
+from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.settings import Settings
-from worker.voice.records.rules import ERROR, FINAL_STATUSES, PENDING, PROCESSING, committing, lease_live
+from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.records import Store
+from worker.voice.records.rules import ERROR, FINAL_STATUSES, PENDING, PROCESSING, committing, lease_live
 from worker.voice.submit import prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5
@@ -41,7 +41,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def cmd_submit(open_store: Callable[[], ContextManager[Store]], sqs, queue_url: str, source: TextIO, *,
+def cmd_submit(open_store: Callable[[], AbstractContextManager[Store]], sqs, queue_url: str, source: TextIO, *,
                as_json: bool, policy: InputPolicy = SHAPE_ONLY, out: TextIO | None = None,
                err: TextIO | None = None) -> int:
     """Refuses (exit 2) what the worker's ``policy`` would refuse before the store is even opened, so a

@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import boto3
@@ -175,7 +175,7 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
         job = store.get_job(job_id) or {}
         progress = job.get("progress") or {}
         stage, percent = progress.get("stage"), progress.get("percent")
-        if stage is None:
+        if stage is None or percent is None:  # with_progress writes both, or nothing yet
             continue
         clock.see(stage, percent, time.monotonic())
         if (stage, percent) != last:
@@ -189,7 +189,7 @@ def run_demo(out=None) -> int:
     from worker.core.logs import configure_logging
     from worker.voice.submit import submit
 
-    run_dir = REPO / "var" / "demo" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    run_dir = REPO / "var" / "demo" / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     print("voice-worker demo: local SQS/S3 (moto), SQLite records, reference trainer "

@@ -33,8 +33,8 @@ import structlog
 
 from worker.core.errors import LeaseLost, QueueError
 from worker.core.logs import scrub
-from worker.voice.message import job_id_hint
 from worker.core.queue import MAX_BATCH, Message, Queue, sendable_attribute
+from worker.voice.message import job_id_hint
 
 log = structlog.get_logger(__name__)
 

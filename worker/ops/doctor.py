@@ -12,7 +12,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from worker.core.errors import WorkerError
 from worker.core.queue import Queue
-from worker.settings import Settings
+from worker.settings import Settings, daemon_targets
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ def queue_checks(settings: Settings, attrs: dict, dlq_attrs: dict | None) -> lis
 
 
 def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_pipeline: Callable) -> list[Check]:
+    targets = daemon_targets(settings)  # ConfigError without a queue, store or bucket
     checks: list[Check] = []
     try:
         who = sts.get_caller_identity()
@@ -67,10 +68,10 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
         checks.append(Check("credentials", False, _aws_text(exc)))
 
     attrs = None
-    queue = Queue(sqs, settings.sqs_queue_url)
+    queue = Queue(sqs, targets.queue_url)
     try:
         attrs = queue.attributes("All")
-        checks.append(Check("queue reachable", True, settings.sqs_queue_url))
+        checks.append(Check("queue reachable", True, targets.queue_url))
     except WorkerError as exc:
         checks.append(Check("queue reachable", False, str(exc)))
     if attrs is not None:
@@ -85,11 +86,11 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
 
     key = f"{settings.s3_prefix.strip('/') + '/' if settings.s3_prefix.strip('/') else ''}.doctor/{uuid.uuid4().hex}"
     try:
-        s3.put_object(Bucket=settings.s3_bucket, Key=key, Body=b"voice-worker doctor probe")
-        s3.delete_object(Bucket=settings.s3_bucket, Key=key)
-        checks.append(Check("bucket writable", True, f"s3://{settings.s3_bucket}/{key} written and removed"))
+        s3.put_object(Bucket=targets.bucket, Key=key, Body=b"voice-worker doctor probe")
+        s3.delete_object(Bucket=targets.bucket, Key=key)
+        checks.append(Check("bucket writable", True, f"s3://{targets.bucket}/{key} written and removed"))
     except (ClientError, BotoCoreError) as exc:
-        checks.append(Check("bucket writable", False, f"s3://{settings.s3_bucket}: {_aws_text(exc)}"))
+        checks.append(Check("bucket writable", False, f"s3://{targets.bucket}: {_aws_text(exc)}"))
 
     try:
         store = open_store(settings)

@@ -50,7 +50,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
@@ -64,8 +64,8 @@ from pipeline.files import (
     sha256_and_size_of,
 )
 from worker.core.errors import StageFailed, StorageError
-from worker.voice.message import is_safe_name
 from worker.core.redact import redact_urls_in_text
+from worker.voice.message import is_safe_name
 from worker.voice.records.rules import ASSET_KEYS
 
 log = structlog.get_logger(__name__)
@@ -182,7 +182,7 @@ class _Artifact:
     sha256_hex: str
     key: str = ""
     data: bytes | None = None  # a file below the multipart threshold, read whole: the bytes sent
-    hasher: object = None  # the digest of the bytes read so far (multipart)
+    hasher: Any = None  # hashlib.sha256() of the bytes read so far (multipart)
     read_bytes: int = 0
     chunk_bytes: int = 0
     upload_id: str | None = None
@@ -274,7 +274,10 @@ class ArtifactUploader:
                 item.key = key_for(item.sha256_hex, item.rel)
             self._find_stored(items)
             self._send([item for item in items if item.stored is None], proof, part_proof, written)
-        return [item.stored for item in items]
+        stored = [item.stored for item in items]
+        if any(entry is None for entry in stored):  # every item was found stored or was just sent
+            raise StorageError("an artifact was neither found stored nor uploaded")
+        return [entry for entry in stored if entry is not None]
 
     def _open(self, output_dir: Path, rel: str, recorded: Recorded | None, files: ExitStack) -> _Artifact:
         """The file opened by the pipeline's rule, and the digest that names its key: the one its stage
@@ -315,7 +318,7 @@ class ArtifactUploader:
                 raise StorageError(f"{self.uri(item.key)} already holds other bytes; an existing object is "
                                    "never replaced")
             candidates.append(item)
-        for item, head in zip(candidates, self._pool().map(lambda i: self._head(i.key), candidates)):
+        for item, head in zip(candidates, self._pool().map(lambda i: self._head(i.key), candidates), strict=True):
             if head is None:
                 continue  # deleted since the listing: written again below
             if not object_matches(head, item.sha256_hex, item.size_bytes):
@@ -338,7 +341,9 @@ class ArtifactUploader:
         reading: list[_Artifact] = []  # begun multipart uploads with bytes left to read
         in_flight: dict[Future, tuple[str, _Artifact]] = {}
         first_write: Future | None = None  # the last begun object's first write, until it returns
-        pool = self._pool() if items else None
+        if not items:
+            return
+        pool = self._pool()
         room = self._concurrency + READ_AHEAD_PARTS  # parts in memory: sent, queued or being sent
         try:
             while to_begin or reading or in_flight:
@@ -486,7 +491,8 @@ class ArtifactUploader:
                                                MultipartUpload={"Parts": parts}, IfNoneMatch="*")
         except ClientError as exc:
             if _error_code(exc) in _EXISTS_CODES:
-                self._abort(item.key, item.upload_id)
+                if item.upload_id is not None:
+                    self._abort(item.key, item.upload_id)
                 item.upload_id = None
                 self._accept_existing(item.key, item.sha256_hex, item.size_bytes)
                 return False
@@ -518,7 +524,7 @@ class ArtifactUploader:
 
     def _listing(self, prefix: str) -> dict[str, int]:
         """Key -> size of every object under ``prefix`` (ListObjectsV2, paginated)."""
-        listed = {}
+        listed: dict[str, int] = {}
         try:
             for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix):
                 listed.update((item["Key"], item["Size"]) for item in page.get("Contents") or [])

@@ -61,6 +61,25 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from pipeline.manifest import recorded_outputs
+from worker.core.errors import (
+    AlreadyFailed,
+    InvalidMessage,
+    JobBusy,
+    LeaseLost,
+    StageFailed,
+    StaleWrite,
+    Stopped,
+    StoreError,
+    TimeLimitExceeded,
+    UnexpectedError,
+    UnknownJob,
+    WorkerError,
+)
+from worker.core.faults import NEVER, CrashPoints
+from worker.core.lease import Lease
+from worker.core.metrics import NULL_METRICS, Metrics
+from worker.core.queue import Message
+from worker.core.stop import StopSignal
 from worker.voice.artifacts import (
     ArtifactUploader,
     artifact_key,
@@ -69,36 +88,20 @@ from worker.voice.artifacts import (
     unreferenced,
     verify_local,
 )
-from worker.core.faults import NEVER, CrashPoints
-from worker.core.errors import (
-    AlreadyFailed,
-    InvalidMessage,
-    JobBusy,
-    LeaseLost,
-    StageFailed,
-    StaleWrite,
-    StoreError,
-    Stopped,
-    TimeLimitExceeded,
-    UnexpectedError,
-    UnknownJob,
-    WorkerError,
-)
-from worker.core.lease import Lease
 from worker.voice.input_policy import InputPolicy
 from worker.voice.message import Job, job_id_hint, parse_job
-from worker.core.metrics import NULL_METRICS, Metrics
-from worker.core.queue import Message
-from worker.core.stop import StopSignal
-from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
 from worker.voice.publish import models_dir_for, publish_all, published_rel
-from worker.voice.records.rules import (ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, is_complete, utc_now)
 from worker.voice.records import ClaimOutcome, Store
+from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
+from worker.voice.records.rules import ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, is_complete, utc_now
 
 if TYPE_CHECKING:
     from pipeline.run import Progress
 
 log = structlog.get_logger(__name__)
+
+# Frozen, so one shared default is safe: the policy a handler gets when none is configured.
+DEFAULT_POLICY = InputPolicy()
 
 
 class Trainer(Protocol):
@@ -279,7 +282,7 @@ def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | 
 class VoiceJobHandler:
     def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Trainer, work_root: Path,
                  s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
-                 metrics: Metrics = NULL_METRICS, policy: InputPolicy = InputPolicy(),
+                 metrics: Metrics = NULL_METRICS, policy: InputPolicy = DEFAULT_POLICY,
                  keep_work_files: bool = False, models_root: Path | None = None):
         self._store = store
         # The default policy refuses every s3:// recording: a handler is never more open than asked.
@@ -326,7 +329,7 @@ class VoiceJobHandler:
             # Writing this message's paths to another profile than the job's would corrupt both.
             raise InvalidMessage(f"profileId: the job record belongs to profile {record['profileId']}, "
                                  f"not {job.profile_id}")
-        if is_complete(record, profile):
+        if is_complete(record, profile) and profile is not None:  # (is_complete implies the profile)
             log.info("job.already_complete", note="redelivery acknowledged without work")
             if str(profile.get("jobId")) == job.job_id:
                 # The paths are this job's: redo the (idempotent) clean-ups a crash after the commit skipped.
@@ -351,6 +354,8 @@ class VoiceJobHandler:
             return self._held(claim.job or {}, message, claim.now)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
         attempt = claim.attempt
+        if attempt is None:  # Store.claim's contract: a claimed outcome carries its Attempt
+            raise StoreError("the store claimed the job but handed back no attempt")
         # An earlier attempt of this job wrote its published paths (commit step 3) and died: the profile
         # may already say completed, so a cancel is too late and this attempt finishes the commit.
         reused = self._published_earlier(job, profile)

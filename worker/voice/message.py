@@ -4,8 +4,9 @@
 parts, so they must each be one safe name. Recording URLs may be presigned (credentials in the query
 string), so nothing here ever echoes a URL's query, fragment or userinfo back into an error line.
 Each is parsed once, here, into a ``RecordingUrl`` (``pipeline.recording_url``): the value the
-input policy scopes is the value the downloader fetches. Where s3:// recordings may live and how much input a job may list is an ``InputPolicy``
-(worker/voice/input_policy.py), passed in by the caller.
+input policy scopes is the value the downloader fetches. Where s3:// recordings may live and how
+much input a job may list is an ``InputPolicy`` (worker/voice/input_policy.py), passed in by the
+caller.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, cast
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      ValidationInfo)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic_core import ErrorDetails
 
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from worker.core.errors import BadRecording, InvalidMessage
-from worker.voice.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
 from worker.core.names import SAFE_NAME
 from worker.core.redact import MAX_SHOWN_CHARS, show
+from worker.voice.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
 
 ENVIRONMENTS = ("development", "staging", "production")
 DEFAULT_ENVIRONMENT = "production"
@@ -251,7 +252,7 @@ def _problem_lines(exc: ValidationError) -> list[str]:
     return lines
 
 
-def _problem_line(err: dict) -> str:
+def _problem_line(err: ErrorDetails) -> str:
     where, kind = _location(err["loc"]), err["type"]
     if kind in _TYPE_WORDING:
         return f"{where}: {_TYPE_WORDING[kind]}, got {_json_type(err.get('input'))}"

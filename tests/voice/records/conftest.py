@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import mongomock
 import pytest
@@ -26,7 +26,7 @@ class WallClock:
     """
 
     def __init__(self) -> None:
-        self.now = datetime(2024, 5, 1, 12, 0, 0, 250_000, tzinfo=timezone.utc)
+        self.now = datetime(2024, 5, 1, 12, 0, 0, 250_000, tzinfo=UTC)
 
     def __call__(self) -> datetime:
         return self.now

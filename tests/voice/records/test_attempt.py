@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tests.support import FlakyStore
-from worker.voice.records.attempt import Attempt, StoreLease
 from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
 from worker.core.stop import StopSignal
 from worker.core.testing import FakeClock
+from worker.voice.records.attempt import Attempt, StoreLease
 
 
 class Renewals:

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import threading
-from datetime import timedelta, timezone
+from datetime import UTC, timedelta
 
 import pytest
 
 from tests.voice.records.conftest import (
-    JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, commit, submit,
+    JOB_ID,
+    LEASE_S,
+    MODEL_PATHS,
+    PROFILE_ID,
+    S3_PATHS,
+    claim,
+    commit,
+    submit,
 )
 from worker.core.errors import InvalidMessage
 from worker.voice.records.rules import HISTORY_LIMIT
-
 
 # ---------------------------------------------------------------- submit
 
@@ -100,7 +106,7 @@ def test_claim_once(store, clock):
     assert job["status"] == "processing" and job["attempts"] == 1
     assert job["lease"] == {"owner": "w1", "token": "t1",
                             "expiresAt": clock.now + timedelta(seconds=LEASE_S), "messageId": None}
-    assert job["lease"]["expiresAt"].tzinfo == timezone.utc
+    assert job["lease"]["expiresAt"].tzinfo == UTC
     assert job["heartbeatAt"] == clock.now and job["startedAt"] == clock.now
     assert job["history"] == [{"worker": "w1", "token": "t1", "start": clock.now, "end": None,
                                "outcome": "running"}]

@@ -7,11 +7,17 @@ from datetime import timedelta
 import pytest
 
 from tests.voice.records.conftest import (
-    JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, commit, submit,
+    JOB_ID,
+    LEASE_S,
+    MODEL_PATHS,
+    PROFILE_ID,
+    S3_PATHS,
+    claim,
+    commit,
+    submit,
 )
 from worker.core.errors import StaleWrite
 from worker.voice.records.rules import ERROR_MESSAGE_MAX_CHARS, is_complete
-
 
 # ---------------------------------------------------------------- lease, progress, cancel
 

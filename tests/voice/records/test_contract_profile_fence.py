@@ -12,7 +12,15 @@ import threading
 import pytest
 
 from tests.voice.records.conftest import (
-    ASSETS, JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, commit, submit,
+    ASSETS,
+    JOB_ID,
+    LEASE_S,
+    MODEL_PATHS,
+    PROFILE_ID,
+    S3_PATHS,
+    claim,
+    commit,
+    submit,
 )
 from worker.core.errors import StaleWrite
 from worker.voice.records.rules import CLAIMS_KEPT, is_complete

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, timedelta
 
 import mongomock
 import pytest
@@ -212,11 +212,11 @@ def test_history_stays_bounded_through_reconciler_entries(store, clock):
 
 def test_worker_lost_rule_needs_processing_and_an_end_older_than_the_stale_age():
     """Only a processing job whose lease (or, released, heartbeat) ended at least stale_after_s ago is lost."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from worker.voice.records.recovery import worker_lost
 
-    now = datetime(2024, 5, 1, 12, tzinfo=timezone.utc)
+    now = datetime(2024, 5, 1, 12, tzinfo=UTC)
     ended = now - timedelta(seconds=STALE_S)
     leased = {"status": "processing", "lease": {"expiresAt": ended}}
     assert worker_lost(leased, now, STALE_S)
@@ -228,11 +228,11 @@ def test_worker_lost_rule_needs_processing_and_an_end_older_than_the_stale_age()
 
 def test_dead_letter_rule_refuses_final_leased_and_already_applied():
     """A dead letter applies to a job that is not final, not leased, and has not seen that message."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from worker.voice.records.recovery import may_record_dead_letter
 
-    now = datetime(2024, 5, 1, 12, tzinfo=timezone.utc)
+    now = datetime(2024, 5, 1, 12, tzinfo=UTC)
     job = {"status": "processing", "lease": {"expiresAt": now}}
     assert may_record_dead_letter(job, "m-1", now)
     assert not may_record_dead_letter({**job, "lease": {"expiresAt": now + timedelta(seconds=1)}}, "m-1", now)
@@ -243,11 +243,11 @@ def test_dead_letter_rule_refuses_final_leased_and_already_applied():
 
 def test_awaiting_enqueue_rule_needs_pending_old_and_unstamped():
     """Pending, created at least older_than_s ago, and neither stamp set."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from worker.voice.records.recovery import awaiting_enqueue
 
-    now = datetime(2024, 5, 1, 12, tzinfo=timezone.utc)
+    now = datetime(2024, 5, 1, 12, tzinfo=UTC)
     job = {"status": "pending", "createdAt": now - timedelta(seconds=100)}
     assert awaiting_enqueue(job, now, 100)
     assert not awaiting_enqueue(job, now, 101)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import mongomock
 import pymongo
@@ -11,11 +11,18 @@ from bson import ObjectId
 from pymongo.errors import ConfigurationError, ConnectionFailure, OperationFailure, ServerSelectionTimeoutError
 from structlog.testing import capture_logs
 
-from tests.voice.records.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, race_after_first_read, submit
+from tests.voice.records.conftest import (
+    JOB_ID,
+    LEASE_S,
+    MODEL_PATHS,
+    PROFILE_ID,
+    S3_PATHS,
+    race_after_first_read,
+    submit,
+)
 from worker.core.errors import ConfigError, StaleWrite, StoreError
+from worker.voice.records.mongo import MongoStore, ServerClock, connect_mongo, server_local_time
 from worker.voice.records.rules import is_complete
-from worker.voice.records.mongo import connect_mongo
-from worker.voice.records.mongo import MongoStore, ServerClock, server_local_time
 
 
 class FakeClient:
@@ -388,7 +395,7 @@ def test_a_job_cancelled_behind_the_revision_is_not_claimed(mongo, clock):
 
 # ---------------------------------------------------------------- the store's clock is the server's
 
-SERVER_NOW = datetime(2030, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+SERVER_NOW = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
 
 
 class FakeServerTime:

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.voice.records.conftest import MODEL_PATHS, S3_PATHS
-from worker.voice.records.rules import (CLAIMS_KEPT, ClaimOutcome, HISTORY_LIMIT, claim_refusal, claimed, clock_skew_problem, close_attempt, holds_profile_claim, is_complete, may_stamp_claim, lease_live, stamped_profile, to_ms, with_claim)
+from worker.voice.records.rules import (
+    CLAIMS_KEPT,
+    HISTORY_LIMIT,
+    ClaimOutcome,
+    claim_refusal,
+    claimed,
+    clock_skew_problem,
+    close_attempt,
+    holds_profile_claim,
+    is_complete,
+    lease_live,
+    may_stamp_claim,
+    stamped_profile,
+    to_ms,
+    with_claim,
+)
 
-NOW = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 
 
 def done_job(**changes):
@@ -71,9 +86,9 @@ def test_close_attempt_only_closes_the_running_entry_of_the_token():
 
 def test_to_ms_truncates_and_normalises():
     """Datetimes become aware UTC with millisecond precision, naive ones read as UTC."""
-    assert to_ms(datetime(2024, 1, 1, 0, 0, 0, 123_999)) == datetime(2024, 1, 1, 0, 0, 0, 123_000, tzinfo=timezone.utc)
+    assert to_ms(datetime(2024, 1, 1, 0, 0, 0, 123_999)) == datetime(2024, 1, 1, 0, 0, 0, 123_000, tzinfo=UTC)
     eastern = timezone(timedelta(hours=-5))
-    assert to_ms(datetime(2024, 1, 1, 7, tzinfo=eastern)) == datetime(2024, 1, 1, 12, tzinfo=timezone.utc)
+    assert to_ms(datetime(2024, 1, 1, 7, tzinfo=eastern)) == datetime(2024, 1, 1, 12, tzinfo=UTC)
 
 
 @given(st.lists(st.sampled_from(["expire", "release"]), max_size=3 * HISTORY_LIMIT))

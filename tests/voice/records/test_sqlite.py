@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import sqlite3
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -244,7 +244,7 @@ def test_a_path_with_uri_characters_opens_the_file_it_names(tmp_path):
 # ---------------------------------------------------------------- the store's clock is SQLite's
 
 def _host_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @pytest.mark.parametrize("skew_s", [30, 300])

@@ -241,6 +241,7 @@ class MongoStore(TransitionStore):
                         return new, True
                     except DuplicateKeyError:
                         continue  # created meanwhile: decide again on that record
+                assert profile is not None  # decoded from ``raw`` above
                 after = self._profiles.find_one_and_update(*_cas(raw, profile, new),
                                                            return_document=ReturnDocument.AFTER)
                 if after is not None:

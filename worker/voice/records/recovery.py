@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from worker.voice.records.rules import (ERROR, ERROR_MESSAGE_MAX_CHARS, FINAL_STATUSES, HISTORY_LIMIT, PENDING, PROCESSING, close_attempt, lease_live)
+from worker.voice.records.rules import (
+    ERROR,
+    ERROR_MESSAGE_MAX_CHARS,
+    FINAL_STATUSES,
+    HISTORY_LIMIT,
+    PENDING,
+    PROCESSING,
+    close_attempt,
+    lease_live,
+)
 
 ENQUEUED, REENQUEUED = "enqueuedAt", "reenqueuedAt"
 WORKER_LOST, DEAD_LETTERED = "worker_lost", "dead_lettered"

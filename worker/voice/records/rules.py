@@ -9,7 +9,7 @@ UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores ret
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
 from pipeline.config import ASSET_KEYS
@@ -45,14 +45,14 @@ COMMITTING = "(committing)"
 
 
 def utc_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def to_ms(moment: datetime) -> datetime:
     """Aware UTC at millisecond precision, the resolution MongoDB stores."""
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    moment = moment.astimezone(timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
+    moment = moment.astimezone(UTC)
     return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
 
 
@@ -74,13 +74,13 @@ def is_complete(job: dict | None, profile: dict | None) -> bool:
 
 def lease_live(job: dict, now: datetime) -> bool:
     lease = job.get("lease")
-    return bool(lease) and lease["expiresAt"] > now
+    return bool(lease and lease["expiresAt"] > now)
 
 
 def holds_lease(job: dict, token: str) -> bool:
     """The fence of every write made during an attempt: our token, and the job still being worked."""
     lease = job.get("lease")
-    return job.get("status") == PROCESSING and bool(lease) and lease.get("token") == token
+    return job.get("status") == PROCESSING and bool(lease and lease.get("token") == token)
 
 
 def claim_refusal(job: dict | None, now: datetime) -> ClaimOutcome | None:
@@ -116,8 +116,11 @@ def may_request_cancel(job: dict, now: datetime) -> bool:
     return job.get("status") not in FINAL_STATUSES and not committing(job, now)
 
 
-def close_attempt(history: list, outcome: str, now: datetime, token: str | None = None) -> list:
-    """Close the newest history entry if it is still running (and is ``token``'s, when given)."""
+def close_attempt(history: list[dict] | None, outcome: str, now: datetime, token: str | None = None) -> list[dict]:
+    """Close the newest history entry if it is still running (and is ``token``'s, when given).
+
+    A record without a history (None) has nothing to close: the result is a new, empty list.
+    """
     history = [dict(entry) for entry in history or []]
     if history and history[-1].get("outcome") == "running":
         if token is None or history[-1].get("token") == token:
@@ -234,7 +237,10 @@ def may_stamp_claim(profile: dict | None, job_id: str, token: str, epoch: int) -
 
 
 def with_claim(claims: list[dict], job_id: str, token: str, epoch: int) -> list[dict]:
-    """``claims`` with ``job_id``'s entry set to ``token`` at ``epoch`` and moved last; the oldest past the cap dropped."""
+    """``claims`` with ``job_id``'s entry set to ``token`` at ``epoch`` and moved last.
+
+    The oldest entries past the cap are dropped.
+    """
     kept = [entry for entry in claims if entry.get("jobId") != str(job_id)]
     return [*kept, {"jobId": str(job_id), "token": token, "epoch": int(epoch)}][-CLAIMS_KEPT:]
 

@@ -15,12 +15,12 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import structlog
 
-from worker.voice.records import recovery, rules
 from worker.core.errors import ConfigError, StoreError
+from worker.voice.records import recovery, rules
 from worker.voice.records.store import Clock
 from worker.voice.records.transitions import TransitionStore
 
@@ -118,7 +118,7 @@ class SqliteStore(TransitionStore):
         with self._guarded("now") as conn:
             # The store's clock is SQLite's (the host's), read in the caller's transaction when in one.
             (text,) = conn.execute(_SQL_NOW).fetchone()
-        return rules.to_ms(datetime.fromisoformat(text).replace(tzinfo=timezone.utc))
+        return rules.to_ms(datetime.fromisoformat(text).replace(tzinfo=UTC))
 
     @contextmanager
     def _guarded(self, op: str) -> Iterator[sqlite3.Connection]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from worker.voice.records.attempt import Attempt
 from worker.voice.records import rules
+from worker.voice.records.attempt import Attempt
 
 Clock = Callable[[], datetime]
 

@@ -27,9 +27,9 @@ from datetime import datetime
 
 import structlog
 
+from worker.core.errors import StaleWrite, StoreError
 from worker.voice.records import recovery, rules
 from worker.voice.records.attempt import Attempt
-from worker.core.errors import StaleWrite, StoreError
 from worker.voice.records.store import Claim, Store
 
 log = structlog.get_logger(__name__)
@@ -63,14 +63,15 @@ class TransitionStore(Store):
 
     def _fenced_job(self, op: str, job_id: str, token: str, change: Change) -> dict:
         job, changed = self._swap_job(op, job_id, lambda j, _now: rules.holds_lease(j, token), change)
-        if not changed:
+        if not changed or job is None:
             raise StaleWrite(f"{op}: job {job_id} is not held by this token any more")
         return job
 
     def _fenced_profile(self, op: str, profile_id: str, job_id: str, token: str, fields: dict) -> None:
         _profile, changed = self._swap_profile(
             op, profile_id, lambda p, _now: rules.holds_profile_claim(p, job_id, token),
-            lambda p, now: {**p, **fields, "updatedAt": now})
+            # Changed only when it holds the claim, so it exists: ``or {}`` is for the type checker.
+            lambda p, now: {**(p or {}), **fields, "updatedAt": now})
         if not changed:
             raise StaleWrite(f"{op}: profile {profile_id} holds no claim of job {job_id} by this token")
 
