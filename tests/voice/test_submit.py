@@ -6,24 +6,10 @@ import json
 
 import pytest
 
+from tests.ops.test_commands import PAYLOAD, store  # noqa: F401 (store is a fixture)
 from tests.support import FaultyClient, client_error, create_queues
 from worker.core.errors import QueueError
-from worker.voice.records.sqlite import SqliteStore
 from worker.voice.submit import submit
-
-PAYLOAD = {
-    "profileId": "665f1c2e9b1e8a0012ab34ce",
-    "environment": "staging",
-    "metadata": {"directoryName": "user-1-voice-1", "language": "en"},
-    "input": [{"recordingUrl": "s3://recordings/a.wav", "originalText": "Hello."}],
-}
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = SqliteStore(str(tmp_path / "records.db"))
-    yield s
-    s.close()
 
 
 @pytest.fixture
