@@ -12,7 +12,8 @@ import pytest
 from moto import mock_aws
 from structlog.testing import capture_logs
 
-from pipeline.downloads import LOCAL_RUN_NETWORKS, fetch
+from pipeline.downloads import fetch
+from pipeline.netguard import LOCAL_RUN_NETWORKS
 from tests.pipeline.tls_server import (  # noqa: F401  (ca, ca_path, server, base, ds are fixtures)
     LOOPBACK,
     PAYLOAD,
