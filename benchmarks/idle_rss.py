@@ -6,6 +6,8 @@ Reads VmHWM (peak resident set) and VmRSS from /proc after ``--seconds`` of idli
 covers start-up (imports, settings, store, clients) and the steady polling loop. The baseline, run
 side by side, is the least an SQS consumer can be: boto3, one SQS client, a receive loop on the same
 queue. The ratio says what the worker's loop, heartbeat, settings, logging and store add to that.
+A third process, the baseline that also imports the libraries the worker is built on (pydantic,
+structlog, sqlite3), shows how much of that ratio they take before any of the worker's own code.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ while True:
                         WaitTimeSeconds=int(os.environ["SQS_WAIT_TIME_SECONDS"]))
 """
 
+# The same loop after importing what the worker cannot start without; BaseModel loads pydantic's core.
+LIBRARIES = "import sqlite3, structlog\nfrom pydantic import BaseModel\n" + BASELINE
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,6 +62,8 @@ def main() -> int:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
             "baseline": subprocess.Popen([sys.executable, "-c", BASELINE], cwd=ROOT, env=env,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            "libraries": subprocess.Popen([sys.executable, "-c", LIBRARIES], cwd=ROOT, env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
         }
         figures = {}
         try:
@@ -71,8 +78,9 @@ def main() -> int:
                 proc.wait(30)
     print(f"after {args.seconds:g} s idle (long polls of {args.wait_s} s):")
     for name, (peak_kib, now_kib) in figures.items():
-        print(f"  {name:9} peak RSS {peak_kib / 1024:6.1f} MiB, current RSS {now_kib / 1024:6.1f} MiB")
+        print(f"  {name:10} peak RSS {peak_kib / 1024:6.1f} MiB, current RSS {now_kib / 1024:6.1f} MiB")
     print(f"  ratio worker/baseline (peak) {figures['worker'][0] / figures['baseline'][0]:.2f}")
+    print(f"  ratio libraries/baseline (peak) {figures['libraries'][0] / figures['baseline'][0]:.2f}")
     return 0
 
 
