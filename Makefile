@@ -42,3 +42,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/dataset.py
 	$(BIN)/python benchmarks/uploads.py
 	$(BIN)/python benchmarks/downloads.py
+	$(BIN)/python benchmarks/job.py
