@@ -255,6 +255,10 @@ class Soak:
     def _inject(self, fault: Fault, slot: Slot, now_s: float) -> None:
         worker, proxy, now = slot.worker, slot.proxy, time.monotonic()
         slot.busy_until_s = now_s + fault.length_s + 1.0
+        if fault.kind in (KILL9, SIGSTOP, SIGTERM) and worker.proc.poll() is not None:
+            # Its SIGTERM exit outlasted the slot's busy time and the restart is still pending.
+            self.notes.append(f"slot {slot.number}: {fault.kind} skipped, its worker had already exited")
+            return
         if fault.kind == DUPLICATE:
             self.stack.queues.send(self._rng.choice(self.bodies))
         elif fault.kind == KILL9:
