@@ -275,9 +275,8 @@ def main() -> int:
         pipeline = root / "pipeline.toml"
         pipeline.write_text(pipeline_toml(args.stage_seconds, sizes, timings))
 
-        moto = uploads_bench.MotoServer(http=False)
-        moto._tls = ["-c", str(root / "s3-cert.pem"), "-k", str(root / "s3-key.pem")]
-        with moto:
+        with uploads_bench.MotoServer(http=False, tls_args=["-c", str(root / "s3-cert.pem"),
+                                                             "-k", str(root / "s3-key.pem")]) as moto:
             clock = StepClock()
             job = run_job(root, moto.url, urls, pipeline, clock)
             s3 = job["session"].client("s3", endpoint_url=moto.url)

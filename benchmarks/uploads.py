@@ -31,14 +31,10 @@ import logging
 import os
 import resource
 import shutil
-import socket
-import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -55,6 +51,7 @@ if str(ROOT) not in sys.path:
 from pipeline.config import load_pipeline_config  # noqa: E402
 from pipeline.manifest import manifest_path, recorded_outputs, write_manifest  # noqa: E402
 from worker.core.stop import StopSignal  # noqa: E402
+from worker.ops.demo import LocalAws  # noqa: E402
 from worker.voice.artifacts import ArtifactUploader, artifact_key, verify_local  # noqa: E402
 from worker.voice.records.attempt import StoreLease  # noqa: E402
 from worker.voice.records.sqlite import SqliteStore  # noqa: E402
@@ -67,50 +64,17 @@ CONCURRENCY = 8
 CHUNK_BYTES = 8 * MIB
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class MotoServer(LocalAws):
+    """The project's local moto server, HTTPS (moto's own certificate, or ``tls_args``) unless ``http``;
+    it also reports the server's CPU time."""
 
-
-class MotoServer:
-    """``python -m moto.server`` on loopback, HTTPS with its own certificate unless ``http``."""
-
-    def __init__(self, http: bool):
-        self.port = free_port()
-        self.url = f"{'http' if http else 'https'}://127.0.0.1:{self.port}"
-        self._tls = [] if http else ["-s"]
-        self._proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> MotoServer:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port), *self._tls],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        unverified = ssl._create_unverified_context()  # moto's throwaway certificate
-        deadline_s = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/moto-api/", timeout=2, context=unverified).read()
-                return self
-            except OSError:
-                if self._proc.poll() is not None or time.monotonic() > deadline_s:
-                    self.__exit__()
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.2)
+    def __init__(self, http: bool, tls_args: list[str] | None = None):
+        super().__init__(tls_args=() if http else (tls_args or ["-s"]), start_timeout_s=60)
 
     def cpu_s(self) -> float:
         """The server process's CPU seconds so far (user + system, from /proc)."""
-        fields = Path(f"/proc/{self._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def __exit__(self, *_exc) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
 
 
 def make_client(url: str):

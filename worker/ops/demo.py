@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,12 +48,22 @@ def _free_port() -> int:
 
 
 class LocalAws:
-    """A moto server process on loopback; stopped on exit."""
+    """A moto server process on loopback; stopped on exit.
 
-    def __init__(self, port: int | None = None) -> None:
+    ``tls_args`` (moto's ``-s`` for its own certificate, or ``-c CERT -k KEY``) serve it over HTTPS.
+    """
+
+    def __init__(self, port: int | None = None, *, tls_args: Sequence[str] = (),
+                 start_timeout_s: float = 30.0) -> None:
         self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls_args else 'http'}://127.0.0.1:{self.port}"
+        self._tls_args = list(tls_args)
+        self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def __enter__(self) -> LocalAws:
         # The readiness probe below cannot tell our server from another one already on the port.
@@ -62,13 +74,15 @@ class LocalAws:
                 raise RuntimeError(f"port {self.port} on 127.0.0.1 is in use: is a local stack "
                                    "already running? (choose another with --port)") from None
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port), *self._tls_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 30
+        # The probe only asks whether it answers: its certificate is a throwaway one.
+        context = ssl._create_unverified_context() if self._tls_args else None
+        deadline = time.monotonic() + self._start_timeout_s
         while True:
             try:
-                urllib.request.urlopen(self.url + "/moto-api/", timeout=1).read()
+                urllib.request.urlopen(self.url + "/moto-api/", timeout=1, context=context).read()
                 return self
             except OSError:
                 if self._proc.poll() is not None or time.monotonic() > deadline:
