@@ -12,6 +12,11 @@ import os
 from dataclasses import dataclass, field
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, not the host's count): the default DATASET_WORKERS."""
+    return len(os.sched_getaffinity(0))
+
+
 @dataclass(frozen=True)
 class JobLimits:
     """Per-job caps: bytes downloaded in total, seconds of audio per recording and in total, and how
@@ -20,4 +25,4 @@ class JobLimits:
     max_job_download_bytes: int | None = None  # MAX_JOB_DOWNLOAD_BYTES; None: no job-wide budget
     max_recording_seconds: float = 1800.0  # MAX_RECORDING_SECONDS
     max_job_audio_seconds: float = 36_000.0  # MAX_JOB_AUDIO_SECONDS
-    dataset_workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))  # DATASET_WORKERS
+    dataset_workers: int = field(default_factory=usable_cpus)  # DATASET_WORKERS

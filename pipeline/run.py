@@ -215,7 +215,7 @@ def _run(
     attempt = work_dir.name if is_attempt_dir(work_dir) else ""
     # The job's mark is its work directory, not its bare id: unique per job *and* work root, so two
     # deployments (or two test runs) on one host that share a job id never end each other's stages.
-    job_mark = str((work_dir.parent.parent if attempt else work_dir).resolve())
+    job_mark = str(job_dir_of(work_dir).resolve())
     env = {**env, JOB_NAME: job_mark, ATTEMPT_NAME: attempt}
     # Before anything is copied from an earlier attempt: none of its processes may still be writing.
     end_survivors(job_mark, grace_s, attempt=attempt)

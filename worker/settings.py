@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pipeline.limits import JobLimits
+from pipeline.limits import JobLimits, usable_cpus
 from worker.core.config import AwsConfig, Backoff, LeaseTimings, LoopConfig, MetricsConfig, region_for
 from worker.core.errors import ConfigError
 from worker.core.faults import POINTS, CrashPoint
 from worker.core.metrics import parse_dimensions
 from worker.core.names import SAFE_NAME
+from worker.core.queue import MAX_VISIBILITY_S
 from worker.voice.input_policy import InputPolicy, key_prefix_problem
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from worker.voice.records import StoreConfig
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
-SQS_MAX_VISIBILITY_S = 43_200
+SQS_MAX_VISIBILITY_S = MAX_VISIBILITY_S
 SQS_MAX_WAIT_S = 20
 SQLITE_URL_PREFIX = "sqlite:///"
 # The error type of the lines the rules below write themselves: each names its variable already.
@@ -125,7 +126,7 @@ class Settings(BaseModel):
 
     # --- dataset
     # Recordings the dataset step converts at once (unset: the CPUs this process may run on).
-    dataset_workers: int = Field(default_factory=lambda: len(os.sched_getaffinity(0)), alias="DATASET_WORKERS", ge=1)
+    dataset_workers: int = Field(default_factory=usable_cpus, alias="DATASET_WORKERS", ge=1)
 
     # --- observability and identity
     sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)

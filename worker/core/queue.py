@@ -48,6 +48,7 @@ _UNSUPPORTED_CODES = frozenset({
 })
 MAX_ATTRIBUTE_TEXT = 1024  # SQS allows 256 KiB, but an error attribute is for humans and alarms.
 MAX_BATCH = 10  # SQS's most per receive and per batch call
+MAX_VISIBILITY_S = 43_200  # SQS's ceiling on a message's visibility: 12 hours from the receive
 # A parse error can quote a whole HTML error page; the error is for a log line or a terminal.
 _MAX_ERROR_TEXT = 500
 

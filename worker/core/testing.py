@@ -30,12 +30,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from worker.core.errors import LeaseLost, QueueError, WorkerError
-from worker.core.queue import Message, dead_letter_attributes
+from worker.core.queue import MAX_VISIBILITY_S, Message, dead_letter_attributes
 
 # How often, in real time, a parked wait looks at its event: an Event cannot wake a Condition, and
 # ``close()`` joins the heartbeat after setting one. Time-driven wake-ups do not wait for this.
 _POLL_S = 0.001
-MAX_VISIBILITY_S = 43_200  # SQS's ceiling: 12 hours from the receive
 
 
 @dataclass(eq=False)

@@ -139,10 +139,11 @@ class DeadLetterQueue:
            wait_s: int = 1) -> DeadLetterQueue | None:
         """The DLQ of ``source_url`` from its RedrivePolicy, or None when it has none."""
         source_queue = Queue(sqs, source_url)
-        url = source_queue.dead_letter_url()
+        attributes = source_queue.attributes("RedrivePolicy", "QueueArn")
+        url = source_queue.dead_letter_url(attributes)
         if url is None:
             return None
-        policy = json.loads(source_queue.attributes("RedrivePolicy")["RedrivePolicy"])
+        policy = json.loads(attributes["RedrivePolicy"])
         max_receives = str(policy.get("maxReceiveCount", ""))
         return cls(sqs, source_url, url, clock=clock, wait_s=wait_s,
                    max_receive_count=int(max_receives) if max_receives.isdigit() else None)
