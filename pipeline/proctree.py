@@ -108,22 +108,25 @@ def end_tree(proc: subprocess.Popen, tree: StageTree, grace_s: float) -> None:
     proc.wait()
 
 
+def _environ(proc_root: Path, pid: int) -> list[bytes]:
+    """Process ``pid``'s environment entries; none when it is gone, or not ours to read (and so not
+    ours to kill either)."""
+    try:
+        return (proc_root / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def has_env_entry(proc_root: Path, pid: int, entry: bytes) -> bool:
     """Whether process ``pid``'s environment holds exactly ``entry`` (``NAME=value``)."""
-    try:
-        return entry in (proc_root / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:  # gone, or not ours to read (and so not ours to kill either)
-        return False
+    return entry in _environ(proc_root, pid)
 
 
 def env_value(proc_root: Path, pid: int, name: str) -> str | None:
     """The value of ``name`` in process ``pid``'s environment, or None."""
     prefix = f"{name}=".encode()
-    try:
-        entries = (proc_root / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((e[len(prefix):].decode(errors="replace") for e in entries if e.startswith(prefix)), None)
+    return next((e[len(prefix):].decode(errors="replace") for e in _environ(proc_root, pid)
+                 if e.startswith(prefix)), None)
 
 
 def job_processes(job_mark: str, proc_root: Path = Path("/proc")) -> set[int]:

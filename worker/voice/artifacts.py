@@ -315,15 +315,13 @@ class ArtifactUploader:
             if item.key not in listed:
                 continue
             if listed[item.key] != item.size_bytes:
-                raise StorageError(f"{self.uri(item.key)} already holds other bytes; an existing object is "
-                                   "never replaced")
+                raise self._other_bytes(item.key)
             candidates.append(item)
         for item, head in zip(candidates, self._pool().map(lambda i: self._head(i.key), candidates), strict=True):
             if head is None:
                 continue  # deleted since the listing: written again below
             if not object_matches(head, item.sha256_hex, item.size_bytes):
-                raise StorageError(f"{self.uri(item.key)} already holds other bytes; an existing object is "
-                                   "never replaced")
+                raise self._other_bytes(item.key)
             log.info("artifacts.reused", key=item.key, size_bytes=item.size_bytes)
             item.stored = Stored(self.uri(item.key), item.key, written=False)
 
@@ -511,8 +509,11 @@ class ArtifactUploader:
     def _accept_existing(self, key: str, sha256_hex: str, size_bytes: int) -> None:
         """Another write got to the key first: fine if it holds our bytes, never replaced otherwise."""
         if not object_matches(self._head(key), sha256_hex, size_bytes):
-            raise StorageError(f"{self.uri(key)} already holds other bytes; an existing object is never replaced")
+            raise self._other_bytes(key)
         log.info("artifacts.reused", key=key, size_bytes=size_bytes, note="written concurrently")
+
+    def _other_bytes(self, key: str) -> StorageError:
+        return StorageError(f"{self.uri(key)} already holds other bytes; an existing object is never replaced")
 
     def _head(self, key: str) -> dict | None:
         try:
