@@ -8,10 +8,63 @@ import hashlib
 import os
 import shutil
 import stat
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 HASH_CHUNK_BYTES = 1 << 20
+# A file whose last change is closer than this to the end of its hashing is "racy" (git's word): a
+# later write could land in the same timestamp tick (the kernel stamps files from a coarse clock, a
+# few ms) and leave its identity unchanged. Timestamps without a sub-second part (a file system that
+# keeps whole seconds) need a margin of more than one of their ticks.
+RACY_MARGIN_NS = 50_000_000
+RACY_MARGIN_WHOLE_SECONDS_NS = 2_000_000_000
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What changes whenever a file's bytes do, read with one ``fstat``: the same file (device and
+    inode), its size, and its modification and change times. A write, truncate or rename-over changes
+    at least one of them; the change time cannot be set back by an unprivileged process. Recorded
+    when a file is hashed, it lets a later reader trust that digest without reading the bytes again
+    (the way git's index and rsync decide a file is unchanged), provided it was not racy then."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> FileIdentity:
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+    @classmethod
+    def of_fd(cls, fd: int) -> FileIdentity:
+        return cls.of(os.fstat(fd))
+
+    def as_record(self) -> list[int]:
+        return [self.device, self.inode, self.size, self.mtime_ns, self.ctime_ns]
+
+    @classmethod
+    def from_record(cls, value: object) -> FileIdentity | None:
+        """The identity a manifest recorded; None for anything malformed (then the digest is checked)."""
+        if not (isinstance(value, list) and len(value) == 5
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+            return None
+        return cls(*value)
+
+
+def settled_identity(before: FileIdentity, after: FileIdentity, hashed_at_ns: int) -> FileIdentity | None:
+    """The identity to record for a file hashed between the two ``fstat`` calls, or None when it cannot
+    vouch for the digest: the file changed while it was hashed, or its last change is racy."""
+    if before != after:
+        return None
+    latest_ns = max(after.mtime_ns, after.ctime_ns)
+    whole_seconds = after.mtime_ns % 1_000_000_000 == 0 and after.ctime_ns % 1_000_000_000 == 0
+    margin_ns = RACY_MARGIN_WHOLE_SECONDS_NS if whole_seconds else RACY_MARGIN_NS
+    return after if hashed_at_ns - latest_ns >= margin_ns else None
 
 
 def sha256_and_size(path: Path) -> tuple[str, int]:
@@ -173,10 +226,15 @@ def output_problem(output_dir: Path, relative_path: str) -> str | None:
     return None
 
 
-def output_sha256_and_size(output_dir: Path, relative_path: str) -> tuple[str, int]:
-    """(hex SHA-256, size) of a declared output, read through ``open_output``; ``OutputRefused`` if refused."""
+def output_digest(output_dir: Path, relative_path: str) -> tuple[str, int, FileIdentity | None]:
+    """(hex SHA-256, size, identity) of a declared output, read through ``open_output`` (``OutputRefused``
+    if refused): the identity
+    (``settled_identity``) is None unless it can later vouch for this digest without a second read."""
     with os.fdopen(open_output(output_dir, relative_path), "rb") as handle:
-        return sha256_and_size_of(handle)
+        before = FileIdentity.of_fd(handle.fileno())
+        sha256_hex, size = sha256_and_size_of(handle)
+        after = FileIdentity.of_fd(handle.fileno())
+    return sha256_hex, size, settled_identity(before, after, time.time_ns())
 
 
 def sha256_and_size_of(handle: BinaryIO, copy_to: BinaryIO | None = None) -> tuple[str, int]:

@@ -9,26 +9,36 @@ reference trainer's checkpoints.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from pipeline.config import MANIFEST_DIR_NAME
 from pipeline.files import (
+    FileIdentity,
     OutputRefused,
     fsync_dir,
     open_output,
     open_regular,
-    output_sha256_and_size,
+    output_digest,
     sha256_and_size_of,
 )
 
 MANIFEST_VERSION = 1
 TEMP_MARKER = ".tmp-"
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+# A recorded identity lets a reader skip hashing a file, and a manifest lies in the output directory,
+# which the stages write: so only a manifest this process wrote may vouch with one. Its outputs are
+# sealed with a key that lives only in this process's memory (never in a file or a stage's
+# environment; ``run`` makes the worker undumpable); any other manifest's digests are checked by hashing.
+_SEAL_KEY = secrets.token_bytes(32)
 
 
 @contextmanager
@@ -72,13 +82,26 @@ def remove_stale_temps(directory: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
+class Recorded(NamedTuple):
+    """What a stage manifest records of one output: its digest and size, and the file's identity when
+    it was hashed (``pipeline.files.FileIdentity``). A reader whose open file still has that identity
+    has the hashed bytes without reading them again; without one (an older manifest, a racy file, a
+    copy), whoever relies on the digest hashes what it reads."""
+
+    sha256: str
+    size: int
+    identity: FileIdentity | None = None
+
+
 def describe_outputs(output_dir: Path, outputs: Iterable[str]) -> dict[str, dict]:
-    """Relative path -> {size, sha256} for each output, as recorded in a manifest."""
+    """Relative path -> {size, sha256[, identity]} for each output, as recorded in a manifest."""
     described = {}
     for rel in outputs:
         # Read the way the uploader reads it: a symlink anywhere on the path is refused, not hashed.
-        sha256_hex, size = output_sha256_and_size(output_dir, rel)
+        sha256_hex, size, identity = output_digest(output_dir, rel)
         described[rel] = {"size": size, "sha256": sha256_hex}
+        if identity is not None:
+            described[rel]["identity"] = identity.as_record()
     return described
 
 
@@ -90,11 +113,13 @@ def write_manifest(
     path: Path, output_dir: Path, stage_name: str, fingerprint: str, outputs: Sequence[str]
 ) -> dict:
     """Record the stage's outputs as they are now; returns the manifest written."""
+    described = describe_outputs(output_dir, outputs)
     manifest = {
         "version": MANIFEST_VERSION,
         "stage": stage_name,
         "fingerprint": fingerprint,
-        "outputs": describe_outputs(output_dir, outputs),
+        "outputs": described,
+        "seal": _seal(described),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
@@ -149,18 +174,19 @@ def read_manifest(
     return manifest, None
 
 
-def recorded_outputs(output_dir: Path) -> dict[str, tuple[str, int]]:
-    """Relative path -> (sha256 hex, size) of every output a stage manifest in ``output_dir`` records.
+def recorded_outputs(output_dir: Path) -> dict[str, Recorded]:
+    """Relative path -> ``Recorded`` of every output a stage manifest in ``output_dir`` records.
 
-    What the manifests say, not what the files hold now: whoever relies on a digest checks the bytes
-    it reads against it (the uploader does). Read by the no-link rule; a manifest that does not parse
-    is skipped, and so is an output whose entry is malformed or that two manifests disagree about.
+    What the manifests say, not what the files hold now: whoever relies on a digest checks the file
+    it reads against it, by its identity or by hashing it (the uploader and the publisher do). Read
+    by the no-link rule; a manifest that does not parse is skipped, and so is an output whose entry is
+    malformed or that two manifests disagree about.
     """
     try:
         names = sorted(os.listdir(Path(output_dir) / MANIFEST_DIR_NAME))
     except OSError:
         return {}
-    recorded: dict[str, tuple[str, int]] = {}
+    recorded: dict[str, Recorded] = {}
     disputed: set[str] = set()
     for name in names:
         if not name.endswith(".json"):
@@ -173,8 +199,9 @@ def recorded_outputs(output_dir: Path) -> dict[str, tuple[str, int]]:
         if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
             continue
         outputs = manifest.get("outputs")
+        sealed = isinstance(outputs, dict) and hmac.compare_digest(str(manifest.get("seal", "")), _seal(outputs))
         for rel, entry in (outputs.items() if isinstance(outputs, dict) else ()):
-            described = _described(entry)
+            described = _described(entry, sealed)
             if described is None or recorded.get(rel, described) != described:
                 disputed.add(rel)
             if described is not None:
@@ -182,7 +209,11 @@ def recorded_outputs(output_dir: Path) -> dict[str, tuple[str, int]]:
     return {rel: entry for rel, entry in recorded.items() if rel not in disputed}
 
 
-def _described(entry: object) -> tuple[str, int] | None:
+def _seal(outputs: dict) -> str:
+    return hmac.new(_SEAL_KEY, json.dumps(outputs, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def _described(entry: object, sealed: bool) -> Recorded | None:
     if not isinstance(entry, dict):
         return None
     sha256_hex, size = entry.get("sha256"), entry.get("size")
@@ -190,4 +221,5 @@ def _described(entry: object) -> tuple[str, int] | None:
         return None
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return None
-    return sha256_hex, size
+    identity = FileIdentity.from_record(entry.get("identity")) if sealed else None
+    return Recorded(sha256_hex, size, identity if identity is not None and identity.size == size else None)

@@ -9,14 +9,19 @@ import shutil
 
 import pytest
 
+import pipeline.files
 from pipeline.files import (
     HASH_CHUNK_BYTES,
+    RACY_MARGIN_NS,
+    RACY_MARGIN_WHOLE_SECONDS_NS,
+    FileIdentity,
     file_sha256,
     fsync_dir,
+    output_digest,
     output_problem,
-    output_sha256_and_size,
     real_directory,
     remove_output,
+    settled_identity,
     sha256_and_size,
 )
 
@@ -56,7 +61,7 @@ def test_a_regular_file_inside_the_output_dir_is_an_output(tmp_path):
     """A non-empty regular file reached through real directories opens and hashes."""
     out, _ = _output(tmp_path)
     assert output_problem(out, "full/model.pth") is None
-    assert output_sha256_and_size(out, "full/model.pth") == (hashlib.sha256(b"weights").hexdigest(), 7)
+    assert output_digest(out, "full/model.pth")[:2] == (hashlib.sha256(b"weights").hexdigest(), 7)
 
 
 @pytest.mark.parametrize(("change", "why"), [
@@ -154,3 +159,37 @@ def test_real_directory_refuses_a_linked_base(tmp_path):
     with pytest.raises(OSError):
         real_directory(tmp_path / "base", "checkpoints/train")
     assert list((tmp_path / "real").iterdir()) == []
+
+
+IDENTITY = FileIdentity(device=1, inode=2, size=3, mtime_ns=10_000_000_123, ctime_ns=10_000_000_456)
+
+
+def test_a_file_unchanged_while_hashed_and_settled_long_enough_keeps_its_identity():
+    """Hashed a full racy margin after its last change, with the same identity before and after: vouched."""
+    hashed_at_ns = IDENTITY.ctime_ns + RACY_MARGIN_NS
+    assert settled_identity(IDENTITY, IDENTITY, hashed_at_ns) == IDENTITY
+    assert settled_identity(IDENTITY, IDENTITY, hashed_at_ns - 1) is None
+
+
+def test_a_file_that_changed_while_it_was_hashed_gets_no_identity():
+    """Any difference between the identity before and after the hashing: the digest vouches for nothing."""
+    later = FileIdentity(1, 2, 3, IDENTITY.mtime_ns, IDENTITY.ctime_ns + 1)
+    assert settled_identity(IDENTITY, later, IDENTITY.ctime_ns + 10 * RACY_MARGIN_NS) is None
+
+
+def test_whole_second_timestamps_need_a_margin_of_more_than_a_second():
+    """A file system that keeps whole seconds could stamp a later write with the same second."""
+    coarse = FileIdentity(1, 2, 3, mtime_ns=10_000_000_000, ctime_ns=10_000_000_000)
+    assert settled_identity(coarse, coarse, coarse.ctime_ns + RACY_MARGIN_NS) is None
+    assert settled_identity(coarse, coarse, coarse.ctime_ns + RACY_MARGIN_WHOLE_SECONDS_NS) == coarse
+
+
+def test_output_digest_gives_the_identity_the_open_file_had(tmp_path, monkeypatch):
+    """output_digest's identity is the file's own fstat when it is settled."""
+    monkeypatch.setattr(pipeline.files, "RACY_MARGIN_NS", 0)
+    out = tmp_path / "out"
+    (out / "full").mkdir(parents=True)
+    (out / "full/model.pth").write_bytes(b"weights")
+    sha256_hex, size, identity = output_digest(out, "full/model.pth")
+    assert (sha256_hex, size) == (hashlib.sha256(b"weights").hexdigest(), 7)
+    assert identity == FileIdentity.of(os.stat(out / "full/model.pth"))

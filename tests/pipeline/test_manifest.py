@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from pipeline.files import file_sha256
+import pipeline.files
+import pipeline.manifest
+from pipeline.files import FileIdentity, file_sha256
 from pipeline.manifest import (
     atomic_write_bytes,
     manifest_path,
@@ -35,7 +38,7 @@ def test_fresh_manifest_verifies_and_records_sizes_and_hashes(written):
     out, path = written
     assert manifest_problem(path, out, "train_full", "fp1", OUTPUTS) is None
     recorded = json.loads(path.read_text())["outputs"]
-    assert recorded["full/model.pth"] == {
+    assert {key: recorded["full/model.pth"][key] for key in ("size", "sha256")} == {
         "size": 700,
         "sha256": file_sha256(out / "full/model.pth"),
     }
@@ -143,8 +146,55 @@ def test_recorded_outputs_gives_each_manifests_digests(written):
     """recorded_outputs reads every stage manifest: (sha256, size) by output path."""
     out, _ = written
     write_manifest(manifest_path(out, "embed"), out, "embed", "fp2", ["full/config.json"])
-    assert recorded_outputs(out) == {
+    assert {rel: (entry.sha256, entry.size) for rel, entry in recorded_outputs(out).items()} == {
         rel: (file_sha256(out / rel), (out / rel).stat().st_size) for rel in OUTPUTS}
+
+
+@pytest.fixture
+def no_racy_margin(monkeypatch):
+    """Files count as settled as soon as they are hashed (the tests write them just before)."""
+    monkeypatch.setattr(pipeline.files, "RACY_MARGIN_NS", 0)
+    monkeypatch.setattr(pipeline.files, "RACY_MARGIN_WHOLE_SECONDS_NS", 0)
+
+
+def test_a_manifest_this_process_wrote_records_each_settled_files_identity(tmp_path, no_racy_margin):
+    """A settled file's identity is recorded with its digest, and recorded_outputs hands it on."""
+    out = tmp_path / "output"
+    for rel in OUTPUTS:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(rel.encode())
+    write_manifest(manifest_path(out, "train_full"), out, "train_full", "fp1", OUTPUTS)
+    assert {rel: entry.identity for rel, entry in recorded_outputs(out).items()} == {
+        rel: FileIdentity.of(os.stat(out / rel)) for rel in OUTPUTS}
+
+
+def test_a_racy_file_gets_no_identity(tmp_path, monkeypatch):
+    """A file changed less than the racy margin before its hashing ended is recorded without an identity."""
+    out = tmp_path / "output"
+    (out / "full").mkdir(parents=True)
+    (out / "full/model.pth").write_bytes(b"just written")
+    changed_ns = os.stat(out / "full/model.pth").st_ctime_ns
+    clock = type("Clock", (), {"time_ns": staticmethod(lambda: changed_ns + pipeline.files.RACY_MARGIN_NS - 1)})
+    monkeypatch.setattr(pipeline.files, "time", clock)
+    write_manifest(manifest_path(out, "train_full"), out, "train_full", "fp1", ["full/model.pth"])
+    assert recorded_outputs(out)["full/model.pth"].identity is None
+
+
+def test_a_manifest_not_sealed_by_this_process_vouches_no_identity(tmp_path, no_racy_margin, monkeypatch):
+    """An edited manifest, or one another process wrote, keeps its digests but loses its identities."""
+    out = tmp_path / "output"
+    (out / "full").mkdir(parents=True)
+    (out / "full/model.pth").write_bytes(b"weights")
+    path = manifest_path(out, "train_full")
+    write_manifest(path, out, "train_full", "fp1", ["full/model.pth"])
+    assert recorded_outputs(out)["full/model.pth"].identity is not None
+    manifest = json.loads(path.read_text())
+    manifest["outputs"]["full/model.pth"]["sha256"] = "0" * 64
+    path.write_text(json.dumps(manifest))
+    assert recorded_outputs(out)["full/model.pth"] == pipeline.manifest.Recorded("0" * 64, 7, None)
+    write_manifest(path, out, "train_full", "fp1", ["full/model.pth"])
+    monkeypatch.setattr(pipeline.manifest, "_SEAL_KEY", b"another process")
+    assert recorded_outputs(out)["full/model.pth"].identity is None
 
 
 def test_recorded_outputs_leaves_out_what_manifests_dispute_or_garble(written):

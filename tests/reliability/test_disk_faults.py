@@ -9,6 +9,7 @@ that a retry would trust (``half_written``), and once the disk is whole again th
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -290,9 +291,38 @@ def test_disk_full_as_a_stage_finishes_leaves_neither_manifest_nor_outputs(rig):
     rig.assert_completed()
 
 
-def test_disk_full_during_the_publish_is_retried_and_leaves_no_partial_model(rig):
-    """Publishing the models on a full disk is a retryable error that names no model path and leaves no
-    partial file; once there is room the retry publishes files that hold the uploaded bytes."""
+def test_disk_full_before_the_publish_does_not_stop_a_linked_publish(rig, monkeypatch):
+    """Publishing by hard link needs no room for the models' bytes: on a full disk the job still commits."""
+    import pipeline.files
+
+    monkeypatch.setattr(pipeline.files, "RACY_MARGIN_NS", 0)  # the outputs count as settled when hashed
+    rig.at("trained", 100.0, lambda: rig.fs.fill(leave_bytes=256 * 1024))
+    assert rig.deliver() == "ack"
+    rig.assert_completed()
+    assert_published_files_whole(rig)
+    assert_model_paths_hold_the_uploaded_bytes(rig)
+
+
+@pytest.fixture
+def no_links(monkeypatch):
+    """MODELS_ROOT as if on another file system: linking the attempt's file fails with EXDEV."""
+    import errno
+
+    import worker.voice.publish
+
+    real_link = os.link
+
+    def cross_device(src, dst, **kwargs):
+        if str(src).startswith("/proc/self/fd/"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_link(src, dst, **kwargs)
+
+    monkeypatch.setattr(worker.voice.publish.os, "link", cross_device)
+
+
+def test_disk_full_during_the_publish_is_retried_and_leaves_no_partial_model(rig, no_links):
+    """Publishing the models by copy on a full disk is a retryable error that names no model path and
+    leaves no partial file; once there is room the retry publishes files that hold the uploaded bytes."""
     rig.at("trained", 100.0, lambda: rig.fs.fill(leave_bytes=256 * 1024))
     assert_retryable_failure(rig, rig.deliver(), "StorageError", "No space left on device")
     assert not (rig.store.get_profile(rig.profile_id) or {}).get("modelPaths")

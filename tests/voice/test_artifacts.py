@@ -15,6 +15,8 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
+from pipeline.files import FileIdentity
+from pipeline.manifest import Recorded
 from worker.core.errors import LeaseLost, StageFailed, StorageError
 from worker.voice.artifacts import (
     ArtifactUploader,
@@ -32,6 +34,7 @@ MIB = 1024 * 1024
 COUNTED = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
            "HeadObject", "AbortMultipartUpload", "ListObjectsV2")
 SHA = "ab" * 32
+LONG_AGO_NS = 1_600_000_000 * 10**9
 
 
 @pytest.fixture
@@ -604,10 +607,18 @@ def mixed_files(root: Path) -> dict[str, Path]:
     return {name: write(root / f"{name}.bin", os.urandom(size)) for name, size in sizes.items()}
 
 
-def recorded_for(root: Path, files: dict[str, Path]) -> dict[str, tuple[str, int]]:
-    """What the stage manifests would record for the files: (sha256, size) by path under ``root``."""
-    return {path.relative_to(root).as_posix(): (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size)
-            for path in files.values()}
+def recorded_for(root: Path, files: dict[str, Path], *, settled: bool = False) -> dict[str, Recorded]:
+    """What the stage manifests would record for the files by path under ``root``: (sha256, size), and with
+    ``settled`` each file's identity, its modification time first set far back (as a file written long
+    before its hashing), so that any later write shows in the identity."""
+    recorded = {}
+    for path in files.values():
+        if settled:
+            os.utime(path, ns=(LONG_AGO_NS, LONG_AGO_NS))
+        identity = FileIdentity.of(os.stat(path)) if settled else None
+        recorded[path.relative_to(root).as_posix()] = Recorded(
+            hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_size, identity)
+    return recorded
 
 
 def test_the_five_files_go_up_at_once(s3, tmp_path):
@@ -703,17 +714,17 @@ def test_a_listed_key_of_the_right_size_is_reused_only_if_its_sha256_matches(s3,
 
 
 def test_each_file_is_hashed_once_when_its_digest_is_recorded(s3, hashing, tmp_path):
-    """With the manifests' digests, the upload hashes every byte once (as it is sent), and a retry none."""
+    """With the manifests' digests but no identities, the upload hashes every byte once (as it is sent), and a retry none."""
     files = mixed_files(tmp_path)
     recorded = recorded_for(tmp_path, files)
     uploader = small_parts_uploader(s3)
     uris = uploader.upload_all(tmp_path, files, key_under("k"), recorded=recorded)
-    assert hashing.hashed_bytes == sum(size for _sha, size in recorded.values())
+    assert hashing.hashed_bytes == sum(entry.size for entry in recorded.values())
     hashing.hashed_bytes = 0
     assert uploader.upload_all(tmp_path, files, key_under("k"), recorded=recorded) == uris
     assert hashing.hashed_bytes == 0
     for name, uri in uris.items():
-        assert uri.endswith(f"/{recorded[f'{name}.bin'][0]}/{name}.bin")
+        assert uri.endswith(f"/{recorded[f'{name}.bin'].sha256}/{name}.bin")
         assert body(s3, uri.removeprefix(f"s3://{BUCKET}/")) == files[name].read_bytes()
 
 
@@ -721,7 +732,7 @@ def test_each_file_is_hashed_once_when_its_digest_is_recorded(s3, hashing, tmp_p
 def test_bytes_that_do_not_hash_to_the_recorded_digest_are_never_stored(s3, calls, tmp_path, size):
     """A file whose bytes are not the ones its manifest recorded is refused: StageFailed, no object, aborted."""
     write(tmp_path / "model.pth", os.urandom(size))
-    recorded = (hashlib.sha256(b"other bytes").hexdigest(), size)
+    recorded = Recorded(hashlib.sha256(b"other bytes").hexdigest(), size)
     with pytest.raises(StageFailed, match="changed while it was uploaded"):
         upload(small_parts_uploader(s3), tmp_path, "model.pth", recorded=recorded)
     assert calls["PutObject"] == calls["CompleteMultipartUpload"] == 0
@@ -747,11 +758,53 @@ def test_a_file_rewritten_after_its_digest_was_recorded_is_not_completed(s3, cal
     assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
 
 
+def test_a_file_still_showing_its_recorded_identity_is_sent_without_being_read_twice(s3, hashing, tmp_path):
+    """With each file's identity recorded and unchanged, the upload hashes nothing and stores the bytes."""
+    files = mixed_files(tmp_path)
+    recorded = recorded_for(tmp_path, files, settled=True)
+    uris = small_parts_uploader(s3).upload_all(tmp_path, files, key_under("k"), recorded=recorded)
+    assert hashing.hashed_bytes == 0
+    for name, uri in uris.items():
+        assert uri.endswith(f"/{recorded[f'{name}.bin'].sha256}/{name}.bin")
+        assert body(s3, uri.removeprefix(f"s3://{BUCKET}/")) == files[name].read_bytes()
+
+
+@pytest.mark.parametrize("size", [1000, 11 * MIB], ids=["single PUT", "multipart"])
+def test_a_file_written_after_its_identity_was_recorded_is_hashed_and_refused(s3, calls, tmp_path, size):
+    """Another identity than the recorded one sends the file down the hashing path: other bytes are refused."""
+    path = write(tmp_path / "model.pth", os.urandom(size))
+    recorded = recorded_for(tmp_path, {"fullModel": path}, settled=True)["model.pth"]
+    path.write_bytes(os.urandom(size))
+    with pytest.raises(StageFailed, match="changed while it was uploaded"):
+        upload(small_parts_uploader(s3), tmp_path, "model.pth", recorded=recorded)
+    assert calls["PutObject"] == calls["CompleteMultipartUpload"] == 0
+    assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET)
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
+@pytest.mark.parametrize("when", ["CreateMultipartUpload", "UploadPart"])
+def test_a_file_written_while_its_unread_parts_go_up_is_never_completed(s3, calls, tmp_path, when):
+    """A write during the upload of a file trusted by its identity changes the identity: never completed."""
+    path = write(tmp_path / "big.pth", os.urandom(16 * MIB))
+    recorded = recorded_for(tmp_path, {"fullModel": path}, settled=True)["big.pth"]
+
+    def rewrite_tail(**_kwargs):
+        with open(path, "r+b") as handle:
+            handle.seek(-1024, os.SEEK_END)
+            handle.write(b"\0" * 1024)
+
+    s3.meta.events.register(f"before-call.s3.{when}", rewrite_tail)
+    with pytest.raises(StageFailed, match="changed while it was uploaded"):
+        upload(small_parts_uploader(s3), tmp_path, "big.pth", recorded=recorded)
+    assert calls["CompleteMultipartUpload"] == 0 and calls["AbortMultipartUpload"] == 1
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads")
+
+
 def test_a_recorded_size_that_is_not_the_files_fails_before_s3_is_asked(s3, calls, tmp_path):
     """A file whose size is not the recorded one has changed since its stage: StageFailed, no request."""
     write(tmp_path / "model.pth", b"12345")
     with pytest.raises(StageFailed, match="changed since its stage recorded it"):
-        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth", recorded=(SHA, 4))
+        upload(ArtifactUploader(s3, BUCKET), tmp_path, "model.pth", recorded=Recorded(SHA, 4))
     assert calls == Counter()
 
 

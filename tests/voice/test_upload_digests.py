@@ -1,13 +1,15 @@
-"""The job hands the stage manifests' digests to the uploader: no file is hashed before it is sent, and
-bytes that do not match their recorded digest are never stored."""
+"""The job hands the stage manifests' digests and identities to the uploader and the publisher: each file
+is hashed once, by its manifest, and bytes that do not match their recorded digest are never stored."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 
 import pytest
 
+import pipeline.files
 import worker.voice.artifacts
 from pipeline.manifest import manifest_path, write_manifest
 from tests.voice.conftest import BUCKET, PROFILE_ID, deliver
@@ -76,20 +78,77 @@ def uploader_hashing(monkeypatch) -> list[int]:
     return total
 
 
+@pytest.fixture
+def no_racy_margin(monkeypatch):
+    """Files count as settled as soon as they are hashed (the fake pipeline writes them just before)."""
+    monkeypatch.setattr(pipeline.files, "RACY_MARGIN_NS", 0)
+    monkeypatch.setattr(pipeline.files, "RACY_MARGIN_WHOLE_SECONDS_NS", 0)
+
+
+@pytest.fixture
+def all_hashing(monkeypatch) -> list[int]:
+    """Bytes hashed anywhere on the way (manifests, uploader, publisher): one running total."""
+    total = [0]
+    real_sha256 = hashlib.sha256
+
+    class Counting:
+        def __init__(self, data=b""):
+            self._real = real_sha256()
+            self.update(data)
+
+        def update(self, chunk):
+            total[0] += len(chunk)
+            self._real.update(chunk)
+
+        def hexdigest(self):
+            return self._real.hexdigest()
+
+    counting = type("hashlib", (), {"sha256": Counting})
+    monkeypatch.setattr(worker.voice.artifacts, "hashlib", counting)
+    monkeypatch.setattr(pipeline.files, "hashlib", counting)
+    return total
+
+
 def test_the_job_uploads_each_file_hashing_it_once(small_parts_handler, train, raw_store, s3, uploader_hashing):
-    """With the stages' manifests, the job's upload hashes each byte once and commits keys named by them."""
+    """Without identities (files racy at their manifest), the job's upload hashes each byte once as it is sent."""
     handler = small_parts_handler(with_manifest(train))
     assert deliver(handler, 1) == "completed"
     s3_paths = raw_store.get_profile(PROFILE_ID)["s3Paths"]
     sizes = [s3.head_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["ContentLength"]
              for uri in s3_paths.values()]
-    assert uploader_hashing[0] == sum(sizes)
+    assert 0 < uploader_hashing[0] <= sum(sizes)
     assert sorted(uri.removeprefix(f"s3://{BUCKET}/") for uri in s3_paths.values()) == sorted(objects(s3))
 
 
+def test_settled_files_are_hashed_once_by_their_manifest_and_never_again(
+        small_parts_handler, train, raw_store, s3, no_racy_margin, all_hashing):
+    """With the manifests' identities, the whole commit hashes each byte once; the models are linked, not copied."""
+    sizes: dict[str, int] = {}
+    start = [0]
+
+    def counted_from_the_start(job, work_dir, stop, progress):
+        start[0] = all_hashing[0]
+        paths = with_manifest(train)(job, work_dir, stop, progress)
+        sizes.update({name: path.stat().st_size for name, path in paths.items()})
+        return paths
+
+    handler = small_parts_handler(counted_from_the_start)
+    assert deliver(handler, 1) == "completed"
+    assert all_hashing[0] - start[0] == sum(sizes.values())
+    profile = raw_store.get_profile(PROFILE_ID)
+    for name, uri in profile["s3Paths"].items():
+        stored = s3.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["Body"].read()
+        assert stored == Path(profile["modelPaths"][name]).read_bytes()
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["racy", "settled"])
 @pytest.mark.parametrize("forged", ["fullModel", "fullConfig"], ids=["multipart", "single PUT"])
-def test_a_recorded_digest_the_bytes_do_not_match_is_never_stored_under(small_parts_handler, train, s3, forged):
-    """A manifest digest the file's bytes do not hash to fails the attempt; no key names it."""
+def test_a_recorded_digest_the_bytes_do_not_match_is_never_stored_under(small_parts_handler, train, s3, forged,
+                                                                        settled, monkeypatch):
+    """A manifest digest the file's bytes do not hash to fails the attempt; no key names it (an edited
+    manifest loses its seal, so its identities vouch for nothing)."""
+    if settled:
+        monkeypatch.setattr(pipeline.files, "RACY_MARGIN_NS", 0)
     handler = small_parts_handler(with_manifest(train, forge=forged))
     with pytest.raises(StageFailed, match="changed while it was uploaded"):
         deliver(handler, 1)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.files import FileIdentity
 from tests.voice.conftest import JOB_ID, PROFILE_ID, message_body
 from worker.core.errors import StorageError, StoreError
 from worker.voice.job import artifact_rels, attempt_dir_name
@@ -166,6 +167,87 @@ def test_a_file_published_by_someone_else_between_check_and_link_is_not_replaced
         publish_now(source, "full/model.pth", models)
     assert final.read_bytes() == b"theirs"
     assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
+
+
+def settled_source(tmp_path: Path, data: bytes = b"trained weights") -> tuple[Path, str, FileIdentity]:
+    """A stage output as its manifest saw it: written long before it was hashed, with the identity recorded."""
+    from pipeline.files import sha256_and_size
+
+    source = tmp_path / "out" / "full" / "model.pth"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    source.write_bytes(data)
+    os.utime(source, ns=(1_600_000_000 * 10**9,) * 2)
+    return source, sha256_and_size(source)[0], FileIdentity.of(os.stat(source))
+
+
+def test_a_file_still_showing_its_recorded_identity_is_linked_into_place_not_copied(tmp_path, monkeypatch):
+    """The attempt's own file becomes the published one (same inode), its data synced, nothing hashed."""
+    import worker.voice.publish as publish
+
+    source, sha256_hex, identity = settled_source(tmp_path)
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(publish.os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd)))
+    monkeypatch.setattr(publish, "sha256_and_size_of", lambda *a, **k: pytest.fail("the file was copied"))
+    final = publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, tmp_path / "models",
+                         identity)
+    assert os.stat(final).st_ino == identity.inode and final.read_bytes() == b"trained weights"
+    assert identity.inode in synced
+    assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
+
+
+def test_a_file_whose_identity_changed_since_its_hashing_is_copied_and_checked(tmp_path):
+    """A write after the manifest changes the identity: the copy path hashes it and refuses other bytes."""
+    source, sha256_hex, identity = settled_source(tmp_path)
+    source.write_bytes(b"trained WEIGHTS")
+    models = tmp_path / "models"
+    with pytest.raises(StorageError, match="changed since it was uploaded"):
+        publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, models, identity)
+    assert [p for p in models.rglob("*") if p.is_file()] == []
+
+
+def test_a_file_system_that_cannot_link_gets_a_checked_copy(tmp_path, monkeypatch):
+    """MODELS_ROOT on another file system (EXDEV): the file is copied, hashed on the way, and published."""
+    import errno
+
+    import worker.voice.publish as publish
+
+    source, sha256_hex, identity = settled_source(tmp_path)
+    real_link = os.link
+
+    def cross_device(src, dst, **kwargs):
+        if str(src).startswith("/proc/self/fd/"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_link(src, dst, **kwargs)
+
+    monkeypatch.setattr(publish.os, "link", cross_device)
+    final = publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, tmp_path / "models",
+                         identity)
+    assert os.stat(final).st_ino != identity.inode and final.read_bytes() == b"trained weights"
+    assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
+
+
+def test_a_linked_publish_never_replaces_a_file_someone_else_published_first(tmp_path, monkeypatch):
+    """When another attempt takes the final name with other bytes just before our link, theirs stays."""
+    import worker.voice.publish as publish
+
+    source, sha256_hex, identity = settled_source(tmp_path)
+    final = published_path(tmp_path / "models", sha256_hex, "full/model.pth")
+    checks = iter([False])
+    real_check = publish._same_file_there
+
+    def racing_check(path, sha, size):
+        if next(checks, None) is False:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"theirs")
+            return False
+        return real_check(path, sha, size)
+
+    monkeypatch.setattr(publish, "_same_file_there", racing_check)
+    with pytest.raises(StorageError, match="never replaced"):
+        publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, tmp_path / "models",
+                     identity)
+    assert final.read_bytes() == b"theirs" and source.read_bytes() == b"trained weights"
 
 
 def test_the_cleanup_never_removes_a_models_root_inside_the_work_dir(tmp_path):

@@ -19,15 +19,17 @@
   longest) overlaps the others' parts.
 * Bytes are read from the file opened without following any link (``pipeline.files.open_output``).
 
-Each file is hashed once, while it is read to be sent. The digest that names the key is the one the
-file's stage manifest recorded (``recorded``, from ``pipeline.manifest.recorded_outputs``), so the key
-is known, and a stored object reused, before a byte is read; a reused object is not read at all (its
-bytes were checked when it was written, and the published copy is checked against the same digest,
-``worker.voice.publish``). The file can still change between its manifest and the upload: each part
-is hashed as it is read and sent from that same buffer, and the upload is completed (a single PUT:
-sent) only when the digest of everything read is the recorded one; otherwise ``StageFailed`` and the
-multipart upload is aborted, so no key ever names other bytes. A file no manifest records is hashed
-first to name its key, then checked the same way while it is sent.
+Each file is hashed once, by its stage's manifest (``pipeline.manifest``), which records the digest
+with the file's identity (``pipeline.files.FileIdentity``: device, inode, size, modification and
+change times). That digest names the key (``recorded``, from ``pipeline.manifest.recorded_outputs``),
+so the key is known, and a stored object reused, before a byte is read; a reused object is not read
+at all (its bytes were checked when it was written). The file could still change between its
+manifest and the upload, so the descriptor the bytes are read from must show the recorded identity
+when it is opened and again once the last byte is read; only then is the upload completed (a
+single PUT: sent). A write in between changes the identity: ``StageFailed``, the multipart upload is
+aborted, and no key ever names other bytes. A file with no recorded identity (an older manifest, a
+racy file, a copy) is hashed as it is read and sent from that same buffer, and checked against the
+digest instead; a file no manifest records is hashed first to name its key, then checked the same way.
 
 In flight, every request carries S3's default CRC32 checksum, not SHA-256: a multipart object's
 SHA-256 checksum is a checksum of the parts' checksums, never the file's digest, so it would be a
@@ -56,6 +58,7 @@ import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline.files import (
+    FileIdentity,
     OutputRefused,
     open_output,
     output_parts,
@@ -63,6 +66,7 @@ from pipeline.files import (
     relative_output,
     sha256_and_size_of,
 )
+from pipeline.manifest import Recorded
 from worker.core.errors import StageFailed, StorageError
 from worker.core.redact import redact_urls_in_text
 from worker.voice.message import is_safe_name
@@ -169,9 +173,6 @@ class Stored:
     written: bool  # False: an object already holding these bytes was reused
 
 
-Recorded = tuple[str, int]  # (sha256 hex, size in bytes) a stage manifest records for an output
-
-
 @dataclass(eq=False)
 class _Artifact:
     """One file of an ``upload_all`` call, from its open descriptor to its stored object."""
@@ -180,9 +181,12 @@ class _Artifact:
     handle: BinaryIO
     size_bytes: int
     sha256_hex: str
+    # The identity the digest was recorded with, when the open file showed it: then the bytes read
+    # are the hashed ones as long as it still shows it, and nothing is hashed again.
+    identity: FileIdentity | None = None
     key: str = ""
     data: bytes | None = None  # a file below the multipart threshold, read whole: the bytes sent
-    hasher: Any = None  # hashlib.sha256() of the bytes read so far (multipart)
+    hasher: Any = None  # hashlib.sha256() of the bytes read so far (multipart, no identity)
     read_bytes: int = 0
     chunk_bytes: int = 0
     upload_id: str | None = None
@@ -238,7 +242,7 @@ class ArtifactUploader:
                    recorded: Mapping[str, Recorded] | None = None) -> dict[str, str]:
         """Upload every asset, all at once; asset name -> s3:// URI, in the fixed order.
 
-        ``recorded``: (sha256, size) by path under ``output_dir``, as the stage manifests record them
+        ``recorded``: ``Recorded`` by path under ``output_dir``, as the stage manifests record them
         (``pipeline.manifest.recorded_outputs``); a file listed there is not hashed before it is sent.
         ``written`` collects, as they land, the keys this call created (not those it reused), so a
         caller that loses its claim midway knows what it may have left behind.
@@ -288,12 +292,14 @@ class ArtifactUploader:
             raise StageFailed(f"artifact {rel} cannot be uploaded: {exc}") from exc
         handle = files.enter_context(os.fdopen(fd, "rb"))
         try:
-            size_bytes = os.fstat(handle.fileno()).st_size
+            identity = FileIdentity.of_fd(handle.fileno())
+            size_bytes = identity.size
             if recorded is not None:
-                if recorded[1] != size_bytes:
+                if recorded.size != size_bytes:
                     raise StageFailed(f"artifact {rel} changed since its stage recorded it: {size_bytes} bytes, "
-                                      f"not {recorded[1]}")
-                return _Artifact(rel, handle, size_bytes, recorded[0])
+                                      f"not {recorded.size}")
+                unchanged = recorded.identity is not None and recorded.identity == identity
+                return _Artifact(rel, handle, size_bytes, recorded.sha256, identity=identity if unchanged else None)
             if size_bytes < self._threshold_bytes:
                 data = handle.read()
                 return _Artifact(rel, handle, len(data), hashlib.sha256(data).hexdigest(), data=data)
@@ -417,7 +423,7 @@ class ArtifactUploader:
                 item.data = item.handle.read(item.size_bytes + 1)
             except OSError as exc:
                 raise StageFailed(f"cannot read artifact {item.rel}: {exc.strerror or exc}") from exc
-            if hashlib.sha256(item.data).hexdigest() != item.sha256_hex:
+            if not _holds_its_digest(item):
                 raise _changed(item)
 
     def _submit_part(self, pool: ThreadPoolExecutor, item: _Artifact, part_proof: Guard,
@@ -429,9 +435,10 @@ class ArtifactUploader:
             raise StageFailed(f"cannot read artifact {item.rel}: {exc.strerror or exc}") from exc
         if not data:
             raise _changed(item)  # shorter than when it was named
-        item.hasher.update(data)
+        if item.hasher is not None:
+            item.hasher.update(data)
         item.read_bytes += len(data)
-        if item.read_all and item.hasher.hexdigest() != item.sha256_hex:
+        if item.read_all and not _holds_its_digest(item):
             raise _changed(item)
         item.parts_read += 1
         item.parts_in_flight += 1
@@ -460,7 +467,7 @@ class ArtifactUploader:
     # the claim before each part, nor to hash exactly the bytes it sends.
     def _create(self, item: _Artifact) -> None:
         item.chunk_bytes = max(self._chunk_bytes, -(-item.size_bytes // S3_MAX_PARTS))
-        item.hasher = hashlib.sha256()
+        item.hasher = hashlib.sha256() if item.identity is None else None
         try:
             item.upload_id = self._s3.create_multipart_upload(
                 Bucket=self._bucket, Key=item.key, Metadata={"sha256": item.sha256_hex},
@@ -532,6 +539,16 @@ class ArtifactUploader:
         except (ClientError, BotoCoreError) as exc:
             raise StorageError(f"listing {self.uri(prefix)} failed: {_describe(exc)}") from exc
         return listed
+
+
+def _holds_its_digest(item: _Artifact) -> bool:
+    """Whether every byte read is the bytes the key's digest was taken of: the open file still shows the
+    identity it was recorded with (nothing wrote to it since it was hashed), or what was read hashes to it."""
+    if item.identity is not None:
+        return FileIdentity.of_fd(item.handle.fileno()) == item.identity
+    if item.data is not None:
+        return hashlib.sha256(item.data).hexdigest() == item.sha256_hex
+    return item.hasher is not None and item.hasher.hexdigest() == item.sha256_hex
 
 
 def _changed(item: _Artifact) -> StageFailed:

@@ -495,16 +495,17 @@ class VoiceJobHandler:
             self._check_lease(lease)
             store_lease.ensure_live()
 
-        # The digests the stage manifests recorded name the keys, so no file is hashed before it is sent.
+        # The digests the stage manifests recorded name the keys, and their files' identities spare
+        # the uploader and the publisher a second read: each file is hashed once, by its manifest.
+        recorded = recorded_outputs(base_dir)
         s3_paths = self._uploader.upload_all(base_dir, paths, key_for, proof=proof,      # 2
-                                             part_proof=part_proof, written=written,
-                                             recorded=recorded_outputs(base_dir))
+                                             part_proof=part_proof, written=written, recorded=recorded)
         self._crash("after_upload")
         self._check_lease(lease)
         # Before the paths, so they never name a file that does not exist (see worker.voice.publish).
-        # The published copies must hold the bytes the objects hold: same rule, same digests.
+        # The published files must hold the bytes the objects hold: same rule, same digests.
         published = publish_all(base_dir, sources, rels,                         # 2b
-                                {name: digest_of[sources[name]] for name in paths}, models_dir)
+                                {name: digest_of[sources[name]] for name in paths}, models_dir, recorded)
         self._check_lease(lease)
         model_paths = {name: str(path) for name, path in published.items()}
         attempt.write_paths(model_paths, s3_paths)                               # 3

@@ -7,9 +7,15 @@ is copied to ``$MODELS_ROOT/<environment>/<directoryName>/<jobId>/<sha256>/<rela
 - content-addressed: a file's directory is named by its SHA-256, so two attempts that trained
   different bytes publish to different paths, and a stale attempt can never change what a committed
   profile names;
-- never replaced: the copy goes to a temp file in the same directory, is fsynced and then hard-linked
-  to its final name (``os.link`` fails when the name exists); an existing file is kept when its size
-  and SHA-256 match, and refused (a retryable ``StorageError``) when they do not;
+- no second copy, no second hash: the attempt's own file is hard-linked to its final name, after its
+  data is fsynced, when the descriptor opened for it still shows the identity its stage manifest
+  recorded with the digest (``pipeline.manifest.Recorded``: nothing wrote to it since it was hashed)
+  and MODELS_ROOT is on the same file system. The attempt's output directory is removed after the
+  commit, which only drops its name for the file. Otherwise (another file system, no identity) the
+  file is copied to a temp file in the same directory, hashed as it is copied, fsynced and then
+  hard-linked to its final name;
+- never replaced: ``os.link`` fails when the name exists; an existing file is kept when its size and
+  SHA-256 match, and refused (a retryable ``StorageError``) when they do not;
 - written before the paths, not after the commit: once step 3 has written them, a crash at any later
   point leaves a profile whose paths already exist, and a retry (``reusable_paths``) finds them.
 
@@ -18,6 +24,7 @@ Nothing here removes a published file; the job's scratch cleanup never reaches `
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Mapping
@@ -26,13 +33,17 @@ from typing import BinaryIO
 
 import structlog
 
-from pipeline.files import OutputRefused, fsync_dir, open_output, sha256_and_size, sha256_and_size_of
+from pipeline.files import FileIdentity, OutputRefused, fsync_dir, open_output, sha256_and_size, sha256_and_size_of
+from pipeline.manifest import Recorded
 from worker.core.errors import InvalidMessage, StorageError
 from worker.voice.message import Job
 
 log = structlog.get_logger(__name__)
 
 _TEMP_MARKER = ".publishing-"
+# Why a hard link of the open file can fail where a copy would not: another file system, no /proc
+# mounted (the link goes through /proc/self/fd), a kernel's hard-link protection, too many links.
+_CANNOT_LINK = frozenset({errno.EXDEV, errno.ENOENT, errno.EPERM, errno.EACCES, errno.EMLINK, errno.EOPNOTSUPP})
 
 
 def models_dir_for(models_root: Path, job: Job) -> Path:
@@ -61,23 +72,35 @@ def published_rel(models_dir: Path, path: Path) -> str | None:
 
 
 def publish_all(base_dir: Path, sources: Mapping[str, str], rels: Mapping[str, str],
-                digests: Mapping[str, str], models_dir: Path) -> dict[str, Path]:
+                digests: Mapping[str, str], models_dir: Path,
+                recorded: Mapping[str, Recorded] | None = None) -> dict[str, Path]:
     """Publish each artifact; the published paths.
 
     ``sources``: each file's path under ``base_dir`` (read by the pipeline's one output rule, no link
     followed); ``rels``: its path relative to the output directory; ``digests``: the SHA-256 its S3
-    object was stored under, which the published copy must hold too.
+    object was stored under, which the published file must hold too; ``recorded``: what the stage
+    manifests record by path under ``base_dir`` (``pipeline.manifest.recorded_outputs``).
     """
+    recorded = recorded or {}
     try:
-        return {name: publish_file(base_dir, sources[name], rels[name], digests[name], models_dir)
+        return {name: publish_file(base_dir, sources[name], rels[name], digests[name], models_dir,
+                                   _identity_for(recorded.get(sources[name]), digests[name]))
                 for name in sources}
     except OSError as exc:
         raise StorageError(f"publishing the models failed at {Path(exc.filename or 'MODELS_ROOT').name}: "
                            f"{exc.strerror or exc}") from exc
 
 
-def publish_file(base_dir: Path, source_rel: str, rel: str, sha256_hex: str, models_dir: Path) -> Path:
-    """Publish one file; returns its published path (the existing one when the same bytes are there)."""
+def _identity_for(recorded: Recorded | None, sha256_hex: str) -> FileIdentity | None:
+    return recorded.identity if recorded is not None and recorded.sha256 == sha256_hex else None
+
+
+def publish_file(base_dir: Path, source_rel: str, rel: str, sha256_hex: str, models_dir: Path,
+                 identity: FileIdentity | None = None) -> Path:
+    """Publish one file; returns its published path (the existing one when the same bytes are there).
+
+    ``identity``: the file's identity when it was hashed to ``sha256_hex``; while the open file still
+    shows it, the file itself is linked into place, else a copy is checked against the digest."""
     final = published_path(models_dir, sha256_hex, rel)
     if final == Path(base_dir) / source_rel:
         return final  # already the published file (a retry reusing the profile's paths)
@@ -86,10 +109,15 @@ def publish_file(base_dir: Path, source_rel: str, rel: str, sha256_hex: str, mod
     except OutputRefused as exc:
         raise StorageError(f"artifact {source_rel} cannot be published: {exc}") from exc
     with os.fdopen(fd, "rb") as source:
-        size = os.fstat(source.fileno()).st_size
+        now = FileIdentity.of_fd(source.fileno())
+        size = now.size
         if _same_file_there(final, sha256_hex, size):
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
+        if identity is not None and identity == now and _linked(source.fileno(), final, sha256_hex, size):
+            fsync_dir(final.parent)
+            log.info("artifacts.published", file=rel, sha256=sha256_hex, linked=True)
+            return final
         temp = final.with_name(f".{final.name}{_TEMP_MARKER}{os.getpid()}-{os.urandom(4).hex()}")
         try:
             if _copy(source, temp)[0] != sha256_hex:
@@ -107,6 +135,28 @@ def publish_file(base_dir: Path, source_rel: str, rel: str, sha256_hex: str, mod
             temp.unlink(missing_ok=True)
     log.info("artifacts.published", file=rel, sha256=sha256_hex)
     return final
+
+
+def _linked(fd: int, final: Path, sha256_hex: str, size: int) -> bool:
+    """Hard-link the open file itself (the inode whose identity was checked, not whatever its path
+    names now) to ``final``, its data synced first; False when this file system cannot, to copy instead."""
+    os.fsync(fd)  # the model paths written next must name bytes that are on disk
+    # A directory descriptor makes os.link call linkat(AT_SYMLINK_FOLLOW), which links the inode the
+    # /proc entry stands for; plain link(2) would try to link the /proc entry itself.
+    dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.link(f"/proc/self/fd/{fd}", final.name, dst_dir_fd=dir_fd, follow_symlinks=True)
+    except FileExistsError:
+        # Someone (another attempt) published first: theirs stays, if it holds the same bytes.
+        if not _same_file_there(final, sha256_hex, size):
+            raise StorageError(f"published file {final} exists with other content; it is never replaced") from None
+    except OSError as exc:
+        if exc.errno in _CANNOT_LINK:
+            return False
+        raise
+    finally:
+        os.close(dir_fd)
+    return True
 
 
 def _same_file_there(path: Path, sha256_hex: str, size: int) -> bool:
