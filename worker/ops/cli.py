@@ -13,7 +13,6 @@ from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
-from worker.ops.commands import EXIT_INTERRUPTED
 from worker.settings import Settings, daemon_problems, load_settings, missing
 
 log = structlog.get_logger(__name__)
@@ -310,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(exc.problems)
     except KeyboardInterrupt:
+        from worker.ops.commands import EXIT_INTERRUPTED  # not at the top: the daemon never needs the commands
+
         print(f"{args.command} interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (WorkerError, OSError) as exc:
