@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         # The daemon has no options to parse: argparse and the other commands' help stay unloaded.
         return _run_command(cmd_run, "run", None)
     args = build_parser().parse_args(argv)
-    if args.command is None:  # only options before the command, e.g. a bare "--": the daemon too
+    if args.command is None:  # no command after all: the daemon, as before
         return _run_command(cmd_run, "run", None)
     if not args.needs_settings:
         return args.func(None, args)
