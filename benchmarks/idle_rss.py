@@ -1,4 +1,4 @@
-"""Peak memory of an idle worker: `python -m worker run` long-polling an empty local queue.
+"""Memory of an idle worker: `python -m worker run` long-polling an empty local queue.
 
     python benchmarks/idle_rss.py [--seconds 15] [--wait-s 1]
 
@@ -8,11 +8,18 @@ side by side, is the least an SQS consumer can be: boto3, one SQS client, a rece
 queue. The ratio says what the worker's loop, heartbeat, settings, logging and store add to that.
 A third process, the baseline that also imports the libraries the worker is built on (pydantic,
 structlog, sqlite3), shows how much of that ratio they take before any of the worker's own code.
+
+The worker makes its job machinery (the handler, the pipeline, the message model, the S3 client) at
+the first message, so a fourth process shows what it holds once that has happened: a worker that
+took the demo's sample job (three s3:// clips, the reference trainer, five uploads) to completion
+and then idled for ``--seconds`` too. Its current RSS is the idle figure of a worker that has
+worked; its peak is the job's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +29,10 @@ import time
 from pathlib import Path
 
 from sqs_bench import ROOT, LocalAws, session
+
+from worker.ops.demo import dev_session, local_stack_env, provision, sample_job
+
+JOB_TIMEOUT_S = 180
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -65,8 +76,16 @@ def main() -> int:
             "libraries": subprocess.Popen([sys.executable, "-c", LIBRARIES], cwd=ROOT, env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
         }
+        # The same settings as the idle worker but its own queue (with a DLQ), store and work root.
+        job_env = {**env, **local_stack_env(aws.url, provision(dev_session(), aws.url), Path(tmp) / "job"),
+                   "SQS_WAIT_TIME_SECONDS": str(args.wait_s), "KEEP_WORK_FILES": "false", "LOG_FORMAT": "json"}
+        for name in ("METRICS_ENABLED", "LOG_LEVEL"):
+            job_env[name] = env.get(name, "")  # as the idle worker has them: unset means the defaults
+        procs["after one job"] = subprocess.Popen([sys.executable, "-m", "worker", "run"], cwd=ROOT, env=job_env,
+                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         figures = {}
         try:
+            job_id = run_one_job(job_env, procs["after one job"])
             time.sleep(args.seconds)
             for name, proc in procs.items():
                 if proc.poll() is not None:
@@ -76,12 +95,36 @@ def main() -> int:
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
-    print(f"after {args.seconds:g} s idle (long polls of {args.wait_s} s):")
+    print(f"after {args.seconds:g} s idle (long polls of {args.wait_s} s); the fourth after job {job_id} too:")
     for name, (peak_kib, now_kib) in figures.items():
-        print(f"  {name:10} peak RSS {peak_kib / 1024:6.1f} MiB, current RSS {now_kib / 1024:6.1f} MiB")
+        print(f"  {name:13} peak RSS {peak_kib / 1024:6.1f} MiB, current RSS {now_kib / 1024:6.1f} MiB")
     print(f"  ratio worker/baseline (peak) {figures['worker'][0] / figures['baseline'][0]:.2f}")
     print(f"  ratio libraries/baseline (peak) {figures['libraries'][0] / figures['baseline'][0]:.2f}")
+    print(f"  ratio after one job/baseline (current) {figures['after one job'][1] / figures['baseline'][1]:.2f}"
+          f" (peak, the job's own: {figures['after one job'][0] / figures['baseline'][0]:.2f})")
     return 0
+
+
+def run_one_job(env: dict[str, str], worker: subprocess.Popen) -> str:
+    """Submit the demo's sample job with the CLI and wait until the worker has completed it."""
+    submitted = subprocess.run([sys.executable, "-m", "worker", "submit", "-", "--json"], cwd=ROOT, env=env,
+                               input=json.dumps(sample_job()), capture_output=True, text=True, timeout=60)
+    if submitted.returncode != 0:
+        raise SystemExit(f"submit failed: {submitted.stderr.strip()}")
+    job_id = json.loads(submitted.stdout)["jobId"]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if worker.poll() is not None:
+            raise SystemExit(f"the worker that takes the job exited with {worker.returncode}")
+        shown = subprocess.run([sys.executable, "-m", "worker", "status", job_id, "--json"], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=60)
+        status = json.loads(shown.stdout)["job"]["status"] if shown.returncode == 0 else None
+        if status == "completed":
+            return job_id
+        if status in ("error", "cancelled"):
+            raise SystemExit(f"job {job_id} ended {status}: {shown.stdout}")
+        time.sleep(0.5)
+    raise SystemExit(f"job {job_id} did not complete within {JOB_TIMEOUT_S} s")
 
 
 if __name__ == "__main__":

@@ -221,3 +221,54 @@ def test_the_start_up_clock_check_reads_mongodbs_server_time():
             refuse_clock_skew(store, 10)
         refuse_clock_skew(store, 60)
     assert caught.value.problems[0].startswith("this host's clock is 30.0 s behind the store's")
+
+
+# What an idle daemon leaves unloaded until its first message: the job, its pipeline and message model.
+JOB_MACHINERY = ("worker.voice.job", "worker.voice.message", "worker.voice.artifacts", "pipeline.run",
+                 "pipeline.downloads", "pipeline.stages", "worker.ops.commands")
+IDLE_THEN_ONE_MESSAGE = """
+import os, sys
+from moto import mock_aws
+MACHINERY = {machinery!r}
+with mock_aws():
+    import boto3
+    url = boto3.client("sqs", region_name="us-east-1").create_queue(QueueName="q")["QueueUrl"]
+    os.environ.update(SQS_QUEUE_URL=url, AWS_REGION="us-east-1", S3_BUCKET="voice-models",
+                      STORE_URL="sqlite:///" + sys.argv[1] + "/records.db", WORK_ROOT=sys.argv[1] + "/work",
+                      LOG_LEVEL="ERROR", METRICS_ENABLED="false")
+    from worker.ops import cli
+
+    def first_message(worker, close, pulse):
+        print(sorted(m for m in MACHINERY if m in sys.modules))
+        boto3.client("sqs", region_name="us-east-1").send_message(QueueUrl=url, MessageBody="not a job")
+        print(worker.run_once(), "worker.voice.job" in sys.modules)
+        close()
+        return 0
+
+    cli.run_worker = first_message
+    sys.exit(cli.main(["run"]))
+"""
+
+
+def test_an_idle_worker_loads_the_job_machinery_at_its_first_message(tmp_path):
+    """`run` starts and polls without the job, pipeline, message or command modules; the first message loads them."""
+    probe = IDLE_THEN_ONE_MESSAGE.format(machinery=JOB_MACHINERY)
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "dead_letter True"]
+
+
+def test_the_apps_job_handler_is_made_once_by_its_first_use():
+    """FirstUse makes the handler at the first call, hands it the message and lease, and reuses it after."""
+    from worker.app import FirstUse
+
+    made, calls = [], []
+
+    def make():
+        made.append(True)
+        return lambda message, lease: calls.append((message, lease)) or "ack"
+
+    handler = FirstUse(make)
+    assert made == []
+    assert handler("m1", "l1") == "ack" and handler("m2", "l2") == "ack"
+    assert made == [True] and calls == [("m1", "l1"), ("m2", "l2")]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from pipeline.config import load_pipeline_config
-from pipeline.run import PipelineTrainer
 from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
 from worker.core.errors import ConfigError
@@ -17,13 +17,15 @@ from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics
-from worker.core.queue import Queue
+from worker.core.queue import Message, Queue
 from worker.core.reporting import Reporter
 from worker.settings import Settings, daemon_targets
-from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
 from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
+
+if TYPE_CHECKING:
+    from worker.core.lease import Lease
+    from worker.voice.job import VoiceJobHandler
 
 log = structlog.get_logger(__name__)
 
@@ -73,31 +75,47 @@ def build_app(settings: Settings, *, session=None) -> App:
     except BaseException:
         store.close()
         raise
-    downloads = settings.download_settings()
-    limits = settings.job_limits()
     crash_points = CrashPoints(settings.crash_at)
     metrics = Metrics.from_config(settings.metrics_config())
+    limits, policy = settings.job_limits(), settings.input_policy()
 
-    trainer = PipelineTrainer(config, downloads, s3_client=s3, limits=limits, stage_env=stage_env,
-                              grace_s=settings.stage_stop_grace_s, crash_points=crash_points)
+    def job_handler() -> VoiceJobHandler:
+        from pipeline.run import PipelineTrainer
+        from worker.voice.artifacts import ArtifactUploader
+        from worker.voice.job import VoiceJobHandler
 
-    handler = VoiceJobHandler(
-        store=store,
-        uploader=ArtifactUploader(s3, targets.bucket),
-        train=trainer,
-        work_root=Path(settings.work_root),
-        s3_prefix=settings.s3_prefix,
-        worker_id=settings.worker_id,
-        lease_s=settings.sqs_visibility_timeout_s,
-        crash_points=crash_points,
-        metrics=metrics,
-        policy=settings.input_policy(),
-        keep_work_files=settings.keep_work_files,
-        models_root=Path(settings.models_root_path),
-    )
+        trainer = PipelineTrainer(config, settings.download_settings(), s3_client=s3, limits=limits,
+                                  stage_env=stage_env, grace_s=settings.stage_stop_grace_s,
+                                  crash_points=crash_points)
+        return VoiceJobHandler(
+            store=store,
+            uploader=ArtifactUploader(s3, targets.bucket),
+            train=trainer,
+            work_root=Path(settings.work_root),
+            s3_prefix=settings.s3_prefix,
+            worker_id=settings.worker_id,
+            lease_s=settings.sqs_visibility_timeout_s,
+            crash_points=crash_points,
+            metrics=metrics,
+            policy=policy,
+            keep_work_files=settings.keep_work_files,
+            models_root=Path(settings.models_root_path),
+        )
+
+    # Made when the first message arrives: until then an idle worker holds neither the job, pipeline
+    # and message modules nor the message model pydantic builds (about 2.5 MiB). Making it only
+    # assigns the values checked above, so no start-up failure moves to the first job.
+    handler = FirstUse(job_handler)
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
     lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
                     crash_points=crash_points, metrics=metrics)
     return App(worker=worker, store=store, pulse=pulse)
+
+
+class FirstUse(LazyClient):
+    """A handler made at its first call (or attribute read), once, as LazyClient makes a client."""
+
+    def __call__(self, message: Message, lease: Lease) -> str:
+        return self.made()(message, lease)

@@ -153,6 +153,7 @@ def test_doctor_passes_on_a_good_deployment(sqs, tmp_path):
     code, out = doctor(tmp_path, q.url)
     assert code == 0, out
     assert "FAIL" not in out and "PASS  redrive policy" in out and "PASS  bucket writable" in out
+    assert "PASS  job code loads" in out
 
 
 def test_doctor_fails_by_name_without_a_redrive_policy(sqs, tmp_path):
@@ -170,6 +171,15 @@ def test_doctor_fails_when_the_dlq_forgets_sooner(sqs, tmp_path):
     boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
     code, out = doctor(tmp_path, q.url)
     assert code == 1 and "FAIL  dead-letter retention" in out
+
+
+def test_doctor_fails_when_the_job_code_does_not_import():
+    """The daemon loads the job's code at its first message, so doctor imports it and names a broken module."""
+    from worker.ops.doctor import job_code_check
+
+    assert job_code_check().ok
+    broken = job_code_check(("worker.voice.job", "pipeline.no_such_module"))
+    assert not broken.ok and broken.detail.startswith("pipeline.no_such_module: ModuleNotFoundError")
 
 
 def test_health_follows_the_liveness_file(tmp_path):

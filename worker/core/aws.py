@@ -50,14 +50,18 @@ class LazyClient:
         self._client: object | None = None
         self._lock = threading.Lock()
 
-    def __getattr__(self, name: str):
+    def made(self):
+        """The client, made now if this is its first use."""
         client = self._client
         if client is None:
             with self._lock:
                 if self._client is None:
                     self._client = self._make()
                 client = self._client
-        return getattr(client, name)
+        return client
+
+    def __getattr__(self, name: str):
+        return getattr(self.made(), name)
 
 
 def make_client(service: str, aws: AwsConfig, session: boto3.session.Session | None = None,

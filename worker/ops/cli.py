@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import textwrap
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -13,8 +13,10 @@ from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
-from worker.ops.commands import EXIT_INTERRUPTED
 from worker.settings import Settings, daemon_problems, load_settings, missing
+
+if TYPE_CHECKING:
+    import argparse
 
 log = structlog.get_logger(__name__)
 
@@ -259,6 +261,8 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
+
     parser = argparse.ArgumentParser(prog="python -m worker", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -292,27 +296,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["run"])
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in ([], ["run"]):
+        # The daemon has no options to parse: argparse and the other commands' help stay unloaded.
+        return _run_command(cmd_run, "run", None)
+    args = build_parser().parse_args(argv)
+    if args.command is None:  # no command after all: the daemon, as before
+        return _run_command(cmd_run, "run", None)
     if not args.needs_settings:
         return args.func(None, args)
+    return _run_command(args.func, args.command, args)
+
+
+def _run_command(func, command: str, args) -> int:
     try:
         settings = load_settings()
     except ConfigError as exc:
         return _fail(exc.problems)
     configure_logging(settings.log_level, settings.log_format)
-    if args.command == "run":
-        return args.func(settings, args)  # the daemon reports its own failures
+    if command == "run":
+        return func(settings, args)  # the daemon reports its own failures
     try:
-        return args.func(settings, args)
+        return func(settings, args)
     except ConfigError as exc:
         return _fail(exc.problems)
     except KeyboardInterrupt:
-        print(f"{args.command} interrupted", file=sys.stderr)
+        from worker.ops.commands import EXIT_INTERRUPTED  # not at the top: the daemon never needs the commands
+
+        print(f"{command} interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (WorkerError, OSError) as exc:
         # An operator command: one readable line, not a traceback.
-        print(f"{args.command} failed: {exc}", file=sys.stderr)
+        print(f"{command} failed: {exc}", file=sys.stderr)
         return EXIT_CRASHED

@@ -108,7 +108,24 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
                             f"{settings.pipeline_config}: {len(config.stages)} stages"))
     except WorkerError as exc:
         checks.append(Check("pipeline config", False, str(exc).replace("\n", "; ")))
+    checks.append(job_code_check())
     return checks
+
+
+# The daemon loads these at its first message (worker.app), so a broken install shows here first.
+JOB_MODULES = ("worker.voice.job", "worker.voice.artifacts", "pipeline.run")
+
+
+def job_code_check(modules: tuple[str, ...] = JOB_MODULES) -> Check:
+    """Whether the job's code imports: the daemon itself only loads it when the first message arrives."""
+    import importlib
+
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the finding, reported as one line
+        return Check("job code loads", False, f"{name}: {type(exc).__name__}: {exc}")
+    return Check("job code loads", True, ", ".join(modules))
 
 
 def report(checks: list[Check], out=None) -> int:
