@@ -16,8 +16,10 @@ Why it is shaped this way:
   end-of-file, so a process that still holds the pipe never keeps ``run_stage`` waiting. The
   progress callback runs on the caller's thread, so an error it raises (``StaleWrite``) reaches the
   caller after the stage is stopped, never silently in a thread.
-- The caller's thread blocks on the stop signal in short slices (``poll_interval_s``) between
-  checks of the process and the timeout: a stop is seen at once, nothing spins.
+- The caller's thread blocks on the keeper's exit itself (a pidfd) in slices of ``poll_interval_s``
+  between checks of the stop signal and the timeout: the stage's end is seen at once, a stop or the
+  timeout within one slice, nothing spins. Where pidfds are unavailable it blocks on the stop signal
+  instead, and the end is seen within one slice.
 - A failed stage is reported only after its output is in the log, with the log's tail redacted
   (``worker.core.redact.redact_text``): the message goes to the job record, DLQ attributes, logs and Sentry.
 - A stage whose manifest verifies is not run again; otherwise its declared outputs (and, unless it
@@ -383,6 +385,7 @@ def _supervise(
     last_reported: list[float | None] = [None]
     deadline = clock() + stage.timeout_s if stage.timeout_s is not None else None
     finished = False
+    exited = _exit_fd(proc)
     try:
         while proc.poll() is None:
             _report(stage.name, updates, progress, last_reported)
@@ -397,12 +400,15 @@ def _supervise(
                 raise TimeLimitExceeded(
                     f"stage {stage.name} ran past its timeout of {stage.timeout_s:g} s"
                 )
-            stop.wait(poll_interval_s if remaining_s is None else min(poll_interval_s, remaining_s))
+            _wait_for_exit(exited, stop,
+                           poll_interval_s if remaining_s is None else min(poll_interval_s, remaining_s))
         finished = True
         # Whatever the stage left running is a stray that holds the pipe, a GPU, or both.
         if tree.members():
             end_tree(proc, tree, grace_s)
     finally:
+        if exited is not None:
+            os.close(exited)
         # Also reached when the progress callback raised: the stage must not outlive the attempt.
         if not finished and (proc.poll() is None or tree.members()):
             end_tree(proc, tree, grace_s)
@@ -410,6 +416,25 @@ def _supervise(
             log.warning("stage.output_still_open", stage=stage.name)
     _report(stage.name, updates, progress, last_reported)
     return proc.returncode
+
+
+def _exit_fd(proc: subprocess.Popen) -> int | None:
+    """A descriptor that becomes readable when the keeper exits, or None where the kernel has none.
+
+    Opened before ``proc`` is reaped, so the pid is still the keeper's and cannot name another process.
+    """
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # before Linux 5.3, or refused by a seccomp filter
+        return None
+
+
+def _wait_for_exit(exited: int | None, stop: StopSignal, timeout_s: float) -> None:
+    """Block until the keeper exits or ``timeout_s`` passes; without a pidfd, until a stop or the timeout."""
+    if exited is None:
+        stop.wait(timeout_s)
+    else:
+        select.select([exited], [], [], max(0.0, timeout_s))
 
 
 def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, last: list) -> None:
