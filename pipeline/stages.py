@@ -11,6 +11,9 @@ Why it is shaped this way:
 - Before a step of a job starts, every process of that job still alive on this host (an earlier
   attempt's trainer: the environment's ``VOICE_WORKER_JOB``) is ended, so two trainings of one job
   never run side by side here (``stage.survivor_ended``).
+- A step can be started ahead of its turn and supervised later (``start_supervised``; held: its
+  stdin is a pipe it waits on for a line) or ended unsupervised (``StartedStage.end``): the job starts
+  its dataset child before the downloads, so that the child's start-up overlaps them.
 - Output goes through a pipe that a reader thread copies line by line into a timestamped log (kept
   across retries) while it picks out ``PROGRESS n`` lines. The reader can be ended without
   end-of-file, so a process that still holds the pipe never keeps ``run_stage`` waiting. The
@@ -278,16 +281,36 @@ def run_supervised(
     The keeper is started by the calling thread; see ``pipeline.stage_keeper`` for why that matters
     (the worker calls this from its main thread).
     """
-    updates: queue.SimpleQueue[float] = queue.SimpleQueue()
+    return start_supervised(stage, argv, env, log_file, grace_s).supervise(stop, progress, poll_interval_s, clock)
+
+
+def start_supervised(
+    stage: StageSpec,
+    argv: list[str],
+    env: Mapping[str, str],
+    log_file: IO[bytes],
+    grace_s: float = DEFAULT_GRACE_S,
+    *,
+    held: bool = False,
+) -> StartedStage:
+    """Start the stage under its keeper and return at once; ``supervise`` then runs it to its end.
+
+    As ``run_supervised``: the survivors of the job are ended first, and the calling thread should be
+    the one that supervises (the worker's main thread). ``held``: the stage's stdin is a pipe on which
+    ``supervise`` writes one line before it waits (the dataset child imports its libraries, then waits
+    for that line); otherwise its stdin is /dev/null.
+    """
     token = uuid.uuid4().hex
     if env.get(JOB_NAME):
         _end_survivors(stage, env, log_file, grace_s)
     # The worker's end of the lifeline is not inheritable: only the keeper's end leaves this process.
+    # The same goes for the held stage's stdin: the worker keeps only the write end.
     lifeline, keeper_end = socket.socketpair()
+    stdin_read, go = os.pipe() if held else (subprocess.DEVNULL, None)
     try:
         proc = subprocess.Popen(
             keeper_argv(sys.executable, os.getpid(), keeper_end.fileno(), grace_s, argv),
-            stdin=subprocess.DEVNULL,
+            stdin=stdin_read,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -296,15 +319,69 @@ def run_supervised(
         )
     except OSError as exc:
         lifeline.close()
+        if go is not None:
+            os.close(go)
         _log_line(log_file, f"stage {stage.name} could not start: {exc}")
         raise StageFailed(f"stage {stage.name} could not start: {exc.strerror or exc}") from exc
     finally:
         keeper_end.close()
-    try:
-        return _supervise(stage, proc, token, log_file, stop, progress, updates, lifeline,
-                          grace_s, poll_interval_s, clock)
-    finally:
-        lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
+        if go is not None:
+            os.close(stdin_read)
+    return StartedStage(stage, proc, token, log_file, lifeline, grace_s, go)
+
+
+class StartedStage:
+    """A stage running under its keeper that nobody waits on yet: ``supervise`` runs it to its end,
+    ``end`` ends it unsupervised (a step started ahead of its turn whose turn does not come)."""
+
+    def __init__(self, stage: StageSpec, proc: subprocess.Popen, token: str, log_file: IO[bytes],
+                 lifeline: socket.socket, grace_s: float, go: int | None):
+        assert proc.stdout is not None  # started with stdout=PIPE
+        self._stage, self._proc, self._log_file, self._lifeline, self._grace_s = (
+            stage, proc, log_file, lifeline, grace_s)
+        self._go = go
+        self._tree = StageTree(pgid=proc.pid, token=token, pipe_inode=os.fstat(proc.stdout.fileno()).st_ino)
+        self._updates: queue.SimpleQueue[float] = queue.SimpleQueue()
+        self._reader = OutputReader(proc.stdout, log_file, self._updates, name=f"stage-{stage.name}-output")
+        self._over = False
+
+    def supervise(self, stop: StopSignal, progress: Progress, poll_interval_s: float = 0.1,
+                  clock: Callable[[], float] = time.monotonic) -> int:
+        """The exit code once the stage ends; on stop or timeout its processes are ended and it raises."""
+        if self._over:
+            raise RuntimeError(f"stage {self._stage.name} was already supervised or ended")
+        self._over = True
+        try:
+            self._release()
+            return _supervise(self._stage, self._proc, self._tree, self._reader, self._log_file, stop, progress,
+                              self._updates, self._lifeline, self._grace_s, poll_interval_s, clock)
+        finally:
+            self._lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
+
+    def end(self) -> None:
+        """End the stage and every process it started, unless it was supervised already; idempotent."""
+        if self._over:
+            return
+        self._over = True
+        try:
+            self._release(b"")  # end-of-file alone: a held stage exits by itself
+            if self._proc.poll() is None or self._tree.members():
+                end_tree(self._proc, self._tree, self._grace_s)
+            if not self._reader.finish(_READER_DRAIN_S):
+                log.warning("stage.output_still_open", stage=self._stage.name)
+        finally:
+            self._lifeline.close()
+
+    def _release(self, line: bytes = b"go\n") -> None:
+        if self._go is None:
+            return
+        try:
+            os.write(self._go, line)
+        except OSError:
+            pass  # it has exited already: supervising it tells how
+        finally:
+            os.close(self._go)
+            self._go = None
 
 
 def end_survivors(job_mark: str, grace_s: float, step: str | None = None, attempt: str = "") -> set[int]:
@@ -363,7 +440,8 @@ def _await_keeper(proc: subprocess.Popen, lifeline: socket.socket) -> str | None
 def _supervise(
     stage: StageSpec,
     proc: subprocess.Popen,
-    token: str,
+    tree: StageTree,
+    reader: OutputReader,
     log_file: IO[bytes],
     stop: StopSignal,
     progress: Progress,
@@ -373,9 +451,6 @@ def _supervise(
     poll_interval_s: float,
     clock: Callable[[], float],
 ) -> int:
-    assert proc.stdout is not None  # started with stdout=PIPE
-    tree = StageTree(pgid=proc.pid, token=token, pipe_inode=os.fstat(proc.stdout.fileno()).st_ino)
-    reader = OutputReader(proc.stdout, log_file, updates, name=f"stage-{stage.name}-output")
     problem = _await_keeper(proc, lifeline)
     if problem is not None:
         proc.wait()
