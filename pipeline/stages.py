@@ -352,7 +352,7 @@ class StartedStage:
             raise RuntimeError(f"stage {self._stage.name} was already supervised or ended")
         self._over = True
         try:
-            self._release()
+            self._close_stdin(b"go\n")
             return _supervise(self._stage, self._proc, self._tree, self._reader, self._log_file, stop, progress,
                               self._updates, self._lifeline, self._grace_s, poll_interval_s, clock)
         finally:
@@ -364,7 +364,7 @@ class StartedStage:
             return
         self._over = True
         try:
-            self._release(b"")  # end-of-file alone: a held stage exits by itself
+            self._close_stdin()  # end-of-file alone: a held stage exits by itself
             if self._proc.poll() is None or self._tree.members():
                 end_tree(self._proc, self._tree, self._grace_s)
             if not self._reader.finish(_READER_DRAIN_S):
@@ -372,11 +372,13 @@ class StartedStage:
         finally:
             self._lifeline.close()
 
-    def _release(self, line: bytes = b"go\n") -> None:
+    def _close_stdin(self, line: bytes = b"") -> None:
+        """Write ``line`` to a held stage's stdin, then close it; nothing for a stage that is not held."""
         if self._go is None:
             return
         try:
-            os.write(self._go, line)
+            if line:
+                os.write(self._go, line)
         except OSError:
             pass  # it has exited already: supervising it tells how
         finally:
