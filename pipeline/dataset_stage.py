@@ -1,4 +1,4 @@
-"""The dataset step as a child process: ``python -m pipeline.dataset_stage REQUEST RESULT``.
+"""The dataset step as a child process: ``python -m pipeline.dataset_stage [--held] REQUEST RESULT``.
 
 Decoding and resampling need numpy, libsndfile and soxr. Run in the worker they would stay in its memory
 for good (some 18 MiB an idle worker never uses again), and a decoder crash would take the worker
@@ -18,6 +18,12 @@ The two sides talk through two small JSON files in the job's work directory:
 
 Any other exit (a crash, a kill) is a retryable ``StageFailed`` with the log's tail, like a stage.
 A dataset that is already complete is recognised without starting the child.
+
+The worker starts the child ``--held`` (``start_dataset_child``): it imports numpy, soundfile and soxr,
+then waits for a line on its stdin before it reads REQUEST. The job starts it before its downloads,
+so that its start-up (some 0.1 s) overlaps them, and ends it if they fail or the job is stopped; it is
+a stage under its keeper from the start (its own session, the job's marks, the keeper's death signal
+and lifeline). End-of-file without that line: it exits 0 having done nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
 from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
 from pipeline.limits import JobLimits
@@ -35,12 +42,71 @@ from pipeline.manifest import atomic_write_bytes
 from worker.core.errors import BadRecording, StageFailed
 from worker.core.stop import StopSignal
 
+if TYPE_CHECKING:
+    from pipeline.stages import StartedStage
+
 STEP = "dataset"
 EXIT_BAD_RECORDING = 3
 EXIT_DISK_FULL = 4
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 REQUEST_NAME = "dataset-request.json"
 RESULT_NAME = "dataset-result.json"
+HELD = "--held"
+HELD_LINE = "libraries loaded; waiting for the downloads"
+
+
+class DatasetChild:
+    """The dataset child, started and held until its step comes (``run_dataset_stage``)."""
+
+    def __init__(self, log_path: Path, log_file: IO[bytes], started: StartedStage):
+        self.log_path, self._log_file, self._started = log_path, log_file, started
+
+    def run(self, stop: StopSignal, progress: Callable[[str, float], None]) -> int:
+        """Release it and supervise it to its end: its exit code (stop: ended, and ``Stopped`` raised)."""
+        try:
+            return self._started.supervise(stop, progress)
+        finally:
+            self._log_file.close()
+
+    def end(self) -> None:
+        """End it and whatever it started, unless it ran already; idempotent."""
+        try:
+            self._started.end()
+        finally:
+            self._log_file.close()
+
+
+def start_dataset_child(dataset_dir: Path, log_dir: Path, *, env: Mapping[str, str], grace_s: float,
+                        python: str = sys.executable) -> DatasetChild:
+    """Start the dataset child, held: it imports its libraries and waits; typed errors as a stage's.
+
+    The calling thread should be the one that later runs it (the keeper's death signal follows the
+    thread that started it; see ``pipeline.stage_keeper``).
+    """
+    # Imported here, by the worker: the child never runs a stage, and the stage runner's imports
+    # (structlog, tomllib, asyncio) took a third of its start-up.
+    from pipeline.config import StageSpec
+    from pipeline.stages import open_step_log, start_supervised
+
+    request, result = dataset_dir.parent / REQUEST_NAME, dataset_dir.parent / RESULT_NAME
+    result.unlink(missing_ok=True)
+    argv = [python, "-m", "pipeline.dataset_stage", HELD, str(request), str(result)]
+    spec = StageSpec(name=STEP, argv=tuple(argv), outputs=())
+    log_path, log_file = open_step_log(log_dir, STEP)
+    try:
+        started = start_supervised(spec, argv, env, log_file, grace_s, held=True)
+    except BaseException:
+        log_file.close()
+        raise
+    return DatasetChild(log_path, log_file, started)
+
+
+def prestart_dataset(texts: Sequence[str], dataset_dir: Path, log_dir: Path, *, env: Mapping[str, str],
+                     grace_s: float, python: str = sys.executable) -> DatasetChild | None:
+    """The held dataset child, or None when the dataset is complete already (no child is needed)."""
+    if dataset_is_complete(dataset_dir, list(texts)):
+        return None
+    return start_dataset_child(dataset_dir, log_dir, env=env, grace_s=grace_s, python=python)
 
 
 def run_dataset_stage(
@@ -54,29 +120,35 @@ def run_dataset_stage(
     env: Mapping[str, str],
     grace_s: float,
     python: str = sys.executable,
+    child: DatasetChild | None = None,
 ) -> DatasetResult:
-    """Build the dataset in a child process, or recognise it as complete; typed errors as a stage's."""
-    # Imported here, by the worker: the child never runs a stage, and the stage runner's imports
-    # (structlog, tomllib, asyncio) took a third of its start-up.
-    from pipeline.config import StageSpec
-    from pipeline.stages import how_it_ended, open_step_log, run_supervised, tail_lines
+    """Build the dataset in a child process, or recognise it as complete; typed errors as a stage's.
+
+    ``child``: one started ahead for this ``dataset_dir`` (``prestart_dataset``), run or ended here;
+    without one, a child is started now.
+    """
+    from pipeline.stages import how_it_ended, tail_lines
     from worker.core.redact import redact_text
 
     metadata = dataset_dir / "metadata.csv"
     if dataset_is_complete(dataset_dir, [text for _, text in recordings]):
+        if child is not None:
+            child.end()
         return DatasetResult(metadata, rebuilt=False, notes=("dataset already complete",))
+    if child is None:
+        child = start_dataset_child(dataset_dir, log_dir, env=env, grace_s=grace_s, python=python)
     request, result = dataset_dir.parent / REQUEST_NAME, dataset_dir.parent / RESULT_NAME
-    result.unlink(missing_ok=True)
-    atomic_write_bytes(request, json.dumps({
-        "recordings": [[str(path), text] for path, text in recordings],
-        "dataset_dir": str(dataset_dir),
-        "limits": asdict(limits),
-    }).encode())
-    argv = [python, "-m", "pipeline.dataset_stage", str(request), str(result)]
-    spec = StageSpec(name=STEP, argv=tuple(argv), outputs=())
-    log_path, log_file = open_step_log(log_dir, STEP)
-    with log_file:
-        code = run_supervised(spec, argv, env, log_file, stop, progress, grace_s)
+    try:
+        atomic_write_bytes(request, json.dumps({
+            "recordings": [[str(path), text] for path, text in recordings],
+            "dataset_dir": str(dataset_dir),
+            "limits": asdict(limits),
+        }).encode())
+    except BaseException:
+        child.end()
+        raise
+    code = child.run(stop, progress)
+    log_path = child.log_path
     outcome = _read_result(result)
     if code == EXIT_BAD_RECORDING and "bad_recording" in outcome:
         raise BadRecording(str(outcome["bad_recording"]))
@@ -127,5 +199,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def held_main(argv: list[str]) -> int:
+    """``--held``: the libraries imported first, then ``main`` once a line arrives on stdin."""
+    import pipeline.audio  # noqa: F401 - what a held child is started ahead for
+
+    print(HELD_LINE, flush=True)
+    if not sys.stdin.buffer.readline():
+        return 0  # ended before its turn: nothing was asked of it
+    return main(argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    args = sys.argv[1:]
+    raise SystemExit(held_main(args[1:]) if args[:1] == [HELD] else main(args))

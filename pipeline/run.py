@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import structlog
 
 from pipeline.config import ASSET_KEYS, PipelineConfig
-from pipeline.dataset_stage import run_dataset_stage
+from pipeline.dataset_stage import prestart_dataset, run_dataset_stage
 from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import Downloader, DownloadSettings
 from pipeline.files import fsync_dir, output_problem
@@ -222,19 +222,29 @@ def _run(
     earlier = earlier_attempts(work_dir)
 
     stop.raise_if_set()
-    copied = adopt_downloads([d / "downloads" for d in earlier], dirs["downloads"],
-                             [download_path(dirs["downloads"], i).name for i in range(len(job.recordings))])
-    if copied:
-        log.info("pipeline.downloads_reused", count=len(copied))
-    sources = download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
-                           limits.max_job_download_bytes, plan)
+    # Started now, held, so that its interpreter and numpy/soundfile/soxr imports overlap the downloads
+    # (after the survivor scan above, which would end it). Whatever ends this attempt before its step
+    # (a stop, the deadline, a failed download) ends it too.
+    dataset_child = prestart_dataset([rec.text for rec in job.recordings], dirs["dataset"], dirs["logs"],
+                                     env=env, grace_s=grace_s)
+    try:
+        copied = adopt_downloads([d / "downloads" for d in earlier], dirs["downloads"],
+                                 [download_path(dirs["downloads"], i).name for i in range(len(job.recordings))])
+        if copied:
+            log.info("pipeline.downloads_reused", count=len(copied))
+        sources = download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
+                               limits.max_job_download_bytes, plan)
 
-    stop.raise_if_set()
-    progress(DATASET_STEP, 0.0)
-    run_dataset_stage(
-        [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
-        dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
-    )
+        stop.raise_if_set()
+        progress(DATASET_STEP, 0.0)
+        run_dataset_stage(
+            [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
+            dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
+            child=dataset_child,
+        )
+    finally:
+        if dataset_child is not None:
+            dataset_child.end()
     progress(DATASET_STEP, 100.0)
 
     ctx = StageContext(

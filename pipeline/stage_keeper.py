@@ -14,6 +14,8 @@ so that no stage process outlives its worker, not even after ``kill -9`` of the 
   become the keeper's children, not init's, and the keeper reaps them.
 - The stage runs as the keeper's child in the keeper's process group (the keeper leads the session
   the worker gave it), so the worker's group mark still reaches every process that did not leave it.
+  Its stdin is the keeper's: /dev/null, or the pipe on which the worker releases a held stage
+  (``pipeline.stages.start_supervised``).
 - When the worker dies, or on SIGTERM (the worker's stop), the keeper ends the whole tree, found as
   ``pipeline.proctree`` finds it (group, environment token, output pipe): SIGTERM, SIGKILL to what
   is left after ``GRACE_S``. When the stage exits by itself, the keeper ends whatever it left
@@ -102,7 +104,7 @@ class Keeper:
             return None  # the worker died before the prctl: start nothing
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
         try:
-            stage = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+            stage = subprocess.Popen(argv)  # stdin: the keeper's, which the worker chose
         except OSError as exc:
             self._tell(FAILED + (exc.strerror or str(exc)).encode(errors="replace") + b"\n")
             return None

@@ -11,13 +11,18 @@ Why it is shaped this way:
 - Before a step of a job starts, every process of that job still alive on this host (an earlier
   attempt's trainer: the environment's ``VOICE_WORKER_JOB``) is ended, so two trainings of one job
   never run side by side here (``stage.survivor_ended``).
+- A step can be started ahead of its turn and supervised later (``start_supervised``; held: its
+  stdin is a pipe it waits on for a line) or ended unsupervised (``StartedStage.end``): the job starts
+  its dataset child before the downloads, so that the child's start-up overlaps them.
 - Output goes through a pipe that a reader thread copies line by line into a timestamped log (kept
   across retries) while it picks out ``PROGRESS n`` lines. The reader can be ended without
   end-of-file, so a process that still holds the pipe never keeps ``run_stage`` waiting. The
   progress callback runs on the caller's thread, so an error it raises (``StaleWrite``) reaches the
   caller after the stage is stopped, never silently in a thread.
-- The caller's thread blocks on the stop signal in short slices (``poll_interval_s``) between
-  checks of the process and the timeout: a stop is seen at once, nothing spins.
+- The caller's thread blocks on the keeper's exit itself (a pidfd) in slices of ``poll_interval_s``
+  between checks of the stop signal and the timeout: the stage's end is seen at once, a stop or the
+  timeout within one slice, nothing spins. Where pidfds are unavailable it blocks on the stop signal
+  instead, and the end is seen within one slice.
 - A failed stage is reported only after its output is in the log, with the log's tail redacted
   (``worker.core.redact.redact_text``): the message goes to the job record, DLQ attributes, logs and Sentry.
 - A stage whose manifest verifies is not run again; otherwise its declared outputs (and, unless it
@@ -276,16 +281,36 @@ def run_supervised(
     The keeper is started by the calling thread; see ``pipeline.stage_keeper`` for why that matters
     (the worker calls this from its main thread).
     """
-    updates: queue.SimpleQueue[float] = queue.SimpleQueue()
+    return start_supervised(stage, argv, env, log_file, grace_s).supervise(stop, progress, poll_interval_s, clock)
+
+
+def start_supervised(
+    stage: StageSpec,
+    argv: list[str],
+    env: Mapping[str, str],
+    log_file: IO[bytes],
+    grace_s: float = DEFAULT_GRACE_S,
+    *,
+    held: bool = False,
+) -> StartedStage:
+    """Start the stage under its keeper and return at once; ``supervise`` then runs it to its end.
+
+    As ``run_supervised``: the survivors of the job are ended first, and the calling thread should be
+    the one that supervises (the worker's main thread). ``held``: the stage's stdin is a pipe on which
+    ``supervise`` writes one line before it waits (the dataset child imports its libraries, then waits
+    for that line); otherwise its stdin is /dev/null.
+    """
     token = uuid.uuid4().hex
     if env.get(JOB_NAME):
         _end_survivors(stage, env, log_file, grace_s)
     # The worker's end of the lifeline is not inheritable: only the keeper's end leaves this process.
+    # The same goes for the held stage's stdin: the worker keeps only the write end.
     lifeline, keeper_end = socket.socketpair()
+    stdin_read, go = os.pipe() if held else (subprocess.DEVNULL, None)
     try:
         proc = subprocess.Popen(
             keeper_argv(sys.executable, os.getpid(), keeper_end.fileno(), grace_s, argv),
-            stdin=subprocess.DEVNULL,
+            stdin=stdin_read,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -294,15 +319,71 @@ def run_supervised(
         )
     except OSError as exc:
         lifeline.close()
+        if go is not None:
+            os.close(go)
         _log_line(log_file, f"stage {stage.name} could not start: {exc}")
         raise StageFailed(f"stage {stage.name} could not start: {exc.strerror or exc}") from exc
     finally:
         keeper_end.close()
-    try:
-        return _supervise(stage, proc, token, log_file, stop, progress, updates, lifeline,
-                          grace_s, poll_interval_s, clock)
-    finally:
-        lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
+        if go is not None:
+            os.close(stdin_read)
+    return StartedStage(stage, proc, token, log_file, lifeline, grace_s, go)
+
+
+class StartedStage:
+    """A stage running under its keeper that nobody waits on yet: ``supervise`` runs it to its end,
+    ``end`` ends it unsupervised (a step started ahead of its turn whose turn does not come)."""
+
+    def __init__(self, stage: StageSpec, proc: subprocess.Popen, token: str, log_file: IO[bytes],
+                 lifeline: socket.socket, grace_s: float, go: int | None):
+        assert proc.stdout is not None  # started with stdout=PIPE
+        self._stage, self._proc, self._log_file, self._lifeline, self._grace_s = (
+            stage, proc, log_file, lifeline, grace_s)
+        self._go = go
+        self._tree = StageTree(pgid=proc.pid, token=token, pipe_inode=os.fstat(proc.stdout.fileno()).st_ino)
+        self._updates: queue.SimpleQueue[float] = queue.SimpleQueue()
+        self._reader = OutputReader(proc.stdout, log_file, self._updates, name=f"stage-{stage.name}-output")
+        self._over = False
+
+    def supervise(self, stop: StopSignal, progress: Progress, poll_interval_s: float = 0.1,
+                  clock: Callable[[], float] = time.monotonic) -> int:
+        """The exit code once the stage ends; on stop or timeout its processes are ended and it raises."""
+        if self._over:
+            raise RuntimeError(f"stage {self._stage.name} was already supervised or ended")
+        self._over = True
+        try:
+            self._close_stdin(b"go\n")
+            return _supervise(self._stage, self._proc, self._tree, self._reader, self._log_file, stop, progress,
+                              self._updates, self._lifeline, self._grace_s, poll_interval_s, clock)
+        finally:
+            self._lifeline.close()  # the keeper is gone by now; if not, this tells it to end the stage
+
+    def end(self) -> None:
+        """End the stage and every process it started, unless it was supervised already; idempotent."""
+        if self._over:
+            return
+        self._over = True
+        try:
+            self._close_stdin()  # end-of-file alone: a held stage exits by itself
+            if self._proc.poll() is None or self._tree.members():
+                end_tree(self._proc, self._tree, self._grace_s)
+            if not self._reader.finish(_READER_DRAIN_S):
+                log.warning("stage.output_still_open", stage=self._stage.name)
+        finally:
+            self._lifeline.close()
+
+    def _close_stdin(self, line: bytes = b"") -> None:
+        """Write ``line`` to a held stage's stdin, then close it; nothing for a stage that is not held."""
+        if self._go is None:
+            return
+        try:
+            if line:
+                os.write(self._go, line)
+        except OSError:
+            pass  # it has exited already: supervising it tells how
+        finally:
+            os.close(self._go)
+            self._go = None
 
 
 def end_survivors(job_mark: str, grace_s: float, step: str | None = None, attempt: str = "") -> set[int]:
@@ -361,7 +442,8 @@ def _await_keeper(proc: subprocess.Popen, lifeline: socket.socket) -> str | None
 def _supervise(
     stage: StageSpec,
     proc: subprocess.Popen,
-    token: str,
+    tree: StageTree,
+    reader: OutputReader,
     log_file: IO[bytes],
     stop: StopSignal,
     progress: Progress,
@@ -371,9 +453,6 @@ def _supervise(
     poll_interval_s: float,
     clock: Callable[[], float],
 ) -> int:
-    assert proc.stdout is not None  # started with stdout=PIPE
-    tree = StageTree(pgid=proc.pid, token=token, pipe_inode=os.fstat(proc.stdout.fileno()).st_ino)
-    reader = OutputReader(proc.stdout, log_file, updates, name=f"stage-{stage.name}-output")
     problem = _await_keeper(proc, lifeline)
     if problem is not None:
         proc.wait()
@@ -383,6 +462,7 @@ def _supervise(
     last_reported: list[float | None] = [None]
     deadline = clock() + stage.timeout_s if stage.timeout_s is not None else None
     finished = False
+    exited = _exit_fd(proc)
     try:
         while proc.poll() is None:
             _report(stage.name, updates, progress, last_reported)
@@ -397,12 +477,15 @@ def _supervise(
                 raise TimeLimitExceeded(
                     f"stage {stage.name} ran past its timeout of {stage.timeout_s:g} s"
                 )
-            stop.wait(poll_interval_s if remaining_s is None else min(poll_interval_s, remaining_s))
+            _wait_for_exit(exited, stop,
+                           poll_interval_s if remaining_s is None else min(poll_interval_s, remaining_s))
         finished = True
         # Whatever the stage left running is a stray that holds the pipe, a GPU, or both.
         if tree.members():
             end_tree(proc, tree, grace_s)
     finally:
+        if exited is not None:
+            os.close(exited)
         # Also reached when the progress callback raised: the stage must not outlive the attempt.
         if not finished and (proc.poll() is None or tree.members()):
             end_tree(proc, tree, grace_s)
@@ -410,6 +493,25 @@ def _supervise(
             log.warning("stage.output_still_open", stage=stage.name)
     _report(stage.name, updates, progress, last_reported)
     return proc.returncode
+
+
+def _exit_fd(proc: subprocess.Popen) -> int | None:
+    """A descriptor that becomes readable when the keeper exits, or None where the kernel has none.
+
+    Opened before ``proc`` is reaped, so the pid is still the keeper's and cannot name another process.
+    """
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # before Linux 5.3, or refused by a seccomp filter
+        return None
+
+
+def _wait_for_exit(exited: int | None, stop: StopSignal, timeout_s: float) -> None:
+    """Block until the keeper exits or ``timeout_s`` passes; without a pidfd, until a stop or the timeout."""
+    if exited is None:
+        stop.wait(timeout_s)
+    else:
+        select.select([exited], [], [], max(0.0, timeout_s))
 
 
 def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, last: list) -> None:

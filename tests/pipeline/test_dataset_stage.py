@@ -3,19 +3,25 @@ supervised like a stage (typed errors, stop, crash)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from pipeline.dataset_stage import run_dataset_stage
+from pipeline.config import ASSET_KEYS, PipelineConfig
+from pipeline.dataset_stage import HELD_LINE, prestart_dataset, run_dataset_stage, start_dataset_child
 from pipeline.limits import JobLimits
+from pipeline.proctree import JOB_NAME, job_processes
+from pipeline.recording_url import RecordingUrl, parse_recording_url
+from pipeline.run import run_pipeline
 from pipeline.stage_env import stage_environment
 from tests.pipeline.test_dataset import write_inputs
-from worker.core.errors import BadRecording, StageFailed, Stopped
+from worker.core.errors import BadRecording, DownloadError, StageFailed, Stopped
 from worker.core.stop import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,3 +106,113 @@ def test_a_stop_ends_the_child_at_once(tmp_path):
     with pytest.raises(Stopped):
         run(tmp_path, inputs(tmp_path), stop=stop, python=str(sleeper))
     assert time.monotonic() - started < 10
+
+
+def held_env(mark: str) -> dict[str, str]:
+    return {**stage_environment({"PATH": "/usr/bin:/bin"}), JOB_NAME: mark}
+
+
+def dataset_processes(mark: str) -> set[int]:
+    """The job's processes running the dataset child, its keeper included."""
+    found = set()
+    for pid in job_processes(mark):
+        try:
+            if b"pipeline.dataset_stage" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.add(pid)
+        except OSError:  # it ended meanwhile
+            pass
+    return found
+
+
+def test_a_held_child_reads_its_request_only_when_its_turn_comes(tmp_path):
+    """A child started before its inputs exist waits, then builds the dataset from the inputs made since."""
+    child = start_dataset_child(tmp_path / "dataset", tmp_path / "logs", env=held_env(str(tmp_path)), grace_s=1.0)
+    for _ in range(600):  # until it says it waits (a minute at most)
+        if HELD_LINE in child.log_path.read_text():
+            break
+        time.sleep(0.1)
+    recordings = inputs(tmp_path)  # as the downloads write them, while the child waits
+    result = run_dataset_stage(recordings, tmp_path / "dataset", tmp_path / "logs", StopSignal(),
+                               lambda step, pct: None, limits=JobLimits(), env={}, grace_s=1.0, child=child)
+    assert result.rebuilt and len(result.notes) == len(recordings)
+    assert len(list((tmp_path / "logs").glob("*-dataset.log"))) == 1
+
+
+def test_a_held_child_whose_turn_never_comes_is_ended_with_its_keeper(tmp_path):
+    """Ending a held child leaves no process of it, nor of its keeper, carrying the job's mark."""
+    child = start_dataset_child(tmp_path / "dataset", tmp_path / "logs", env=held_env(str(tmp_path)), grace_s=1.0)
+    assert job_processes(str(tmp_path))
+    child.end()
+    assert job_processes(str(tmp_path)) == set()
+
+
+def test_a_complete_dataset_gets_no_child_started_ahead(tmp_path):
+    """Once the dataset is complete, starting ahead finds nothing to do and starts no process."""
+    recordings = inputs(tmp_path)
+    run(tmp_path, recordings)
+    ahead = prestart_dataset([text for _, text in recordings], tmp_path / "dataset", tmp_path / "logs",
+                             env=held_env(str(tmp_path)), grace_s=1.0)
+    assert ahead is None and job_processes(str(tmp_path)) == set()
+
+
+@dataclass(frozen=True)
+class Rec:
+    url: RecordingUrl
+    text: str
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: str
+    language: str
+    recordings: tuple[Rec, ...]
+
+
+class WatchingFetch:
+    """Copies each recording into place, noting the job's held dataset child seen while it does; then,
+    if told, fails the last download or stops the job."""
+
+    def __init__(self, tmp_path: Path, mark: str, then: str = "", stop: StopSignal | None = None):
+        self.sources = {parse_recording_url(f"https://media.example.com/{i}.audio"): (path, text)
+                        for i, (path, text) in enumerate(inputs(tmp_path))}
+        self.mark, self.then, self.stop = mark, then, stop
+        self.children_seen: list[set[int]] = []
+
+    def job(self) -> Job:
+        return Job("job-1", "en", tuple(Rec(url, text) for url, (_, text) in self.sources.items()))
+
+    def __call__(self, url: RecordingUrl, destination: Path) -> None:
+        self.children_seen.append(dataset_processes(self.mark))
+        if url == list(self.sources)[-1] and self.then == "fail":
+            raise DownloadError("the server went away")
+        if url == list(self.sources)[-1] and self.then == "stop" and self.stop is not None:
+            self.stop.set("cancelled", "user asked")
+        shutil.copyfile(self.sources[url][0], destination)
+
+
+# No stages: the run ends at its artifact check, right after the dataset step.
+DATASET_ONLY = PipelineConfig(artifacts={key: f"{key}.bin" for key in ASSET_KEYS}, stages=())
+
+
+def test_the_job_runs_the_dataset_child_it_started_before_its_downloads(tmp_path):
+    """During the downloads the job's held dataset child is alive, and the dataset step runs that one."""
+    work = tmp_path / "work"
+    fetch = WatchingFetch(tmp_path, str(work.resolve()))
+    with pytest.raises(StageFailed, match="without these artifacts"):
+        run_pipeline(fetch.job(), work, StopSignal(), config=DATASET_ONLY, fetch=fetch,
+                     progress=lambda s, p: None)
+    assert all(fetch.children_seen)
+    assert (work / "dataset" / "metadata.csv").is_file()
+    assert len(list((work / "logs").glob("*-dataset.log"))) == 1  # no second child was started
+
+
+@pytest.mark.parametrize("then", ["fail", "stop"])
+def test_a_download_failure_or_a_stop_ends_the_held_dataset_child(tmp_path, then):
+    """When the downloads fail or the job is stopped, the child started ahead is ended with its keeper."""
+    work, stop = tmp_path / "work", StopSignal()
+    fetch = WatchingFetch(tmp_path, str(work.resolve()), then, stop)
+    with pytest.raises(DownloadError if then == "fail" else Stopped):
+        run_pipeline(fetch.job(), work, stop, config=DATASET_ONLY, fetch=fetch,
+                     progress=lambda s, p: None)
+    assert fetch.children_seen[-1] and job_processes(str(work.resolve())) == set()
+    assert not (work / "dataset" / "metadata.csv").exists()

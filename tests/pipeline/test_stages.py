@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import textwrap
 import threading
@@ -242,6 +243,37 @@ def test_stop_signal_from_another_thread_interrupts_a_silent_stage(tmp_path, ctx
     with pytest.raises(Stopped) as caught:
         run_stage(stage, ctx, stop, no_progress, grace_s=1.0)
     assert caught.value.reason == "lease_lost" and time.monotonic() - started < 2.0
+
+
+# Far beyond any stage here: a runner that noticed the end only on its next poll would meet this stop.
+_BACKSTOP_S = 30.0
+
+
+def test_the_runner_returns_when_the_stage_exits_not_at_its_next_poll(tmp_path, ctx):
+    """A stage that exits at once completes although the runner's poll interval is an hour."""
+    stop = StopSignal()
+    backstop = threading.Timer(_BACKSTOP_S, stop.set, args=("shutdown", "the runner missed the exit"))
+    backstop.start()
+    try:
+        result = run_stage(writer_stage(tmp_path), ctx, stop, no_progress, poll_interval_s=3600.0)
+    finally:
+        backstop.cancel()
+    assert not result.skipped and not stop.is_set()
+
+
+def test_without_pidfds_the_runner_still_sees_the_stages_end_and_a_stop(tmp_path, ctx, monkeypatch):
+    """Where the kernel offers no pidfd, a stage still completes and a stop still ends a silent one."""
+    def no_pidfd(pid):
+        raise OSError(errno.ENOSYS, "pidfd_open not implemented")
+
+    monkeypatch.setattr("pipeline.stages.os.pidfd_open", no_pidfd)
+    assert not run_stage(writer_stage(tmp_path), ctx, StopSignal(), no_progress, poll_interval_s=0.05).skipped
+    quiet = StageSpec(name="quiet", argv=("{python}", "-c", "import time; time.sleep(30)"), outputs=("x",))
+    stop = StopSignal()
+    threading.Timer(0.3, stop.set, args=("lease_lost",)).start()
+    with pytest.raises(Stopped) as caught:
+        run_stage(quiet, ctx, stop, no_progress, grace_s=1.0)
+    assert caught.value.reason == "lease_lost"
 
 
 def test_verified_manifest_skips_the_stage(tmp_path, ctx):
