@@ -1,5 +1,8 @@
 """The CloudFormation template, loaded with cfn-lint's own YAML decoder and resolved for given
-parameters, so tests read the values a deployed stack would have rather than the raw tags."""
+parameters, so tests read the values a deployed stack would have rather than the raw tags.
+
+Physical ids the tests cannot know (a role's or a task definition's ARN) resolve to stand-ins of the
+right shape, built from the logical id."""
 
 from __future__ import annotations
 
@@ -33,8 +36,11 @@ class Resolver:
         if unknown:
             raise KeyError(f"not template parameters: {sorted(unknown)}")
         self.params.update(
-            {"AWS::Partition": "aws", "AWS::Region": REGION, "AWS::AccountId": ACCOUNT}
+            {"AWS::Partition": "aws", "AWS::Region": REGION, "AWS::AccountId": ACCOUNT,
+             "AWS::URLSuffix": "amazonaws.com"}
         )
+        self.lists = {name for name, spec in template["Parameters"].items()
+                      if spec["Type"] == "CommaDelimitedList"}
 
     def resolve(self, node: Any) -> Any:
         if isinstance(node, dict):
@@ -54,6 +60,11 @@ class Resolver:
     def resource(self, logical_id: str) -> dict:
         return self.resolve(self.template["Resources"][logical_id].get("Properties", {}))
 
+    def exists(self, logical_id: str) -> bool:
+        """Whether the stack creates the resource: it has no Condition, or its Condition holds."""
+        condition = self.template["Resources"][logical_id].get("Condition")
+        return condition is None or self.condition(condition)
+
     def _intrinsic(self, key: str, arg: Any) -> Any:
         if key == "Ref":
             return _NO_VALUE if arg == "AWS::NoValue" else self._ref(arg)
@@ -70,12 +81,30 @@ class Resolver:
         if key == "Fn::Equals":
             left, right = (self.resolve(a) for a in arg)
             return str(left) == str(right)
+        if key == "Fn::Base64":  # kept as text, so tests read the user data
+            return self.resolve(arg)
         raise NotImplementedError(f"intrinsic {key} is not resolved by these tests")
 
-    def _ref(self, name: str) -> str:
+    def _ref(self, name: str) -> Any:
+        if name in self.lists:
+            return self.params[name].split(",")
         if name in self.params:
             return self.params[name]
-        kind = self.template["Resources"][name]["Type"]
+        spec = self.template["Resources"][name]
+        kind = spec["Type"]
+        if kind == "AWS::ECS::Cluster":
+            return self.resolve(spec["Properties"]["ClusterName"])
+        if kind == "AWS::Logs::LogGroup":
+            return self.resolve(spec["Properties"]["LogGroupName"])
+        if kind == "AWS::ECS::TaskDefinition":
+            family = self.resolve(spec["Properties"]["Family"])
+            return f"arn:aws:ecs:{REGION}:{ACCOUNT}:task-definition/{family}:1"
+        if kind == "AWS::ApplicationAutoScaling::ScalingPolicy":
+            return f"arn:aws:autoscaling:{REGION}:{ACCOUNT}:scalingPolicy:uuid:resource/ecs/policyName/{name}"
+        if kind in ("AWS::IAM::Role", "AWS::IAM::InstanceProfile", "AWS::ECS::CapacityProvider",
+                    "AWS::AutoScaling::AutoScalingGroup", "AWS::EC2::LaunchTemplate",
+                    "AWS::ApplicationAutoScaling::ScalableTarget"):
+            return f"stack-{name}-ABC123"
         if kind == "AWS::SQS::Queue":
             return f"https://sqs.{REGION}.amazonaws.com/{ACCOUNT}/{self._queue_name(name)}"
         if kind == "AWS::S3::Bucket":
@@ -92,6 +121,18 @@ class Resolver:
             return self._queue_name(logical_id)
         if kind == "AWS::S3::Bucket" and attr == "Arn":
             return f"arn:aws:s3:::{MODEL_BUCKET}"
+        if kind == "AWS::IAM::Role" and attr == "Arn":
+            return f"arn:aws:iam::{ACCOUNT}:role/{self._ref(logical_id)}"
+        if kind == "AWS::IAM::InstanceProfile" and attr == "Arn":
+            return f"arn:aws:iam::{ACCOUNT}:instance-profile/{self._ref(logical_id)}"
+        if kind == "AWS::ECS::Cluster" and attr == "Arn":
+            return f"arn:aws:ecs:{REGION}:{ACCOUNT}:cluster/{self._ref(logical_id)}"
+        if kind == "AWS::Logs::LogGroup" and attr == "Arn":
+            return f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:{self._ref(logical_id)}:*"
+        if kind == "AWS::ECS::Service" and attr == "Name":
+            return self.resolve(self.template["Resources"][logical_id]["Properties"]["ServiceName"])
+        if kind == "AWS::EC2::LaunchTemplate" and attr == "LatestVersionNumber":
+            return "1"
         raise NotImplementedError(f"GetAtt {logical_id}.{attr}")
 
     def _queue_name(self, logical_id: str) -> str:

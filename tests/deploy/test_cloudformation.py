@@ -18,10 +18,11 @@ def stack():
 
 
 def _resources_of_type(stack, kind):
+    """The resources of that type the stack creates (a false Condition creates none)."""
     return {
         name: stack.resource(name)
         for name, spec in stack.template["Resources"].items()
-        if spec["Type"] == kind
+        if spec["Type"] == kind and stack.exists(name)
     }
 
 

@@ -13,6 +13,8 @@ from tests.deploy.files import REPO, read_dockerfile, store_connect_worst_s
 from worker.settings import ENV_NAMES, load_settings
 
 TASK_DEFINITION = REPO / "config" / "ecs-task-definition.json"
+RECONCILE_TASK_DEFINITION = REPO / "config" / "ecs-reconcile-task-definition.json"
+ALARMS = REPO / "config" / "cloudwatch-alarms.yaml"
 PLACEHOLDER = re.compile(r"\$\{([A-Z][A-Z0-9_]*)\}")
 # Past the grace the worker still stops the trainer, clears the lease and releases the message,
 # all before ECS's SIGKILL at stopTimeout.
@@ -20,10 +22,14 @@ RELEASE_MARGIN_S = 15
 SECRET_SETTINGS = {"MONGO_URI", "SENTRY_DSN"}
 
 
+def _filled(path):
+    """The document with each ${NAME} placeholder replaced by a stand-in value: name-in-lower-case."""
+    return json.loads(PLACEHOLDER.sub(lambda m: m.group(1).lower().replace("_", "-"), path.read_text()))
+
+
 @pytest.fixture(scope="module")
 def task():
-    text = TASK_DEFINITION.read_text()
-    return json.loads(PLACEHOLDER.sub(lambda m: m.group(1).lower().replace("_", "-"), text))
+    return _filled(TASK_DEFINITION)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +57,11 @@ def test_runs_on_ec2_with_one_gpu(task, container):
 
 
 def test_stop_timeout_outlasts_the_shutdown_grace(container):
-    """stopTimeout leaves the release margin after SHUTDOWN_GRACE_SECONDS, and the grace loads."""
-    grace_s = load_settings({"SHUTDOWN_GRACE_SECONDS": _environment(container)["SHUTDOWN_GRACE_SECONDS"]})
-    assert container["stopTimeout"] >= grace_s.shutdown_grace_s + RELEASE_MARGIN_S
+    """stopTimeout leaves the trainer's SIGTERM -> SIGKILL and the release margin after
+    SHUTDOWN_GRACE_SECONDS, and the grace loads."""
+    settings = load_settings({"SHUTDOWN_GRACE_SECONDS": _environment(container)["SHUTDOWN_GRACE_SECONDS"]})
+    needed_s = settings.shutdown_grace_s + settings.stage_stop_grace_s + RELEASE_MARGIN_S
+    assert container["stopTimeout"] >= needed_s
     assert container["stopTimeout"] <= 120  # the most ECS allows
 
 
@@ -111,3 +119,32 @@ def test_roles_and_image_are_placeholders_not_real_accounts():
     for value in (raw["executionRoleArn"], raw["taskRoleArn"], raw["containerDefinitions"][0]["image"]):
         assert PLACEHOLDER.search(value)
         assert not re.search(r"\d{12}", value)
+
+
+@pytest.mark.parametrize("path", [TASK_DEFINITION, RECONCILE_TASK_DEFINITION], ids=["worker", "reconcile"])
+def test_metrics_dimensions_are_the_alarms_dimension_set(path):
+    """METRICS_DIMENSIONS is Environment=${ENVIRONMENT},Queue=${QUEUE_NAME}: the names the alarms match,
+    the Queue value the queue SQS_QUEUE_URL names."""
+    from cfnlint.decode import cfn_yaml
+
+    (container,) = _filled(path)["containerDefinitions"]
+    env = _environment(container)
+    dimensions = load_settings({"METRICS_DIMENSIONS": env["METRICS_DIMENSIONS"]}).metrics_dimensions
+    assert dimensions == {"Environment": "environment", "Queue": "queue-name"}
+    assert env["SQS_QUEUE_URL"].rsplit("/", 1)[1] == dimensions["Queue"]
+    alarms = cfn_yaml.loads(ALARMS.read_text(), str(ALARMS))["Resources"].values()
+    assert all([d["Name"] for d in a["Properties"]["Dimensions"]] == list(dimensions) for a in alarms)
+
+
+def test_reconcile_task_definition_is_a_cpu_task_running_reconcile():
+    """The standalone reconcile task is a valid Fargate request with no GPU, whose command after the
+    image's ENTRYPOINT is `python -m worker reconcile`, and whose settings load."""
+    task = _filled(RECONCILE_TASK_DEFINITION)
+    ecs = boto3.client("ecs", region_name="us-east-1")
+    validate_parameters(task, ecs.meta.service_model.operation_model("RegisterTaskDefinition").input_shape)
+    (container,) = task["containerDefinitions"]
+    entrypoint = next(json.loads(i.args) for i in read_dockerfile(REPO / "Dockerfile") if i.keyword == "ENTRYPOINT")
+    assert entrypoint + container["command"] == ["python", "-m", "worker", "reconcile"]
+    assert task["requiresCompatibilities"] == ["FARGATE"] and "resourceRequirements" not in container
+    assert {s["name"] for s in container["secrets"]} == {"MONGO_URI"}
+    load_settings(_environment(container))

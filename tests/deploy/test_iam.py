@@ -22,10 +22,9 @@ PARAMS = {"ModelPrefix": "models/v1", "RecordingsBucketName": "voice-recordings"
 ALLOWED = {
     "JobQueue": {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility",
                  "sqs:GetQueueAttributes", "sqs:GetQueueUrl"},
-    "DeadLetterQueue": {"sqs:SendMessage", "sqs:GetQueueUrl", "sqs:GetQueueAttributes",
-                        "sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility"},
-    "ModelObjects": {"s3:PutObject", "s3:GetObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
-                     "s3:ListMultipartUploadParts"},
+    # Dead-lettering only: the daemon never receives from, deletes in or hides messages of the DLQ.
+    "DeadLetterQueue": {"sqs:SendMessage", "sqs:GetQueueUrl", "sqs:GetQueueAttributes"},
+    "ModelObjects": {"s3:PutObject", "s3:GetObject", "s3:DeleteObject", "s3:AbortMultipartUpload"},
     "ModelListing": {"s3:ListBucket"},
     "Recordings": {"s3:GetObject"},
 }

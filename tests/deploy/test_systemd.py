@@ -134,3 +134,17 @@ def test_template_reads_a_per_gpu_env_file_after_the_shared_one(template):
 def test_single_unit_identity_is_not_templated():
     """The plain unit has no instance specifiers, which would expand to nothing outside a template."""
     assert "%i" not in UNITS["single"].read_text()
+
+
+@pytest.mark.parametrize("name", ["voice-worker.service", "voice-worker@.service",
+                                  "voice-worker-reconcile.service"])
+def test_metrics_carry_the_dimensions_the_alarms_match(name):
+    """Every unit sets METRICS_DIMENSIONS to the Environment and Queue config/cloudwatch-alarms.yaml
+    is deployed with by default, so its alarms see the worker's and the reconciler's metrics."""
+    from cfnlint.decode import cfn_yaml
+
+    alarms_path = REPO / "config" / "cloudwatch-alarms.yaml"
+    params = cfn_yaml.loads(alarms_path.read_text(), str(alarms_path))["Parameters"]
+    env = read_unit(REPO / "config" / name).environment()
+    dimensions = load_settings({"METRICS_DIMENSIONS": env["METRICS_DIMENSIONS"]}).metrics_dimensions
+    assert dimensions == {"Environment": params["Environment"]["Default"], "Queue": params["QueueName"]["Default"]}

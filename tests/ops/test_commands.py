@@ -182,6 +182,42 @@ def test_doctor_fails_when_the_job_code_does_not_import():
     assert not broken.ok and broken.detail.startswith("pipeline.no_such_module: ModuleNotFoundError")
 
 
+def test_doctor_warns_without_metrics_dimensions_and_still_passes(sqs, tmp_path):
+    """With METRICS_DIMENSIONS empty doctor prints a WARN naming the alarms' dimension set, and exits 0."""
+    q = create_queues(sqs, name="dims")
+    sqs.set_queue_attributes(QueueUrl=q.dlq_url, Attributes={"MessageRetentionPeriod": "1209600"})
+    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300"})
+    boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
+    code, out = doctor(tmp_path, q.url)
+    assert code == 0, out
+    assert "WARN  metrics dimensions: METRICS_DIMENSIONS is empty" in out and "Environment=<...>,Queue=<...>" in out
+    assert out.rstrip().endswith("0 failed, 1 warned")
+
+
+def test_metrics_dimensions_check_passes_only_the_alarms_dimension_set():
+    """Environment and Queue pass; other names, none, or metrics off are warnings, never failures."""
+    from worker.ops.doctor import metrics_dimensions_check
+
+    good = metrics_dimensions_check(load_settings({"METRICS_DIMENSIONS": "Environment=production,Queue=jobs"}))
+    assert good.ok and good.detail == "METRICS_DIMENSIONS=Environment=production,Queue=jobs"
+    for env in ({"METRICS_DIMENSIONS": "Env=production"}, {}, {"METRICS_ENABLED": "false"}):
+        check = metrics_dimensions_check(load_settings(env))
+        assert not check.ok and check.warn_only, env
+
+
+def test_a_warning_does_not_change_the_exit_code_but_a_failure_does():
+    """report prints WARN for a warn-only finding and exits 0; one FAIL still makes it exit 1."""
+    from worker.ops.doctor import Check
+
+    warn, fail = Check("a", False, "x", warn_only=True), Check("b", False, "y")
+    out = io.StringIO()
+    assert report([Check("ok", True, "z"), warn], out=out) == 0
+    assert "WARN  a: x" in out.getvalue() and "1 passed, 0 failed, 1 warned" in out.getvalue()
+    out = io.StringIO()
+    assert report([warn, fail], out=out) == 1
+    assert "FAIL  b: y" in out.getvalue()
+
+
 def test_health_follows_the_liveness_file(tmp_path):
     """health passes while the liveness file is fresh and fails when it is stale or missing."""
     path = tmp_path / "alive"

@@ -1,4 +1,5 @@
-"""`python -m worker doctor`: checks a deployment before it takes its first job, one PASS/FAIL line each."""
+"""`python -m worker doctor`: checks a deployment before it takes its first job, one PASS/FAIL/WARN line
+each. A WARN is a finding the worker runs despite (say, metrics no alarm will see): it does not fail."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class Check:
     name: str
     ok: bool
     detail: str
+    warn_only: bool = False  # a finding that is not ok is a WARN, and leaves the exit code at 0
 
 
 def _aws_text(exc: Exception) -> str:
@@ -109,7 +111,27 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
     except WorkerError as exc:
         checks.append(Check("pipeline config", False, str(exc).replace("\n", "; ")))
     checks.append(job_code_check())
+    checks.append(metrics_dimensions_check(settings))
     return checks
+
+
+# The dimension names config/cloudwatch-alarms.yaml matches; an alarm sees one exact dimension set.
+ALARM_DIMENSIONS = ("Environment", "Queue")
+
+
+def metrics_dimensions_check(settings: Settings) -> Check:
+    """Whether the metrics carry the dimension set the shipped alarms match: without it they never fire."""
+    name, wanted = "metrics dimensions", ",".join(f"{d}=<...>" for d in ALARM_DIMENSIONS)
+    if not settings.metrics_enabled:
+        return Check(name, False, "METRICS_ENABLED=false: no metrics, so no alarm on them fires", warn_only=True)
+    if not settings.metrics_dimensions:
+        return Check(name, False, f"METRICS_DIMENSIONS is empty: the alarms in config/cloudwatch-alarms.yaml "
+                                  f"match {wanted} and never fire", warn_only=True)
+    shown = ",".join(f"{k}={v}" for k, v in settings.metrics_dimensions.items())
+    if sorted(settings.metrics_dimensions) != sorted(ALARM_DIMENSIONS):
+        return Check(name, False, f"METRICS_DIMENSIONS={shown}: the alarms in config/cloudwatch-alarms.yaml "
+                                  f"match exactly {wanted}", warn_only=True)
+    return Check(name, True, f"METRICS_DIMENSIONS={shown}")
 
 
 # The daemon loads these at its first message (worker.app), so a broken install shows here first.
@@ -131,7 +153,10 @@ def job_code_check(modules: tuple[str, ...] = JOB_MODULES) -> Check:
 def report(checks: list[Check], out=None) -> int:
     out = out or sys.stdout  # looked up per call, so a replaced sys.stdout (tests, wrappers) is honoured
     for c in checks:
-        print(f"{'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}", file=out)
-    failed = [c for c in checks if not c.ok]
-    print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed", file=out)
+        verdict = "PASS" if c.ok else "WARN" if c.warn_only else "FAIL"
+        print(f"{verdict}  {c.name}: {c.detail}", file=out)
+    failed = [c for c in checks if not c.ok and not c.warn_only]
+    warned = [c for c in checks if not c.ok and c.warn_only]
+    summary = f"{len(checks) - len(failed) - len(warned)} passed, {len(failed)} failed"
+    print(f"\n{summary}, {len(warned)} warned" if warned else f"\n{summary}", file=out)
     return 1 if failed else 0
