@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -20,6 +21,22 @@ from worker.core.loop import keep_receiving, stop_reason
 
 def events(logs, name):
     return [entry for entry in logs if entry["event"] == name]
+
+
+def bounded(worker, queue, also=None, receives=3):
+    """Have ``queue`` stop ``worker`` after ``receives`` receives (running ``also`` on each), so a loop
+    that ignores its drain ends, and fails the test, instead of polling for ever."""
+    count = itertools.count(1)
+
+    def on_receive(_message):
+        if also is not None:
+            also()
+        if next(count) > receives:
+            worker.stop()
+            worker.stop()
+
+    queue.faults["receive"] = on_receive
+    return worker
 
 
 @pytest.mark.parametrize(("shutdown", "draining", "receives", "reason"), [
@@ -45,7 +62,7 @@ def test_a_drained_worker_finishes_its_job_past_the_grace_acks_it_and_takes_no_o
         seen["stopped"] = lease.stop.is_set()
         return "trained"
 
-    worker = make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=1)
+    worker = bounded(make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=1), memory_queue)
     first, second = memory_queue.send(), memory_queue.send()
     with capture_logs() as logs:
         worker.run()
@@ -65,7 +82,8 @@ def test_a_drained_job_still_stops_at_its_time_limit(memory_queue, make_memory_w
         assert fake_clock.advance(100, until=lease.stop.is_set)
         lease.stop.raise_if_set()
 
-    worker = make_memory_worker(handler, JOB_TIME_LIMIT_SECONDS=30, SHUTDOWN_GRACE_SECONDS=1)
+    worker = bounded(make_memory_worker(handler, JOB_TIME_LIMIT_SECONDS=30, SHUTDOWN_GRACE_SECONDS=1),
+                     memory_queue)
     memory_queue.send()
     worker.run()
     assert memory_queue.counts() == (0, 0)
@@ -76,7 +94,7 @@ def test_a_drained_job_still_stops_at_its_time_limit(memory_queue, make_memory_w
 def test_an_idle_drained_worker_ends_after_its_current_poll(memory_queue, make_memory_worker):
     """A drain during an empty long poll ends the loop when that poll returns: one receive, nothing else."""
     worker = make_memory_worker(lambda message, lease: None, SQS_WAIT_TIME_SECONDS=20)
-    memory_queue.faults["receive"] = lambda _: worker.drain()
+    bounded(worker, memory_queue, also=lambda: worker.drain())
     with capture_logs() as logs:
         worker.run()
     assert memory_queue.ops() == ["receive"]
@@ -87,7 +105,7 @@ def test_a_message_arriving_in_the_last_poll_of_a_drain_is_handed_back_unworked(
     """A message the poll returns after the drain request is released at once, its handler never run."""
     ran = []
     worker = make_memory_worker(lambda message, lease: ran.append(message))
-    memory_queue.faults["receive"] = lambda _: worker.drain()
+    bounded(worker, memory_queue, also=lambda: worker.drain())
     memory_queue.send()
     worker.run()
     assert ran == [] and memory_queue.ops() == ["receive", "release"]
@@ -106,7 +124,7 @@ def test_sigterm_during_a_drain_is_the_usual_graceful_shutdown(memory_queue, mak
         seen["grace_s"] = fake_clock() - message.received_at_s - 50
         lease.stop.raise_if_set()
 
-    worker = make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=5)
+    worker = bounded(make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=5), memory_queue)
     memory_queue.send()
     with capture_logs() as logs:
         worker.run()
@@ -123,7 +141,7 @@ def test_a_second_drain_request_changes_nothing(memory_queue, make_memory_worker
         worker.drain()
         return "trained"
 
-    worker = make_memory_worker(handler)
+    worker = bounded(make_memory_worker(handler), memory_queue)
     memory_queue.send()
     with capture_logs() as logs:
         worker.run()
@@ -166,7 +184,7 @@ def test_run_worker_drained_by_sigusr2_mid_job_acks_it_and_exits_zero(memory_que
         fake_clock.advance(120)
         return "trained"
 
-    worker = make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=1)
+    worker = bounded(make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=1), memory_queue)
     memory_queue.send()
     second = memory_queue.send()
     assert run_worker(worker) == EXIT_OK
