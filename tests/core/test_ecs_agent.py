@@ -48,7 +48,8 @@ class AgentStandIn:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.uri = f"http://127.0.0.1:{self.server.server_port}/api/task-1234"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
 
     @property
     def bodies(self) -> list[dict]:
