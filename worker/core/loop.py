@@ -129,6 +129,8 @@ def busy_for_s(timings: LeaseTimings) -> float:
 
 
 class Activity(Protocol):
+    """Hears when the worker takes on a job and when it is free again (see the module's docstring)."""
+
     def busy(self, for_at_most_s: float) -> None: ...
 
     def idle(self) -> None: ...
@@ -177,7 +179,7 @@ class Worker:
 
     # --- public surface
     def run(self) -> None:
-        """Take messages until a shutdown is requested. Unexpected errors propagate to the caller."""
+        """Take messages until a shutdown or a drain is requested. Unexpected errors propagate to the caller."""
         while self._receiving():
             self.run_once()
         log.info("worker.stopped",
