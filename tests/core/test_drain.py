@@ -187,7 +187,12 @@ def test_run_worker_drained_by_sigusr2_mid_job_acks_it_and_exits_zero(memory_que
     worker = bounded(make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=1), memory_queue)
     memory_queue.send()
     second = memory_queue.send()
-    assert run_worker(worker) == EXIT_OK
+    # Should run_worker not take SIGUSR2, the signal lands here instead of ending the test process.
+    before = signal.signal(signal.SIGUSR2, lambda *_: None)
+    try:
+        assert run_worker(worker) == EXIT_OK
+    finally:
+        signal.signal(signal.SIGUSR2, before)
     assert [m.message_id for m in memory_queue.messages] == [second]
     assert memory_queue.ops().count("receive") == 1 and memory_queue.ops()[-1] == "delete"
 

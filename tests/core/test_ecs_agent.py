@@ -135,6 +135,9 @@ def test_a_job_sets_protection_while_it_runs_and_clears_it_after(agent, memory_q
 @pytest.mark.parametrize(("status", "answer", "shown"), [
     (400, {"error": {"Code": "InvalidRequest", "Message": "Invalid request: ExpiresInMinutes"}}, "HTTP 400: InvalidRequest"),
     (500, {"error": {"Code": "ServerException", "Message": "boom"}}, "HTTP 500: ServerException boom"),
+    (403, {"error": {"Arn": "arn:aws:ecs:task/1", "Code": "AccessDeniedException",
+                     "Message": "Invalid Request: no task IAM role credentials available for task"}},
+     "HTTP 403: AccessDeniedException"),
     (200, {"failure": {"Arn": "arn:aws:ecs:task/1", "Reason": "TASK_NOT_VALID", "Detail": "stopping"}},
      "failure: TASK_NOT_VALID stopping"),
 ])
@@ -149,6 +152,7 @@ def test_a_refused_protection_is_one_warning_and_the_job_still_completes(agent, 
     failed = [e for e in logs if e["event"] == "task_protection.failed"]
     assert [(e["log_level"], e["enabled"]) for e in failed] == [("warning", True), ("warning", False)]
     assert all(e["error"].startswith(shown) for e in failed)
+    assert all(("hint" in e) == (status == 403) for e in failed)  # the IAM fix, named where it is the cause
     assert all(agent.uri not in json.dumps(e) for e in logs)
 
 

@@ -5,9 +5,10 @@ While a job runs, the task asks the agent on its host to protect it
 scale-in stops it mid-job; once the job is settled it drops the protection again. The worker loop
 calls ``busy`` and ``idle`` (its ``Activity`` hook) and knows nothing of ECS.
 
-The agent's endpoint is local to the task (ECS sets ``ECS_AGENT_URI``) and signs the
-``UpdateTaskProtection`` call itself, so the task role needs no permission for it. Outside ECS the
-variable is absent and nothing here is made.
+The agent's endpoint is local to the task (ECS sets ``ECS_AGENT_URI``); the agent makes the
+``UpdateTaskProtection`` call to ECS with the task role's credentials, so the task role needs
+``ecs:UpdateTaskProtection`` (without it, each call is refused with ``AccessDeniedException`` and the
+warning says so). Outside ECS the variable is absent and nothing here is made.
 
 Protection is a courtesy, never a condition of the job: a call that fails or times out is one
 warning line and the job runs on unprotected (the shutdown grace still applies). Each call waits at
@@ -34,6 +35,7 @@ TIMEOUT_S = 3.0
 # What the agent accepts for ExpiresInMinutes.
 MIN_MINUTES, MAX_MINUTES = 1, 2880
 _MAX_SHOWN_CHARS = 200
+IAM_HINT = "the task role needs ecs:UpdateTaskProtection on this cluster's tasks"
 
 
 def protection_minutes(for_at_most_s: float) -> int:
@@ -105,8 +107,9 @@ class TaskProtection:
             problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
         if problem is not None:
             # The agent URI is not shown: it names the task, and the event says enough to find it.
+            hint = {"hint": IAM_HINT} if "AccessDenied" in problem else {}
             log.warning("task_protection.failed", enabled=enabled,
-                        error=strip_control(problem, keep_lines=False)[:_MAX_SHOWN_CHARS])
+                        error=strip_control(problem, keep_lines=False)[:_MAX_SHOWN_CHARS], **hint)
             return False
         log.info("task_protection.set", enabled=enabled, expires_in_minutes=body.get("ExpiresInMinutes"))
         return True
