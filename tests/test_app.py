@@ -28,6 +28,9 @@ class ExplodingWorker:
     def stop(self):
         self.stopped = True
 
+    def drain(self):
+        self.stopped = True
+
 
 class RecordingPulse:
     def __init__(self):
@@ -202,6 +205,24 @@ def test_run_starts_on_a_clock_within_the_margin(queues, tmp_path, monkeypatch):
         "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1"})
     monkeypatch.setattr(rules, "utc_now", lambda: datetime.now(UTC) + timedelta(seconds=5))
     build_app(settings).close()
+
+
+@pytest.mark.parametrize("agent_uri", [None, "http://169.254.170.2/api/task-1"])
+def test_the_app_protects_jobs_from_scale_in_only_on_ecs(queues, tmp_path, agent_uri):
+    """With ECS_AGENT_URI the worker is wired to ECS task protection; without it (systemd hosts), to nothing."""
+    from worker.app import build_app
+    from worker.core.ecs_agent import TaskProtection
+    from worker.core.loop import NoActivity
+
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1",
+        **({"ECS_AGENT_URI": agent_uri} if agent_uri else {})})
+    app = build_app(settings)
+    try:
+        assert isinstance(app.worker._activity, TaskProtection if agent_uri else NoActivity)
+    finally:
+        app.close()
 
 
 def test_the_start_up_clock_check_reads_mongodbs_server_time():

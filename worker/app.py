@@ -12,6 +12,7 @@ import structlog
 from pipeline.config import load_pipeline_config
 from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
+from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
 from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
@@ -110,7 +111,8 @@ def build_app(settings: Settings, *, session=None) -> App:
     lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
-                    crash_points=crash_points, metrics=metrics)
+                    crash_points=crash_points, metrics=metrics,
+                    activity=task_protection(settings.ecs_agent_uri))
     return App(worker=worker, store=store, pulse=pulse)
 
 

@@ -150,6 +150,9 @@ class Settings(BaseModel):
     # --- AWS
     aws_endpoint_url: str | None = Field(None, alias="AWS_ENDPOINT_URL")
     aws_region: str | None = Field(None, alias="AWS_REGION")
+    # Set by ECS in every task's containers: the agent's local endpoint, used for scale-in protection
+    # while a job runs (worker/core/ecs_agent.py). Absent elsewhere, and then nothing is protected.
+    ecs_agent_uri: str | None = Field(None, alias="ECS_AGENT_URI")
 
     # Each variable's own format, parsed here once; a value that is not text was parsed already.
     @field_validator("sqlite_path", mode="before")

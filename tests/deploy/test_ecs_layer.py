@@ -292,14 +292,21 @@ def test_tasks_publish_the_dimension_set_the_alarms_match(params):
 # ---------------------------------------------------------------- roles
 
 
+# The one call made on the worker's behalf: the ECS agent sets task protection with the task role's
+# credentials when worker/core/ecs_agent.py asks it to.
+AGENT_ACTIONS = {"ecs:UpdateTaskProtection"}
+
+
 def test_worker_task_role_grants_only_calls_the_daemon_makes(stack):
-    """The task role is WorkerPolicy alone, and each action it grants is one the daemon's code calls:
-    nothing on the DLQ beyond dead-lettering."""
+    """The task role is WorkerPolicy plus the agent's task protection, and each action it grants is one
+    the daemon's code calls (or has the agent call): nothing on the DLQ beyond dead-lettering."""
     assert stack.resource("WorkerTaskRole")["ManagedPolicyArns"] == [stack.resolve({"Ref": "WorkerPolicy"})]
-    assert "Policies" not in stack.resource("WorkerTaskRole")
     statements = _statements(stack, "WorkerTaskRole")
     granted = set().union(*(_actions(s) for s in statements))
-    assert granted <= _daemon_actions(), granted - _daemon_actions()
+    assert granted <= _daemon_actions() | AGENT_ACTIONS, granted - _daemon_actions() - AGENT_ACTIONS
+    assert "ecs:UpdateTaskProtection" in granted
+    assert _grants(statements, "ecs:UpdateTaskProtection", f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/voice-worker/abc")
+    assert not _grants(statements, "ecs:UpdateTaskProtection", f"arn:aws:ecs:{REGION}:{ACCOUNT}:task/other/abc")
     dlq = stack.resolve({"Fn::GetAtt": ["DeadLetterQueue", "Arn"]})
     for action in ("sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility"):
         assert not _grants(statements, action, dlq), action

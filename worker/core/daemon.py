@@ -4,9 +4,10 @@ A Python signal handler runs on the main thread between any two bytecodes, also 
 holds a lock: the one inside a ``threading.Event`` it is waiting on or setting, say. A handler that
 takes such a lock can deadlock the process for good (two SIGTERMs close together did, and one during
 the main thread's ``Event.wait`` can), leaving the job leased until SIGKILL. So the handler takes no
-lock: it writes one byte to a pipe, and a relay thread turns each byte into ``Worker.stop()``.
+lock: it writes one byte to a pipe (the signal's number), and a relay thread turns each byte into
+its call: ``Worker.stop()`` for SIGTERM and SIGINT, ``Worker.drain()`` for SIGUSR2.
 
-Exit codes: 0 after a requested shutdown, 1 when the loop ended for any other reason.
+Exit codes: 0 after a requested shutdown or a drain, 1 when the loop ended for any other reason.
 """
 
 from __future__ import annotations
@@ -29,30 +30,35 @@ log = structlog.get_logger(__name__)
 EXIT_OK, EXIT_CRASHED, EXIT_CONFIG = 0, 1, 2
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Finish the job in flight, however long it takes (up to its time limit), take no other, exit 0.
+DRAIN_SIGNAL = signal.SIGUSR2
 # What signal.signal returns and takes back: a callable, SIG_DFL/SIG_IGN, or None (set outside Python).
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class SignalRelay:
-    """SIGTERM and SIGINT in, one ``stop()`` call per signal out, from a thread of its own."""
+    """SIGTERM and SIGINT in, one ``stop()`` call per signal out, from a thread of its own; with
+    ``drain``, SIGUSR2 in, one ``drain()`` call out."""
 
-    def __init__(self, stop: Callable[[], None]):
-        self._stop = stop
+    def __init__(self, stop: Callable[[], None], drain: Callable[[], None] | None = None):
+        self._calls: dict[int, Callable[[], None]] = dict.fromkeys(STOP_SIGNALS, stop)
+        if drain is not None:
+            self._calls[DRAIN_SIGNAL] = drain
         self._read_fd, self._write_fd = os.pipe()
         # A full pipe must not block the handler: 64 KiB of unread signals already mean "hurry".
         os.set_blocking(self._write_fd, False)
         self._previous: dict[int, Handler] = {}
         self._thread = threading.Thread(target=self._relay, name="signal-relay", daemon=True)
 
-    def on_signal(self, _signum, _frame) -> None:
+    def on_signal(self, signum, _frame) -> None:
         """The signal handler: one write to the pipe, nothing that can wait on another thread."""
         try:
-            os.write(self._write_fd, b"\0")
+            os.write(self._write_fd, bytes((signum,)))  # signal numbers fit a byte
         except BlockingIOError:
             pass
 
     def install(self) -> None:
-        for sig in STOP_SIGNALS:
+        for sig in self._calls:
             self._previous[sig] = signal.signal(sig, self.on_signal)
         self._thread.start()  # a signal before this waits in the pipe
 
@@ -68,16 +74,18 @@ class SignalRelay:
 
     def _relay(self) -> None:
         while chunk := os.read(self._read_fd, 64):  # b"" once uninstall closed the write end
-            for _ in chunk:
+            for signum in chunk:
                 try:
-                    self._stop()
-                except Exception as exc:  # the relay must outlive a failing stop, or later signals go unheard
-                    log.error("worker.stop_failed", error=f"{type(exc).__name__}: {exc}")
+                    self._calls[signum]()
+                except Exception as exc:  # the relay must outlive a failing call, or later signals go unheard
+                    log.error("worker.stop_failed", signal=signal.Signals(signum).name,
+                              error=f"{type(exc).__name__}: {exc}")
 
 
 def install_signal_handlers(worker: Worker) -> SignalRelay:
-    """Route SIGTERM/SIGINT to ``worker.stop`` through a relay; ``uninstall()`` it when the worker is done."""
-    relay = SignalRelay(worker.stop)
+    """Route SIGTERM/SIGINT to ``worker.stop`` and SIGUSR2 to ``worker.drain`` through a relay;
+    ``uninstall()`` it when the worker is done."""
+    relay = SignalRelay(worker.stop, worker.drain)
     relay.install()
     # `kill -USR1 <pid>` prints every thread's stack to stderr: the way to see where a worker that
     # does not stop is stuck, without stopping it.
@@ -87,11 +95,12 @@ def install_signal_handlers(worker: Worker) -> SignalRelay:
 
 def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Pulse | None = None) -> int:
     """Run until shutdown, then leave in this order:
-    1. the loop has settled its last message (``run`` returned: deleted, released or left to SQS);
+    1. the loop has settled its last message (``run`` returned: deleted, released or left to SQS;
+       after a drain, the job in flight ran to its end first);
     2. tell systemd we are stopping;
     3. close the store and other clients;
     4. put the previous signal handlers back;
-    5. return the exit code: 0 for a requested stop, 1 for anything else."""
+    5. return the exit code: 0 for a requested stop or a drain, 1 for anything else."""
     pulse = pulse or Pulse()
     code = EXIT_OK
     relay = install_signal_handlers(worker)

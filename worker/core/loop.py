@@ -15,6 +15,14 @@ Each error class names its own action (``WorkerError.action``, see ``worker.core
 A handler is any callable ``handler(message, lease) -> str | None``: it returns to acknowledge (the
 optional string names the outcome for the logs), raises a project error otherwise, and waits on
 ``lease.stop`` to learn that it must stop.
+
+Two ways to stop receiving: ``stop()`` (SIGTERM) gives the job in flight the shutdown grace, then
+releases it; ``drain()`` (SIGUSR2) lets it run to its end or its time limit and settles it as usual.
+A message that arrives after either (during the last long poll) is released unworked.
+
+``activity`` hears ``busy(for_at_most_s)`` when a job starts and ``idle()`` once it is settled, so
+a deployment can keep a busy worker from being scaled in (worker/core/ecs_agent.py); it must not
+raise, and it should answer within seconds: it runs on the loop's thread.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
-from worker.core.config import Backoff, LoopConfig
+from worker.core.config import Backoff, LeaseTimings, LoopConfig
 from worker.core.errors import Action, QueueError, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease, Shutdown
@@ -103,6 +112,40 @@ def decide(outcome: WorkerError | None, lease_lost: bool) -> Decision:
     return Decision(outcome.action, outcome.settled_as())
 
 
+def keep_receiving(shutdown_requested: bool, draining: bool) -> bool:
+    """Whether the loop takes another message: not once a shutdown or a drain was requested."""
+    return not (shutdown_requested or draining)
+
+
+def stop_reason(shutdown_requested: bool, draining: bool) -> str:
+    """Why the loop ended, for the log: a shutdown (also one that came during a drain) or the drain."""
+    return "shutdown" if shutdown_requested or not draining else "drain"
+
+
+def busy_for_s(timings: LeaseTimings) -> float:
+    """The longest one job can keep the worker busy, from its receipt: the time limit, then the wind
+    down the heartbeat allows past it (a handler that honours its stop is done by then)."""
+    return timings.time_limit_s + (timings.wind_down_s or 0.0)
+
+
+class Activity(Protocol):
+    """Hears when the worker takes on a job and when it is free again (see the module's docstring)."""
+
+    def busy(self, for_at_most_s: float) -> None: ...
+
+    def idle(self) -> None: ...
+
+
+class NoActivity:
+    """Nobody to tell: outside ECS a busy worker needs no protection."""
+
+    def busy(self, for_at_most_s: float) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+
 class Worker:
     def __init__(
         self,
@@ -117,6 +160,7 @@ class Worker:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         wait: Callable[[threading.Event, float], object] = threading.Event.wait,
+        activity: Activity | None = None,
     ):
         self._config = config
         self._clock, self._wait = clock, wait  # the heartbeat's; tests pass a FakeClock
@@ -128,19 +172,35 @@ class Worker:
         # Called after every receive and every successful renewal: feeds liveness and the watchdog.
         self._alive = alive or (lambda: None)
         self._crash = crash_points.reached
+        self._activity = activity or NoActivity()
         self.shutdown = Shutdown()
+        # Set once by drain(): no more receives, while the job in flight keeps its own clocks.
+        self.draining = threading.Event()
 
     # --- public surface
     def run(self) -> None:
-        """Take messages until a shutdown is requested. Unexpected errors propagate to the caller."""
-        while not self.shutdown.requested.is_set():
+        """Take messages until a shutdown or a drain is requested. Unexpected errors propagate to the caller."""
+        while self._receiving():
             self.run_once()
-        log.info("worker.stopped")
+        log.info("worker.stopped",
+                 reason=stop_reason(self.shutdown.requested.is_set(), self.draining.is_set()))
 
     def stop(self) -> None:
         """Request a shutdown (a second request skips the grace); from any thread, never from a signal
         handler: it takes locks (see ``worker.core.daemon`` for how signals get here)."""
         self.shutdown.request()
+
+    def drain(self) -> None:
+        """Stop receiving; the job in flight runs on (up to its time limit) and is settled as usual, then
+        ``run`` returns. A later ``stop()`` still starts the shutdown grace. From any thread, never from
+        a signal handler (see ``stop``)."""
+        if self.draining.is_set():
+            return
+        self.draining.set()
+        log.info("worker.drain_requested", shutdown_requested=self.shutdown.requested.is_set())
+
+    def _receiving(self) -> bool:
+        return keep_receiving(self.shutdown.requested.is_set(), self.draining.is_set())
 
     def run_once(self) -> str | None:
         """Receive at most one message and see it through; returns the action taken, or None."""
@@ -162,8 +222,8 @@ class Worker:
             message_id=message.message_id, receive_count=message.receive_count
         )
         try:
-            if self.shutdown.requested.is_set():
-                # Arrived while we were stopping: hand it straight back.
+            if not self._receiving():
+                # Arrived while we were stopping or draining: hand it straight back.
                 self._settle(message, Decision(RELEASE), lease_lost=False)
                 self._count_outcome(message, RELEASE, None, 0.0)
                 return RELEASE
@@ -180,6 +240,7 @@ class Worker:
         outcome: WorkerError | None = None
         label = None
         lease.start()
+        self._activity.busy(busy_for_s(self._config.lease))
         self._crash("after_receive")
         try:
             label = self._handler(message, lease)
@@ -203,6 +264,8 @@ class Worker:
         )
         self._settle(message, decision, lease_lost=lease.lost)
         self._count_outcome(message, decision.action, label, self._clock() - started_s)
+        # Only now: until its message is deleted or handed back, the job is not over.
+        self._activity.idle()
         return decision.action
 
     def _count_outcome(self, message: Message, action: Action, label: str | None, duration_s: float) -> None:

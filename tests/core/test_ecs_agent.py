@@ -1,0 +1,193 @@
+"""ECS task scale-in protection: on while a job runs, off once it is settled, never fatal, only on ECS."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from structlog.testing import capture_logs
+
+from worker.core.ecs_agent import MAX_MINUTES, PATH, TaskProtection, protection_minutes, task_protection
+from worker.core.loop import busy_for_s
+from worker.settings import load_settings
+
+
+class AgentStandIn:
+    """The agent's task-protection endpoint on 127.0.0.1: records each PUT, answers as told.
+
+    ``answer`` is (status, body); ``hang`` makes it wait for ``release`` before answering.
+    """
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.answer: tuple[int, dict] = (200, {"protection": {"ProtectionEnabled": True}})
+        self.hang = False
+        self.release = threading.Event()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stand_in.requests.append({"path": self.path, "body": body,
+                                          "content_type": self.headers["Content-Type"]})
+                if stand_in.hang:
+                    stand_in.release.wait(10)
+                status, answer = stand_in.answer
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.uri = f"http://127.0.0.1:{self.server.server_port}/api/task-1234"
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+
+    @property
+    def bodies(self) -> list[dict]:
+        return [r["body"] for r in self.requests]
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def agent():
+    with AgentStandIn() as stand_in:
+        yield stand_in
+
+
+class Recording:
+    """An Activity that notes each call and what the queue had done by then."""
+
+    def __init__(self, queue):
+        self.queue, self.calls = queue, []
+
+    def busy(self, for_at_most_s):
+        self.calls.append(("busy", for_at_most_s, tuple(self.queue.ops())))
+
+    def idle(self):
+        self.calls.append(("idle", None, tuple(self.queue.ops())))
+
+
+@pytest.mark.parametrize(("for_s", "minutes"), [
+    (0, 1), (59, 2), (60, 2), (61, 3), (21_600 + 10.2, 362), (3 * 86_400, MAX_MINUTES),
+])
+def test_the_protection_lasts_the_jobs_longest_run_plus_a_minute_within_ecs_bounds(for_s, minutes):
+    """Minutes are rounded up plus one for the settle, at least 1 and at most ECS's 2880."""
+    assert protection_minutes(for_s) == minutes
+
+
+def test_the_loop_says_busy_with_the_time_limit_and_wind_down_then_idle_after_the_settle(
+        memory_queue, make_memory_worker):
+    """busy() comes when the job starts, with its time limit plus wind-down; idle() only after the delete."""
+    activity = Recording(memory_queue)
+    worker = make_memory_worker(lambda message, lease: None, activity=activity, JOB_TIME_LIMIT_SECONDS=3600)
+    memory_queue.send()
+    assert worker.run_once() == "ack"
+    limit_s = busy_for_s(load_settings({"JOB_TIME_LIMIT_SECONDS": "3600", "SHUTDOWN_GRACE_SECONDS": "5",
+                                        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "200"}).lease_timings())
+    assert limit_s == pytest.approx(3600 + 5 + 0.2)
+    assert [call[:2] for call in activity.calls] == [("busy", limit_s), ("idle", None)]
+    assert activity.calls[1][2][-1] == "delete"
+
+
+def test_a_message_handed_back_unworked_never_makes_the_worker_busy(memory_queue, make_memory_worker):
+    """A message received during a shutdown is released without a busy() or idle() call."""
+    activity = Recording(memory_queue)
+    worker = make_memory_worker(lambda message, lease: None, activity=activity)
+    worker.stop()
+    memory_queue.send()
+    assert worker.run_once() == "release"
+    assert activity.calls == []
+
+
+def test_a_job_sets_protection_while_it_runs_and_clears_it_after(agent, memory_queue, make_memory_worker):
+    """Through the stand-in agent: PUT enabled with the expiry before the handler runs, PUT disabled after the ack."""
+    during = []
+    worker = make_memory_worker(lambda message, lease: during.append(list(agent.bodies)),
+                                activity=TaskProtection(agent.uri), JOB_TIME_LIMIT_SECONDS=3600)
+    memory_queue.send()
+    with capture_logs() as logs:
+        assert worker.run_once() == "ack"
+    enabled = {"ProtectionEnabled": True, "ExpiresInMinutes": 62}  # ceil(3605.2 s / 60) + 1
+    assert during == [[enabled]]
+    assert agent.bodies == [enabled, {"ProtectionEnabled": False}]
+    assert {r["path"] for r in agent.requests} == {f"/api/task-1234{PATH}"}
+    assert {r["content_type"] for r in agent.requests} == {"application/json"}
+    assert [e["enabled"] for e in logs if e["event"] == "task_protection.set"] == [True, False]
+
+
+@pytest.mark.parametrize(("status", "answer", "shown"), [
+    (400, {"error": {"Code": "InvalidRequest", "Message": "Invalid request: ExpiresInMinutes"}}, "HTTP 400: InvalidRequest"),
+    (500, {"error": {"Code": "ServerException", "Message": "boom"}}, "HTTP 500: ServerException boom"),
+    (403, {"error": {"Arn": "arn:aws:ecs:task/1", "Code": "AccessDeniedException",
+                     "Message": "Invalid Request: no task IAM role credentials available for task"}},
+     "HTTP 403: AccessDeniedException"),
+    (200, {"failure": {"Arn": "arn:aws:ecs:task/1", "Reason": "TASK_NOT_VALID", "Detail": "stopping"}},
+     "failure: TASK_NOT_VALID stopping"),
+])
+def test_a_refused_protection_is_one_warning_and_the_job_still_completes(agent, memory_queue, make_memory_worker,
+                                                                       status, answer, shown):
+    """An agent error or an ECS failure is logged as a warning with its reason; the job is acked all the same."""
+    agent.answer = (status, answer)
+    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(agent.uri))
+    memory_queue.send()
+    with capture_logs() as logs:
+        assert worker.run_once() == "ack"
+    failed = [e for e in logs if e["event"] == "task_protection.failed"]
+    assert [(e["log_level"], e["enabled"]) for e in failed] == [("warning", True), ("warning", False)]
+    assert all(e["error"].startswith(shown) for e in failed)
+    assert all(("hint" in e) == (status == 403) for e in failed)  # the IAM fix, named where it is the cause
+    assert all(agent.uri not in json.dumps(e) for e in logs)
+
+
+def test_an_unreachable_agent_is_a_warning_not_a_crash(memory_queue, make_memory_worker):
+    """Nothing listening at ECS_AGENT_URI: each call logs one warning and the job is acked."""
+    with AgentStandIn() as gone:
+        uri = gone.uri  # a port that was just closed
+    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(uri))
+    memory_queue.send()
+    with capture_logs() as logs:
+        assert worker.run_once() == "ack"
+    assert [e["event"] for e in logs if e["event"].startswith("task_protection.")] == ["task_protection.failed"] * 2
+
+
+def test_a_hung_agent_costs_at_most_the_timeout(agent):
+    """An agent that never answers is given up after the call's timeout: a warning, and the call returns."""
+    agent.hang = True
+    protection = TaskProtection(agent.uri, timeout_s=0.2)
+    with capture_logs() as logs:
+        protection.busy(60)
+    [failed] = [e for e in logs if e["event"] == "task_protection.failed"]
+    assert "timed out" in failed["error"]
+
+
+def test_the_agent_is_reached_without_the_download_proxy(agent, monkeypatch):
+    """An HTTP proxy set in the environment (for downloads) is not used for the agent on the task's host."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    TaskProtection(agent.uri).idle()
+    assert agent.bodies == [{"ProtectionEnabled": False}]
+
+
+def test_without_ecs_agent_uri_there_is_no_protection():
+    """Outside ECS (no ECS_AGENT_URI, as on systemd hosts) no protection is made, so no call is ever sent."""
+    assert load_settings({}).ecs_agent_uri is None
+    assert task_protection(load_settings({}).ecs_agent_uri) is None
+    made = task_protection(load_settings({"ECS_AGENT_URI": "http://169.254.170.2/api/abc"}).ecs_agent_uri)
+    assert isinstance(made, TaskProtection)

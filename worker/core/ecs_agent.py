@@ -1,0 +1,120 @@
+"""ECS task scale-in protection: the one place the ECS container agent's endpoint is called.
+
+While a job runs, the task asks the agent on its host to protect it
+(``PUT $ECS_AGENT_URI/task-protection/v1/state``), so that neither a deployment nor the service's
+scale-in stops it mid-job; once the job is settled it drops the protection again. The worker loop
+calls ``busy`` and ``idle`` (its ``Activity`` hook) and knows nothing of ECS.
+
+The agent's endpoint is local to the task (ECS sets ``ECS_AGENT_URI``); the agent makes the
+``UpdateTaskProtection`` call to ECS with the task role's credentials, so the task role needs
+``ecs:UpdateTaskProtection`` (without it, each call is refused with ``AccessDeniedException`` and the
+warning says so). Outside ECS the variable is absent and nothing here is made.
+
+Protection is a courtesy, never a condition of the job: a call that fails or times out is one
+warning line and the job runs on unprotected (the shutdown grace still applies). Each call waits at
+most ``TIMEOUT_S``: it runs on the loop's thread, and a hung agent must not stall it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import urllib.error
+import urllib.request
+from typing import Any
+
+import structlog
+
+from worker.core.redact import strip_control
+
+log = structlog.get_logger(__name__)
+
+PATH = "/task-protection/v1/state"
+TIMEOUT_S = 3.0
+# What the agent accepts for ExpiresInMinutes.
+MIN_MINUTES, MAX_MINUTES = 1, 2880
+_MAX_SHOWN_CHARS = 200
+IAM_HINT = "the task role needs ecs:UpdateTaskProtection on this cluster's tasks"
+
+
+def protection_minutes(for_at_most_s: float) -> int:
+    """Minutes of protection for a job that may take ``for_at_most_s``: rounded up, one minute more for
+    settling the message, within what the agent accepts (1 to 2880, i.e. 48 hours)."""
+    return max(MIN_MINUTES, min(MAX_MINUTES, math.ceil(for_at_most_s / 60) + 1))
+
+
+def protection_body(enabled: bool, for_at_most_s: float | None = None) -> dict[str, Any]:
+    """The request body: protection on for as long as the job may take, or off."""
+    if not enabled:
+        return {"ProtectionEnabled": False}
+    assert for_at_most_s is not None
+    return {"ProtectionEnabled": True, "ExpiresInMinutes": protection_minutes(for_at_most_s)}
+
+
+def refusal(status: int, body: bytes) -> str | None:
+    """Why the agent's answer is not a success, or None when it is one.
+
+    The agent answers errors with a status of 400 or more and ``{"error": {"Code", "Message"}}``, and
+    a call ECS itself refused with 200 and ``{"failure": {"Reason", "Detail"}}``."""
+    try:
+        answer = json.loads(body or b"{}")
+    except ValueError:
+        answer = {}
+    if not isinstance(answer, dict):
+        answer = {}
+    if status >= 400:
+        error = answer.get("error")
+        if not isinstance(error, dict):
+            error = {}
+        return f"HTTP {status}: {error.get('Code', '')} {error.get('Message', '')}".strip()
+    failure = answer.get("failure")
+    if failure:
+        if not isinstance(failure, dict):
+            return "failure"
+        return f"failure: {failure.get('Reason', '')} {failure.get('Detail', '')}".strip()
+    return None
+
+
+class TaskProtection:
+    """The worker's ``Activity`` on ECS: protection on while busy, off when idle; failures only logged."""
+
+    def __init__(self, agent_uri: str, *, timeout_s: float = TIMEOUT_S):
+        self._url = agent_uri.rstrip("/") + PATH
+        self._timeout_s = timeout_s
+        # No proxy: the agent is on the task's own host (169.254.170.2), and an HTTP(S)_PROXY set for
+        # the downloads must not carry the call elsewhere.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def busy(self, for_at_most_s: float) -> None:
+        self._put(protection_body(True, for_at_most_s))
+
+    def idle(self) -> None:
+        self._put(protection_body(False))
+
+    def _put(self, body: dict[str, Any]) -> bool:
+        enabled = body["ProtectionEnabled"]
+        request = urllib.request.Request(self._url, data=json.dumps(body).encode(), method="PUT",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with self._opener.open(request, timeout=self._timeout_s) as response:
+                problem = refusal(response.status, response.read(64 * 1024))
+        except urllib.error.HTTPError as exc:
+            with exc:
+                problem = refusal(exc.code, exc.read(64 * 1024))
+        # URLError, a timeout, a refused or dropped connection, a garbled answer, a bad URI.
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+        if problem is not None:
+            # The agent URI is not shown: it names the task, and the event says enough to find it.
+            hint = {"hint": IAM_HINT} if "AccessDenied" in problem else {}
+            log.warning("task_protection.failed", enabled=enabled,
+                        error=strip_control(problem, keep_lines=False)[:_MAX_SHOWN_CHARS], **hint)
+            return False
+        log.info("task_protection.set", enabled=enabled, expires_in_minutes=body.get("ExpiresInMinutes"))
+        return True
+
+
+def task_protection(agent_uri: str | None) -> TaskProtection | None:
+    """The protection for this task when ECS runs it (``ECS_AGENT_URI`` set), else None."""
+    return TaskProtection(agent_uri) if agent_uri else None
