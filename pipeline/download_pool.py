@@ -6,9 +6,11 @@ What the step promises is what the one-at-a-time loop promised, whatever the tim
   its body is read and gives back what it did not use when it ends. The share is the file's declared
   length (Content-Length, S3's ContentLength) when the fetcher takes a ``Reservation`` once it knows
   it (``DownloadPlan.sized_reservations``: the ``Downloader`` does), else its maximum
-  (DOWNLOAD_MAX_BYTES) before it starts. Shares are taken in the order of the recordings, and a
-  file whose share no longer fits waits until the files in flight have given back theirs, then gets
-  all that is left: exactly what it would have been given after the files before it, one at a time.
+  (DOWNLOAD_MAX_BYTES) before it starts. Shares are taken in the order of the recordings (or ahead
+  of it when what is left holds the maximum of every earlier file still to take one, which changes
+  no one's share), and a file whose share no longer fits waits until the files in flight have given
+  back theirs, then gets all that is left: exactly what it would have been given after the files
+  before it, one at a time.
   So the recording refused for the budget is the same one, and nothing is ever granted twice.
 - of several failures, the one of the first recording is reported; once one fails, no further file
   starts, and after a permanent failure (no retry will want the other files) the files after it
@@ -201,8 +203,8 @@ class DownloadPool:
             with self._cond:
                 if self._unreserved is None:
                     return None
-                earlier_open = any(p < position and p not in self._granted for p in self._in_flight)
-                share = _WAIT if earlier_open else self._grant(declared)
+                earlier_open = sum(1 for p in self._in_flight if p < position and p not in self._granted)
+                share = self._grant(declared) if not earlier_open else self._grant_ahead(declared, earlier_open)
                 if share is not _WAIT:
                     assert isinstance(share, int)
                     self._unreserved -= share
@@ -212,6 +214,22 @@ class DownloadPool:
                     return share
                 self._cond.wait(POLL_S)
             check()  # outside the lock: a cut ends the wait
+
+    def _grant_ahead(self, declared: int | None, earlier_open: int) -> int | object:
+        """A share taken before ``earlier_open`` earlier files have taken theirs, or _WAIT.
+
+        Only when what is left after it still holds the most each of those may ask for (a declared
+        length over DOWNLOAD_MAX_BYTES is refused before asking, an unknown one asks for that
+        maximum): then each still gets its whole request, and this file its declared length,
+        exactly as one at a time; the files that take shares after it are later ones, which it
+        precedes anyway. It spares a file whose headers came first the wait for the others'.
+        """
+        assert self._unreserved is not None
+        if declared is None or self._file_max is None:
+            return _WAIT
+        if self._unreserved - declared >= earlier_open * self._file_max:
+            return declared
+        return _WAIT
 
     def _grant(self, declared: int | None = None) -> int | None | object:
         if self._unreserved is None:
