@@ -15,7 +15,13 @@ What the step promises is what the one-at-a-time loop promised, whatever the tim
 - of several failures, the one of the first recording is reported; once one fails, no further file
   starts, and after a permanent failure (no retry will want the other files) the files after it
   that are in flight are cut, while those before it finish, since one of them may fail first;
-- the job's stop cuts every file in flight at once: each runs under its own guard watching it.
+- the job's stop cuts every file in flight at once: each runs under its own guard watching it;
+- at most DOWNLOAD_CONCURRENCY files are on the wire at once. A file whose body is written hands its
+  slot on (``Reservation.off_the_wire``) before its data sync and rename, which take it off the
+  network for a few milliseconds (far more on a busy disk): the next file starts meanwhile, on one of
+  the step's spare threads. The file itself still waits for its sync before its rename, and the step
+  for every file's, so a renamed file is whole after a crash as before, and the step ends only once
+  all its files are in.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class _Reservation:
     def take(self, declared: int | None, check: Callable[[], None]) -> int | None:
         return self._pool._reserve(self._position, declared, check)
 
+    def off_the_wire(self) -> None:
+        self._pool._hand_on_slot(self._position)
+
 
 class DownloadPool:
     """One run of the download step over ``items`` (the recordings not already on disk)."""
@@ -88,7 +97,12 @@ class DownloadPool:
         self._fetch = fetch
         self._stop = stop
         self._file_max = file_max_bytes
-        self._concurrency = max(1, min(concurrency, len(self._items)))
+        self._concurrency = max(1, min(concurrency, len(self._items)))  # files on the wire at once
+        # One spare thread per slot takes the next file while a file that is off the wire is synced;
+        # only a fetcher told of its reservation hands its slot on (``_Reservation.off_the_wire``).
+        self._threads = min(2 * self._concurrency, len(self._items)) if self._sized else self._concurrency
+        self._on_wire = 0
+        self._off_the_wire: set[int] = set()  # positions in flight that handed their slot on
         self._over_budget = over_budget
         self._cond = threading.Condition()
         self._next = 0
@@ -109,7 +123,7 @@ class DownloadPool:
             self._stop.raise_if_set()
             return self.sizes
         threads = [threading.Thread(target=self._work, name=f"download-{n}", daemon=True)
-                   for n in range(self._concurrency)]
+                   for n in range(self._threads)]
         with self._cond:
             self._running = len(threads)
         for thread in threads:
@@ -166,7 +180,7 @@ class DownloadPool:
             kwargs["reservation"] = _Reservation(self, position)
         elif grant is not None:
             kwargs["remaining_job_bytes"] = grant
-        if self._concurrency > 1:
+        if self._threads > 1:
             kwargs["stop"] = file_stop  # one fetcher at a time needs no stop of its own
         self._fetch(item.url, item.dest, **kwargs)
         if not item.dest.is_file():
@@ -185,17 +199,28 @@ class DownloadPool:
             while True:
                 if self._stop.is_set() or self._errors or self._abandoned or self._next >= len(self._items):
                     return None
+                if self._on_wire >= self._concurrency:
+                    self._cond.wait(POLL_S)
+                    continue
                 grant = None if self._sized else self._grant()
                 if grant is not _WAIT:
                     break
                 self._cond.wait(POLL_S)
             position, self._next = self._next, self._next + 1
+            self._on_wire += 1
             if isinstance(grant, int):  # (not _WAIT any more: an int, or None without a budget)
                 assert self._unreserved is not None
                 self._unreserved -= grant
                 self._holders += 1
             file_stop = self._in_flight[position] = FileStop(self._stop)
             return position, grant, file_stop  # type: ignore[return-value]
+
+    def _hand_on_slot(self, position: int) -> None:
+        with self._cond:
+            if position in self._in_flight and position not in self._off_the_wire:
+                self._off_the_wire.add(position)
+                self._on_wire -= 1
+                self._cond.notify_all()
 
     def _reserve(self, position: int, declared: int | None, check: Callable[[], None]) -> int | None:
         """A file's share once its length is known, taken in the order of the recordings."""
@@ -248,6 +273,10 @@ class DownloadPool:
                 error: BaseException | None, file_stop: FileStop) -> None:
         with self._cond:
             del self._in_flight[position]
+            if position in self._off_the_wire:
+                self._off_the_wire.discard(position)
+            else:
+                self._on_wire -= 1
             if self._sized:
                 grant = self._granted.pop(position, None)
             if grant is not None:

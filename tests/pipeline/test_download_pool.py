@@ -1,5 +1,6 @@
 """The download step's pool with fetchers that take a reservation: shares granted ahead of earlier files only
-when that changes nothing, and the job's budget exactly as one at a time."""
+when that changes nothing, the job's budget exactly as one at a time, and a file's network slot handed on
+before its sync."""
 
 from __future__ import annotations
 
@@ -28,6 +29,25 @@ def pool_of(items: list[Item], fetch, *, budget: int, file_max: int, concurrency
                         concurrency=concurrency, over_budget="over the budget", sized_reservations=True)
 
 
+def run(pool: DownloadPool) -> dict[int, int]:
+    """``pool.run``, failing the test instead of hanging it should the pool never end."""
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["sizes"] = pool.run(lambda _done: None)
+        except BaseException as exc:  # handed back to the test, which re-raises it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(GIVE_UP_S)
+    assert not thread.is_alive(), "the pool never ended"
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["sizes"]  # type: ignore[return-value]
+
+
 def index_of(dest: Path) -> int:
     return int(dest.stem)
 
@@ -45,9 +65,10 @@ def test_a_file_takes_its_share_ahead_of_earlier_ones_when_the_budget_holds_thei
         else:
             seen.append(granted.wait(GIVE_UP_S))
             reservation.take(100, lambda: None)
+        reservation.off_the_wire()
         dest.write_bytes(b"x" * 100)
 
-    pool_of(items_in(tmp_path, 2), fetch, budget=10_000, file_max=1000, concurrency=2).run(lambda _done: None)
+    run(pool_of(items_in(tmp_path, 2), fetch, budget=10_000, file_max=1000, concurrency=2))
     assert seen == [True]
 
 
@@ -65,9 +86,10 @@ def test_a_file_waits_for_earlier_shares_when_the_budget_might_not_hold_them(tmp
             time.sleep(0.1)  # lets recording 1 reach its wait: a pool that grants it now would
         reservation.take(100, lambda: None)
         order.append(index)
+        reservation.off_the_wire()
         dest.write_bytes(b"x" * 100)
 
-    pool_of(items_in(tmp_path, 2), fetch, budget=1000, file_max=1000, concurrency=2).run(lambda _done: None)
+    run(pool_of(items_in(tmp_path, 2), fetch, budget=1000, file_max=1000, concurrency=2))
     assert order == [0, 1]
 
 
@@ -96,6 +118,7 @@ def test_the_budget_gives_each_file_what_one_at_a_time_would(tmp_path, seed):
             if declared[index] > share:  # what the Downloader does: refused, over what was left
                 raise BadRecording(f"recording {index} refused")
             time.sleep(delays[index][1])
+            reservation.off_the_wire()
             dest.write_bytes(b"x" * declared[index])
             written = declared[index]
         finally:
@@ -114,9 +137,53 @@ def test_the_budget_gives_each_file_what_one_at_a_time_would(tmp_path, seed):
 
     pool = pool_of(items_in(tmp_path, len(declared)), fetch, budget=budget, file_max=file_max, concurrency=4)
     if refused is None:
-        pool.run(lambda _done: None)
+        run(pool)
     else:
         with pytest.raises(BadRecording, match=f"recording {refused} refused"):
-            pool.run(lambda _done: None)
+            run(pool)
     assert {i: s for i, s in shares.items() if i in expected} == expected
     assert max(peaks) <= budget
+
+
+def test_a_file_being_synced_hands_its_network_slot_to_the_next(tmp_path):
+    """One file on the wire at a time: the second starts while the first, its body written, is still being
+    synced."""
+    second_started = threading.Event()
+    seen: list[bool] = []
+
+    def fetch(url, dest: Path, *, reservation, stop) -> None:
+        index = index_of(dest)
+        if index == 1:
+            second_started.set()
+        reservation.take(100, lambda: None)
+        reservation.off_the_wire()
+        if index == 0:  # the sync and rename that follow the body
+            seen.append(second_started.wait(GIVE_UP_S))
+        dest.write_bytes(b"x" * 100)
+
+    run(pool_of(items_in(tmp_path, 2), fetch, budget=10_000, file_max=1000, concurrency=1))
+    assert seen == [True]
+
+
+def test_no_more_files_than_the_concurrency_are_on_the_wire(tmp_path):
+    """Slow syncs let files pile up past their bodies, yet at most three are ever between start and body end."""
+    lock, on_wire, peaks = threading.Lock(), [0], []
+    rng = random.Random(7)
+    delays = [(rng.random() / 100, rng.random() / 50) for _ in range(16)]
+
+    def fetch(url, dest: Path, *, reservation, stop) -> None:
+        index = index_of(dest)
+        with lock:
+            on_wire[0] += 1
+            peaks.append(on_wire[0])
+        time.sleep(delays[index][0])
+        reservation.take(100, lambda: None)
+        with lock:
+            on_wire[0] -= 1
+        reservation.off_the_wire()
+        time.sleep(delays[index][1])
+        dest.write_bytes(b"x" * 100)
+
+    sizes = run(pool_of(items_in(tmp_path, 16), fetch, budget=10**6, file_max=1000, concurrency=3))
+    assert sizes == {i: 100 for i in range(16)}
+    assert max(peaks) <= 3
