@@ -340,7 +340,10 @@ def _fetch_https(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard
                 if error is not None:
                     raise error(f"{current.redacted} answered HTTP {resp.status}")
                 declared = _content_length(resp.headers.get("Content-Length"))
-                size = _copy(resp.read1, write, declared, guard, cap, current)
+                # read, not read1: one call fills a whole chunk in C instead of a pass through
+                # urllib3 and our loop per 16 KiB TLS record (a third less client CPU); a cut still
+                # ends it at once, since the guard shuts the socket down under it.
+                size = _copy(resp.read, write, declared, guard, cap, current)
                 whole = True
                 return size
             finally:
