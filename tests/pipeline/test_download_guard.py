@@ -71,6 +71,16 @@ def test_a_guard_whose_fetch_is_over_is_never_fired():
         assert over.fired is None
 
 
+def test_a_sweep_that_took_a_guard_before_its_fetch_ended_leaves_it_alone():
+    """The watchdog's look at a guard it listed just before the guard closed does not fire it any more."""
+    past = [False]
+    with Guard(lambda: -1.0 if past[0] else 3600.0, None) as over:
+        pass
+    past[0] = True
+    over._look()  # what a sweep running across the guard's __exit__ does next
+    assert over.fired is None
+
+
 def test_the_watchdog_ends_after_the_last_guard_and_a_later_guard_gets_a_new_one(monkeypatch):
     """With no guard open the thread ends after its linger; the next guard starts one that fires it."""
     monkeypatch.setattr(download_guard, "WATCHDOG_LINGER_S", 0.05)
