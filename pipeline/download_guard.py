@@ -254,6 +254,14 @@ class _Watchdog:
             self._guards.discard(guard)
 
     def _run(self) -> None:
+        try:
+            self._sweep_until_idle()
+        finally:
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # it died: the next guard to open starts another
+
+    def _sweep_until_idle(self) -> None:
         while True:
             with self._cond:
                 if not self._guards:

@@ -8,6 +8,8 @@ import threading
 import time
 from contextlib import ExitStack
 
+import pytest
+
 from pipeline import download_guard
 from pipeline.download_guard import CutReason, Guard
 from worker.core.stop import StopSignal
@@ -87,6 +89,21 @@ def test_the_watchdog_ends_after_the_last_guard_and_a_later_guard_gets_a_new_one
     with Guard(never, None):
         pass
     assert wait_until(lambda: not watchdogs())
+    with Guard(lambda: -1.0, None) as due:
+        assert wait_until(lambda: due.fired == CutReason.DEADLINE)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_watchdog_that_died_is_replaced_by_the_next_guard():
+    """Should a sweep ever raise, the thread ends, and the next guard to open is watched by a new one."""
+    class Broken(Exception):
+        pass
+
+    def broken() -> float:
+        raise Broken
+
+    with Guard(broken, None):
+        assert wait_until(lambda: not watchdogs())
     with Guard(lambda: -1.0, None) as due:
         assert wait_until(lambda: due.fired == CutReason.DEADLINE)
 
