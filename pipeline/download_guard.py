@@ -5,13 +5,18 @@ connect(), in the TLS handshake, while sending, while waiting for the status lin
 each body read. A per-read socket timeout does not bound the whole, since a server that drips one
 header line or one byte at a time never lets a single read time out.
 
-So each fetch runs under a ``Guard``: a watchdog thread that, when the deadline passes or the stop
-signal is set, shuts down every socket the download opened. A blocked connect, handshake, send or
-read on a shut-down socket returns at once, whichever library made it. The guard learns the sockets
-from Python's audit events, for threads inside ``Guard.own_sockets`` only: ``socket.connect`` hands
-over a new socket before it connects, ``http.client.send`` a kept-alive one before a request goes out.
-That covers urllib3 (https) and botocore (s3) alike without reaching into either one's internals.
-Once fired, the guard refuses new connections and sends from those threads.
+So each fetch runs under a ``Guard``, which, when the deadline passes or the stop signal is set,
+shuts down every socket the download opened. A blocked connect, handshake, send or read on a
+shut-down socket returns at once, whichever library made it. One watchdog thread for the process
+(``_Watchdog``) looks at every open guard each ``POLL_S``: a step's files in flight cost one thread
+between them instead of one started and joined per file, and a stop they all answer to cuts them
+all in the same sweep.
+
+The guard learns the sockets from Python's audit events, for threads inside ``Guard.own_sockets``
+only: ``socket.connect`` hands over a new socket before it connects, ``http.client.send`` a
+kept-alive one before a request goes out. That covers urllib3 (https) and botocore (s3) alike
+without reaching into either one's internals. Once fired, the guard refuses new connections and
+sends from those threads.
 
 Calls that block without a socket of ours, getaddrinfo and botocore's backoff sleeps between retries,
 run through ``Guard.call`` in a helper thread, which the caller leaves behind when the guard fires;
@@ -28,6 +33,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -40,6 +46,10 @@ from worker.core.stop import StopSignal
 POLL_S = 0.05
 
 T = TypeVar("T")
+
+# How long the watchdog thread stays up with no guard open: a job's files come one after another on
+# each of the step's threads, and a short gap between two of them need not end and start a thread.
+WATCHDOG_LINGER_S = 1.0
 
 _GUARDED: dict[int, Guard] = {}  # thread ident -> the guard owning that thread's sockets
 _hook_lock = threading.Lock()
@@ -72,17 +82,19 @@ class Guard:
         self._sockets: dict[int, socket.socket] = {}  # socket inode -> our duplicate of it
         self._helpers = 0  # helper threads of ``call`` still running, left behind or not
         self._released = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="download-guard", daemon=True)
+        self._closed = False  # the fetch is over: the watchdog no longer fires this guard
 
     def __enter__(self) -> Guard:
         _install_audit_hook()
-        self._thread.start()
+        _WATCHDOG.watch(self)
         return self
 
     def __exit__(self, *_exc) -> None:
-        self._done.set()
-        self._thread.join()
+        _WATCHDOG.forget(self)
+        with self._lock:
+            # The watchdog may be in a sweep that still holds this guard: once closed, it leaves it
+            # alone, as the joined thread of old did (the connection may be another download's now).
+            self._closed = True
         self.release()
 
     def check(self) -> None:
@@ -197,18 +209,18 @@ class Guard:
         if last and self._released:
             self.release()
 
-    def _watch(self) -> None:
-        while not self._done.wait(POLL_S):
-            if self.stop is not None and self.stop.is_set():
-                self._fire(CutReason.STOP)
-                return
-            if self.remaining_s() <= 0:
-                self._fire(CutReason.DEADLINE)
-                return
+    def _look(self) -> None:
+        """The watchdog's look at this guard: fire it when its stop is set or its deadline passed."""
+        if self.fired is not None:
+            return
+        if self.stop is not None and self.stop.is_set():
+            self._fire(CutReason.STOP, from_watchdog=True)
+        elif self.remaining_s() <= 0:
+            self._fire(CutReason.DEADLINE, from_watchdog=True)
 
-    def _fire(self, reason: CutReason) -> None:
+    def _fire(self, reason: CutReason, *, from_watchdog: bool = False) -> None:
         with self._lock:
-            if self.fired is not None:
+            if self.fired is not None or (from_watchdog and self._closed):
                 return
             self.fired = reason
             sockets = list(self._sockets.values())
@@ -218,6 +230,60 @@ class Guard:
                 dup.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # not connected (yet or any more): a connect in progress still fails
+
+
+class _Watchdog:
+    """The one thread that fires the open guards: started with the first, ended a while after the last."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._guards: set[Guard] = set()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, guard: Guard) -> None:
+        with self._cond:
+            self._guards.add(guard)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="download-guard", daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify()  # the thread may be lingering with nothing to watch
+
+    def forget(self, guard: Guard) -> None:
+        with self._cond:
+            self._guards.discard(guard)
+
+    def _run(self) -> None:
+        try:
+            self._sweep_until_idle()
+        finally:
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # it died: the next guard to open starts another
+
+    def _sweep_until_idle(self) -> None:
+        while True:
+            with self._cond:
+                if not self._guards:
+                    self._cond.wait(WATCHDOG_LINGER_S)
+                    if not self._guards:
+                        self._thread = None
+                        return
+                guards = list(self._guards)
+            for guard in guards:
+                guard._look()
+            # A plain sleep, not the condition: a guard opening does not need an early sweep.
+            time.sleep(POLL_S)
+
+    def _reset_after_fork(self) -> None:
+        # A forked child has none of the parent's threads; its guards (if any) need a thread of its own.
+        self._cond = threading.Condition()
+        self._guards = set()
+        self._thread = None
+
+
+_WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=_WATCHDOG._reset_after_fork)
 
 
 def guard_of_this_thread() -> Guard | None:

@@ -6,14 +6,22 @@ What the step promises is what the one-at-a-time loop promised, whatever the tim
   its body is read and gives back what it did not use when it ends. The share is the file's declared
   length (Content-Length, S3's ContentLength) when the fetcher takes a ``Reservation`` once it knows
   it (``DownloadPlan.sized_reservations``: the ``Downloader`` does), else its maximum
-  (DOWNLOAD_MAX_BYTES) before it starts. Shares are taken in the order of the recordings, and a
-  file whose share no longer fits waits until the files in flight have given back theirs, then gets
-  all that is left: exactly what it would have been given after the files before it, one at a time.
+  (DOWNLOAD_MAX_BYTES) before it starts. Shares are taken in the order of the recordings (or ahead
+  of it when what is left holds the maximum of every earlier file still to take one, which changes
+  no one's share), and a file whose share no longer fits waits until the files in flight have given
+  back theirs, then gets all that is left: exactly what it would have been given after the files
+  before it, one at a time.
   So the recording refused for the budget is the same one, and nothing is ever granted twice.
 - of several failures, the one of the first recording is reported; once one fails, no further file
   starts, and after a permanent failure (no retry will want the other files) the files after it
   that are in flight are cut, while those before it finish, since one of them may fail first;
-- the job's stop cuts every file in flight at once: each runs under its own guard watching it.
+- the job's stop cuts every file in flight at once: each runs under its own guard watching it;
+- at most DOWNLOAD_CONCURRENCY files are on the wire at once. A file whose body is written hands its
+  slot on (``Reservation.off_the_wire``) before its data sync and rename, which take it off the
+  network for a few milliseconds (far more on a busy disk): the next file starts meanwhile, on one of
+  the step's spare threads. The file itself still waits for its sync before its rename, and the step
+  for every file's, so a renamed file is whole after a crash as before, and the step ends only once
+  all its files are in.
 """
 
 from __future__ import annotations
@@ -73,6 +81,9 @@ class _Reservation:
     def take(self, declared: int | None, check: Callable[[], None]) -> int | None:
         return self._pool._reserve(self._position, declared, check)
 
+    def off_the_wire(self) -> None:
+        self._pool._hand_on_slot(self._position)
+
 
 class DownloadPool:
     """One run of the download step over ``items`` (the recordings not already on disk)."""
@@ -86,7 +97,12 @@ class DownloadPool:
         self._fetch = fetch
         self._stop = stop
         self._file_max = file_max_bytes
-        self._concurrency = max(1, min(concurrency, len(self._items)))
+        self._concurrency = max(1, min(concurrency, len(self._items)))  # files on the wire at once
+        # One spare thread per slot takes the next file while a file that is off the wire is synced;
+        # only a fetcher told of its reservation hands its slot on (``_Reservation.off_the_wire``).
+        self._threads = min(2 * self._concurrency, len(self._items)) if self._sized else self._concurrency
+        self._on_wire = 0
+        self._off_the_wire: set[int] = set()  # positions in flight that handed their slot on
         self._over_budget = over_budget
         self._cond = threading.Condition()
         self._next = 0
@@ -107,7 +123,7 @@ class DownloadPool:
             self._stop.raise_if_set()
             return self.sizes
         threads = [threading.Thread(target=self._work, name=f"download-{n}", daemon=True)
-                   for n in range(self._concurrency)]
+                   for n in range(self._threads)]
         with self._cond:
             self._running = len(threads)
         for thread in threads:
@@ -164,7 +180,7 @@ class DownloadPool:
             kwargs["reservation"] = _Reservation(self, position)
         elif grant is not None:
             kwargs["remaining_job_bytes"] = grant
-        if self._concurrency > 1:
+        if self._threads > 1:
             kwargs["stop"] = file_stop  # one fetcher at a time needs no stop of its own
         self._fetch(item.url, item.dest, **kwargs)
         if not item.dest.is_file():
@@ -183,11 +199,15 @@ class DownloadPool:
             while True:
                 if self._stop.is_set() or self._errors or self._abandoned or self._next >= len(self._items):
                     return None
+                if self._on_wire >= self._concurrency:
+                    self._cond.wait(POLL_S)
+                    continue
                 grant = None if self._sized else self._grant()
                 if grant is not _WAIT:
                     break
                 self._cond.wait(POLL_S)
             position, self._next = self._next, self._next + 1
+            self._on_wire += 1
             if isinstance(grant, int):  # (not _WAIT any more: an int, or None without a budget)
                 assert self._unreserved is not None
                 self._unreserved -= grant
@@ -195,14 +215,21 @@ class DownloadPool:
             file_stop = self._in_flight[position] = FileStop(self._stop)
             return position, grant, file_stop  # type: ignore[return-value]
 
+    def _hand_on_slot(self, position: int) -> None:
+        with self._cond:
+            if position in self._in_flight and position not in self._off_the_wire:
+                self._off_the_wire.add(position)
+                self._on_wire -= 1
+                self._cond.notify_all()
+
     def _reserve(self, position: int, declared: int | None, check: Callable[[], None]) -> int | None:
         """A file's share once its length is known, taken in the order of the recordings."""
         while True:
             with self._cond:
                 if self._unreserved is None:
                     return None
-                earlier_open = any(p < position and p not in self._granted for p in self._in_flight)
-                share = _WAIT if earlier_open else self._grant(declared)
+                earlier_open = sum(1 for p in self._in_flight if p < position and p not in self._granted)
+                share = self._grant(declared) if not earlier_open else self._grant_ahead(declared, earlier_open)
                 if share is not _WAIT:
                     assert isinstance(share, int)
                     self._unreserved -= share
@@ -212,6 +239,22 @@ class DownloadPool:
                     return share
                 self._cond.wait(POLL_S)
             check()  # outside the lock: a cut ends the wait
+
+    def _grant_ahead(self, declared: int | None, earlier_open: int) -> int | object:
+        """A share taken before ``earlier_open`` earlier files have taken theirs, or _WAIT.
+
+        Only when what is left after it still holds the most each of those may ask for (a declared
+        length over DOWNLOAD_MAX_BYTES is refused before asking, an unknown one asks for that
+        maximum): then each still gets its whole request, and this file its declared length,
+        exactly as one at a time; the files that take shares after it are later ones, which it
+        precedes anyway. It spares a file whose headers came first the wait for the others'.
+        """
+        assert self._unreserved is not None
+        if declared is None or self._file_max is None:
+            return _WAIT
+        if self._unreserved - declared >= earlier_open * self._file_max:
+            return declared
+        return _WAIT
 
     def _grant(self, declared: int | None = None) -> int | None | object:
         if self._unreserved is None:
@@ -230,6 +273,10 @@ class DownloadPool:
                 error: BaseException | None, file_stop: FileStop) -> None:
         with self._cond:
             del self._in_flight[position]
+            if position in self._off_the_wire:
+                self._off_the_wire.discard(position)
+            else:
+                self._on_wire -= 1
             if self._sized:
                 grant = self._granted.pop(position, None)
             if grant is not None:

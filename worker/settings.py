@@ -108,7 +108,8 @@ class Settings(BaseModel):
     # --- downloads
     download_timeout_s: float = Field(60.0, alias="DOWNLOAD_TIMEOUT_SECONDS", gt=0)
     download_max_bytes: int = Field(2 * 1024**3, alias="DOWNLOAD_MAX_BYTES", ge=1)
-    # A job's recordings fetched at once (each reserves DOWNLOAD_MAX_BYTES of MAX_JOB_DOWNLOAD_BYTES).
+    # Recordings on the wire at once for a job (each takes its declared length of MAX_JOB_DOWNLOAD_BYTES,
+    # or DOWNLOAD_MAX_BYTES when it declares none).
     download_concurrency: int = Field(8, alias="DOWNLOAD_CONCURRENCY", ge=1, le=64)
     # Local runs only: lets recordings come from loopback/private hosts (never in production).
     download_allow_private_hosts: bool = Field(False, alias="DOWNLOAD_ALLOW_PRIVATE_HOSTS")
