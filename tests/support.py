@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -190,3 +191,40 @@ def run_unprivileged(code: str, *args: str, timeout_s: float = 60) -> str:
                           **drop)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
+
+
+class CountingHashlib:
+    """Stands in for ``hashlib`` in the uploader's modules: counts the bytes hashed with SHA-256."""
+
+    def __init__(self):
+        self.hashed_bytes = 0
+
+    def sha256(self, data: bytes = b""):
+        counter, real = self, hashlib.sha256()
+
+        class Counted:
+            def update(self, chunk: bytes) -> None:
+                counter.hashed_bytes += len(chunk)
+                real.update(chunk)
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        counted = Counted()
+        counted.update(data)
+        return counted
+
+
+def events_until(proc, event: str) -> list[dict]:
+    """The JSON log lines a worker process has written to stderr, up to and including the first ``event``."""
+    events: list[dict] = []
+    for line in proc.stderr:
+        events.append(json.loads(line))
+        if events[-1]["event"] == event:
+            break
+    return events
+
+
+def events_after(proc) -> list[dict]:
+    """The rest of a worker process's JSON log lines, once it has exited."""
+    return [json.loads(line) for line in proc.stderr.read().splitlines()]

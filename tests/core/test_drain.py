@@ -14,7 +14,7 @@ import boto3
 import pytest
 from structlog.testing import capture_logs
 
-from tests.support import create_queues
+from tests.support import create_queues, events_after, events_until
 from worker.core.daemon import EXIT_OK, SignalRelay, run_worker
 from worker.core.loop import keep_receiving, stop_reason
 
@@ -219,17 +219,13 @@ def test_sigusr2_mid_job_lets_a_real_worker_finish_ack_and_exit_zero(moto_server
         [sys.executable, "-m", "tests.core.sleepy_worker"], env=env,
         stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
     )
-    events = []
     try:
-        for line in proc.stderr:
-            events.append(json.loads(line))
-            if events[-1]["event"] == "message.received":
-                break
+        events = events_until(proc, "message.received")
         received = events[-1]["message_id"]
         q.send('{"job": 2}')  # waiting when the drain begins: it must stay queued
         proc.send_signal(signal.SIGUSR2)
         assert proc.wait(60) == 0
-        rest = [json.loads(line) for line in proc.stderr.read().splitlines()]
+        rest = events_after(proc)
     finally:
         proc.kill()
     names = [e["event"] for e in rest]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import time
 import boto3
 import pytest
 
-from tests.support import create_queues
+from tests.support import create_queues, events_after, events_until
 
 
 def test_job_finishing_within_the_grace_is_acked(memory_queue, make_memory_worker, fake_clock):
@@ -98,16 +97,12 @@ def test_sigterm_past_grace_releases_and_exits_zero(moto_server, tmp_path):
         [sys.executable, "-m", "tests.core.sleepy_worker"], env=env,
         stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
     )
-    events = []
     try:
-        for line in proc.stderr:
-            events.append(json.loads(line))
-            if events[-1]["event"] == "message.received":
-                break
+        events = events_until(proc, "message.received")
         assert events[-1]["message_id"] and events[-1]["receive_count"] == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
-        rest = [json.loads(line) for line in proc.stderr.read().splitlines()]
+        rest = events_after(proc)
     finally:
         proc.kill()
     assert [e["event"] for e in rest if e["event"].startswith("message.")][-1] == "message.released"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.support import create_queues
+from tests.support import create_queues, events_after, events_until
 from worker.voice.records.sqlite import SqliteStore
 from worker.voice.submit import submit
 
@@ -49,15 +48,11 @@ def test_sigusr2_mid_job_completes_it_leaves_the_next_queued_and_exits_zero(moto
            "SHUTDOWN_GRACE_SECONDS": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    events = []
     try:
-        for line in proc.stderr:
-            events.append(json.loads(line))
-            if events[-1]["event"] == "message.received":
-                break
+        events = events_until(proc, "message.received")
         proc.send_signal(signal.SIGUSR2)
         assert proc.wait(90) == 0
-        events += [json.loads(line) for line in proc.stderr.read().splitlines()]
+        events += events_after(proc)
     finally:
         proc.kill()
     names = [e["event"] for e in events]

@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 
 from pipeline.files import FileIdentity
 from pipeline.manifest import Recorded
+from tests.support import CountingHashlib
 from worker.core.errors import LeaseLost, StageFailed, StorageError
 from worker.voice.artifacts import (
     ArtifactUploader,
@@ -565,28 +566,6 @@ def test_a_stale_attempt_never_deletes_a_key_the_committed_profile_names():
 
 
 # ---------------------------------------------------------------- the five together, hashed once
-
-
-class CountingHashlib:
-    """Stands in for ``hashlib`` in the uploader's modules: counts the bytes hashed with SHA-256."""
-
-    def __init__(self):
-        self.hashed_bytes = 0
-
-    def sha256(self, data: bytes = b""):
-        counter, real = self, hashlib.sha256()
-
-        class Counted:
-            def update(self, chunk: bytes) -> None:
-                counter.hashed_bytes += len(chunk)
-                real.update(chunk)
-
-            def hexdigest(self) -> str:
-                return real.hexdigest()
-
-        counted = Counted()
-        counted.update(data)
-        return counted
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 import pipeline.files
 import worker.voice.artifacts
 from pipeline.manifest import manifest_path, write_manifest
+from tests.support import CountingHashlib
 from tests.voice.conftest import BUCKET, PROFILE_ID, deliver
 from worker.core.errors import StageFailed
 from worker.voice.artifacts import ArtifactUploader
@@ -51,31 +52,19 @@ def small_parts_handler(store, s3, tmp_path):
 
 
 @pytest.fixture
-def uploader_hashing(monkeypatch) -> list[int]:
+def uploader_hashing(monkeypatch) -> CountingHashlib:
     """Bytes the uploader hashes (not the manifests, nor the published copies): one running total."""
-    total = [0]
-    real_sha256, real_whole = hashlib.sha256, worker.voice.artifacts.sha256_and_size_of
-
-    class Counting:
-        def __init__(self, data=b""):
-            self._real = real_sha256()
-            self.update(data)
-
-        def update(self, chunk):
-            total[0] += len(chunk)
-            self._real.update(chunk)
-
-        def hexdigest(self):
-            return self._real.hexdigest()
+    counting = CountingHashlib()
+    real_whole = worker.voice.artifacts.sha256_and_size_of
 
     def whole(handle):
         sha256_hex, size = real_whole(handle)
-        total[0] += size
+        counting.hashed_bytes += size
         return sha256_hex, size
 
-    monkeypatch.setattr(worker.voice.artifacts, "hashlib", type("hashlib", (), {"sha256": Counting}))
+    monkeypatch.setattr(worker.voice.artifacts, "hashlib", counting)
     monkeypatch.setattr(worker.voice.artifacts, "sha256_and_size_of", whole)
-    return total
+    return counting
 
 
 @pytest.fixture
@@ -86,27 +75,12 @@ def no_racy_margin(monkeypatch):
 
 
 @pytest.fixture
-def all_hashing(monkeypatch) -> list[int]:
+def all_hashing(monkeypatch) -> CountingHashlib:
     """Bytes hashed anywhere on the way (manifests, uploader, publisher): one running total."""
-    total = [0]
-    real_sha256 = hashlib.sha256
-
-    class Counting:
-        def __init__(self, data=b""):
-            self._real = real_sha256()
-            self.update(data)
-
-        def update(self, chunk):
-            total[0] += len(chunk)
-            self._real.update(chunk)
-
-        def hexdigest(self):
-            return self._real.hexdigest()
-
-    counting = type("hashlib", (), {"sha256": Counting})
+    counting = CountingHashlib()
     monkeypatch.setattr(worker.voice.artifacts, "hashlib", counting)
     monkeypatch.setattr(pipeline.files, "hashlib", counting)
-    return total
+    return counting
 
 
 def test_the_job_uploads_each_file_hashing_it_once(small_parts_handler, train, raw_store, s3, uploader_hashing,
@@ -118,7 +92,7 @@ def test_the_job_uploads_each_file_hashing_it_once(small_parts_handler, train, r
     s3_paths = raw_store.get_profile(PROFILE_ID)["s3Paths"]
     sizes = [s3.head_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["ContentLength"]
              for uri in s3_paths.values()]
-    assert uploader_hashing[0] == sum(sizes)
+    assert uploader_hashing.hashed_bytes == sum(sizes)
     assert sorted(uri.removeprefix(f"s3://{BUCKET}/") for uri in s3_paths.values()) == sorted(objects(s3))
 
 
@@ -129,14 +103,14 @@ def test_settled_files_are_hashed_once_by_their_manifest_and_never_again(
     start = [0]
 
     def counted_from_the_start(job, work_dir, stop, progress):
-        start[0] = all_hashing[0]
+        start[0] = all_hashing.hashed_bytes
         paths = with_manifest(train)(job, work_dir, stop, progress)
         sizes.update({name: path.stat().st_size for name, path in paths.items()})
         return paths
 
     handler = small_parts_handler(counted_from_the_start)
     assert deliver(handler, 1) == "completed"
-    assert all_hashing[0] - start[0] == sum(sizes.values())
+    assert all_hashing.hashed_bytes - start[0] == sum(sizes.values())
     profile = raw_store.get_profile(PROFILE_ID)
     for name, uri in profile["s3Paths"].items():
         stored = s3.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["Body"].read()

@@ -141,9 +141,25 @@ def test_artifact_rels_work_for_attempt_outputs_and_published_files(tmp_path):
     assert rels == {"a": "full/model.pth", "b": "light/model.onnx"}
 
 
+def another_attempt_publishes_right_after_the_check(monkeypatch) -> None:
+    """The first check finds the published name free; right after it, another attempt writes other bytes there."""
+    import worker.voice.publish as publish
+
+    checks = iter([False])
+    real_check = publish._same_file_there
+
+    def racing_check(path, sha, size):
+        if next(checks, None) is False:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"theirs")
+            return False
+        return real_check(path, sha, size)
+
+    monkeypatch.setattr(publish, "_same_file_there", racing_check)
+
+
 def test_a_file_published_by_someone_else_between_check_and_link_is_not_replaced(tmp_path, monkeypatch):
     """When another attempt wins the race to the final name with other bytes, ours never overwrites it."""
-    import worker.voice.publish as publish
 
     source = tmp_path / "model.pth"
     source.write_bytes(b"ours")
@@ -151,18 +167,7 @@ def test_a_file_published_by_someone_else_between_check_and_link_is_not_replaced
     from pipeline.files import sha256_and_size
 
     final = published_path(models, sha256_and_size(source)[0], "full/model.pth")
-    checks = iter([False])
-    real_check = publish._same_file_there
-
-    def racing_check(path, sha, size):
-        first = next(checks, None)
-        if first is False:  # the name is free at the check; then the other attempt writes it
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(b"theirs")
-            return False
-        return real_check(path, sha, size)
-
-    monkeypatch.setattr(publish, "_same_file_there", racing_check)
+    another_attempt_publishes_right_after_the_check(monkeypatch)
     with pytest.raises(StorageError, match="never replaced"):
         publish_now(source, "full/model.pth", models)
     assert final.read_bytes() == b"theirs"
@@ -229,21 +234,10 @@ def test_a_file_system_that_cannot_link_gets_a_checked_copy(tmp_path, monkeypatc
 
 def test_a_linked_publish_never_replaces_a_file_someone_else_published_first(tmp_path, monkeypatch):
     """When another attempt takes the final name with other bytes just before our link, theirs stays."""
-    import worker.voice.publish as publish
 
     source, sha256_hex, identity = settled_source(tmp_path)
     final = published_path(tmp_path / "models", sha256_hex, "full/model.pth")
-    checks = iter([False])
-    real_check = publish._same_file_there
-
-    def racing_check(path, sha, size):
-        if next(checks, None) is False:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(b"theirs")
-            return False
-        return real_check(path, sha, size)
-
-    monkeypatch.setattr(publish, "_same_file_there", racing_check)
+    another_attempt_publishes_right_after_the_check(monkeypatch)
     with pytest.raises(StorageError, match="never replaced"):
         publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, tmp_path / "models",
                      identity)
