@@ -198,6 +198,7 @@ def test_a_file_still_showing_its_recorded_identity_is_linked_into_place_not_cop
                          identity)
     assert os.stat(final).st_ino == identity.inode and final.read_bytes() == b"trained weights"
     assert identity.inode in synced
+    assert os.stat(final).st_mode & 0o222 == 0  # read-only through both names
     assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
 
 
@@ -229,6 +230,7 @@ def test_a_file_system_that_cannot_link_gets_a_checked_copy(tmp_path, monkeypatc
     final = publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, tmp_path / "models",
                          identity)
     assert os.stat(final).st_ino != identity.inode and final.read_bytes() == b"trained weights"
+    assert os.stat(final).st_mode & 0o222 == 0
     assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
 
 

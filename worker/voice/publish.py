@@ -14,8 +14,9 @@ is copied to ``$MODELS_ROOT/<environment>/<directoryName>/<jobId>/<sha256>/<rela
   commit, which only drops its name for the file. Otherwise (another file system, no identity) the
   file is copied to a temp file in the same directory, hashed as it is copied, fsynced and then
   hard-linked to its final name;
-- never replaced: ``os.link`` fails when the name exists; an existing file is kept when its size and
-  SHA-256 match, and refused (a retryable ``StorageError``) when they do not;
+- read-only (no write bit) and never replaced: ``os.link`` fails when the name exists; an existing
+  file is kept when its size and SHA-256 match, and refused (a retryable ``StorageError``) when they
+  do not;
 - written before the paths, not after the commit: once step 3 has written them, a crash at any later
   point leaves a profile whose paths already exist, and a retry (``reusable_paths``) finds them.
 
@@ -41,6 +42,7 @@ from worker.voice.message import Job
 log = structlog.get_logger(__name__)
 
 _TEMP_MARKER = ".publishing-"
+_WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 # Why a hard link of the open file can fail where a copy would not: another file system, no /proc
 # mounted (the link goes through /proc/self/fd), a kernel's hard-link protection, too many links.
 _CANNOT_LINK = frozenset({errno.EXDEV, errno.ENOENT, errno.EPERM, errno.EACCES, errno.EMLINK, errno.EOPNOTSUPP})
@@ -141,6 +143,11 @@ def _linked(fd: int, final: Path, sha256_hex: str, size: int) -> bool:
     """Hard-link the open file itself (the inode whose identity was checked, not whatever its path
     names now) to ``final``, its data synced first; False when this file system cannot, to copy instead."""
     os.fsync(fd)  # the model paths written next must name bytes that are on disk
+    # One file now has two names, the attempt's and the published one. Nothing writes the attempt's
+    # any more (every stage process ended with its keeper, a child subreaper, before the manifest
+    # hashed it, and the job's survivors on this host are ended before each step); read-only, it
+    # also refuses a later open for writing through either name.
+    os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~_WRITE_BITS)
     # A directory descriptor makes os.link call linkat(AT_SYMLINK_FOLLOW), which links the inode the
     # /proc entry stands for; plain link(2) would try to link the /proc entry itself.
     dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -172,6 +179,6 @@ def _same_file_there(path: Path, sha256_hex: str, size: int) -> bool:
 
 def _copy(source: BinaryIO, temp: Path) -> tuple[str, int]:
     """Copy into a new ``temp`` (exclusive create), fsynced; the (sha256, size) of what was copied."""
-    dst_fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+    dst_fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o440)  # published: read-only
     with os.fdopen(dst_fd, "wb") as dst:
         return sha256_and_size_of(source, copy_to=dst)
