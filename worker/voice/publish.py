@@ -147,7 +147,10 @@ def _linked(fd: int, final: Path, sha256_hex: str, size: int) -> bool:
     # any more (every stage process ended with its keeper, a child subreaper, before the manifest
     # hashed it, and the job's survivors on this host are ended before each step); read-only, it
     # also refuses a later open for writing through either name.
-    os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~_WRITE_BITS)
+    try:
+        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~_WRITE_BITS)
+    except PermissionError:
+        return False  # not this process's file to make read-only: a copy is
     # A directory descriptor makes os.link call linkat(AT_SYMLINK_FOLLOW), which links the inode the
     # /proc entry stands for; plain link(2) would try to link the /proc entry itself.
     dir_fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
