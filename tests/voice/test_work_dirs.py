@@ -234,6 +234,21 @@ def test_a_file_system_that_cannot_link_gets_a_checked_copy(tmp_path, monkeypatc
     assert [p.name for p in final.parent.iterdir()] == ["model.pth"]
 
 
+def test_a_file_this_process_may_not_make_read_only_gets_a_checked_copy(tmp_path, monkeypatch):
+    """A file another user owns cannot lose its write bits here: it is copied instead of linked."""
+    import worker.voice.publish as publish
+
+    source, sha256_hex, identity = settled_source(tmp_path)
+
+    def not_ours(fd, mode):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(publish.os, "fchmod", not_ours)
+    final = publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, tmp_path / "models",
+                         identity)
+    assert os.stat(final).st_ino != identity.inode and final.read_bytes() == b"trained weights"
+
+
 def test_a_linked_publish_never_replaces_a_file_someone_else_published_first(tmp_path, monkeypatch):
     """When another attempt takes the final name with other bytes just before our link, theirs stays."""
 
