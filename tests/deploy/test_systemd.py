@@ -219,11 +219,14 @@ def test_reconcile_memory_matches_the_fargate_task():
 
 def test_metrics_go_to_the_file_the_cloudwatch_agent_collects(service):
     """stdout (the EMF lines) is appended to the one file the sample agent config collects, in the unit's
-    LogsDirectory; stderr (the logs) stays in the journal instead of following stdout there."""
+    LogsDirectory; stderr (the logs) stays in the journal instead of following stdout there; and a file
+    systemd cannot open (exit 209) is not restarted for ever."""
     (collected,) = _collected_files()
     output = service.value("Service", "StandardOutput")
     assert output == "append:" + collected["file_path"]
     assert service.value("Service", "StandardError") == "journal"
+    if service.value("Service", "Type") != "oneshot":  # a missing directory is not worth a restart loop
+        assert "209" in service.value("Service", "RestartPreventExitStatus").split()
     path = PurePosixPath(collected["file_path"])
     assert path.parent == PurePosixPath("/var/log") / service.value("Service", "LogsDirectory")
 
