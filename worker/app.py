@@ -112,7 +112,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
                     crash_points=crash_points, metrics=metrics,
-                    activity=task_protection(settings.ecs_agent_uri))
+                    activity=pulse.announcing(task_protection(settings.ecs_agent_uri)))
     return App(worker=worker, store=store, pulse=pulse)
 
 

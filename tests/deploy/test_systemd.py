@@ -1,4 +1,5 @@
-"""The systemd units: notify + watchdog, a stop that outlasts the grace, hardening that keeps the GPU."""
+"""The systemd units: notify + watchdog, a stop that outlasts the grace, hardening that keeps the GPU,
+restarts that outlast an outage, memory caps, and metrics in the file the CloudWatch agent sends."""
 
 from __future__ import annotations
 
@@ -148,3 +149,111 @@ def test_metrics_carry_the_dimensions_the_alarms_match(name):
     env = read_unit(REPO / "config" / name).environment()
     dimensions = load_settings({"METRICS_DIMENSIONS": env["METRICS_DIMENSIONS"]}).metrics_dimensions
     assert dimensions == {"Environment": params["Environment"]["Default"], "Queue": params["QueueName"]["Default"]}
+
+
+# ---------------------------------------------------------------- restarts, memory, metrics file
+
+SERVICES = {**UNITS, "reconcile": REPO / "config" / "voice-worker-reconcile.service"}
+AGENT_CONFIG = REPO / "config" / "amazon-cloudwatch-agent.json"
+# A host's own processes (sshd, journald, the CloudWatch agent) keep at least this much of its RAM.
+SYSTEM_SHARE_PERCENT = 10
+# voice-worker@.service's memory limits are sized for this many GPUs per host.
+GPUS_PER_HOST = 4
+
+
+@pytest.fixture(params=sorted(SERVICES), scope="module")
+def service(request):
+    return read_unit(SERVICES[request.param])
+
+
+def _percent(text: str) -> float:
+    assert text.endswith("%"), f"expected a share of RAM, got {text!r}"
+    return float(text[:-1])
+
+
+def _collected_files() -> list[dict]:
+    import json
+
+    return json.loads(AGENT_CONFIG.read_text())["logs"]["logs_collected"]["files"]["collect_list"]
+
+
+def test_failed_starts_never_leave_a_unit_failed_for_good(service):
+    """StartLimitIntervalSec=0: a few quick failures during an outage at boot do not hit the start limit."""
+    assert service.value("Unit", "StartLimitIntervalSec") == "0"
+    assert not service.keys("Unit") & {"StartLimitBurst", "StartLimitAction"}
+
+
+def test_restarts_back_off_and_a_finished_drain_stays_stopped(unit):
+    """Restart=on-failure (exit 0 after a drain is not restarted, as Restart=always would), with a delay
+    that grows to RestartMaxDelaySec over RestartSteps on systemd 254+."""
+    from worker.core.daemon import EXIT_OK
+
+    assert unit.value("Service", "Restart") == "on-failure"
+    assert str(EXIT_OK) not in unit.values("Service", "SuccessExitStatus")
+    assert int(unit.value("Service", "RestartSteps")) > 0
+    assert timespan_s(unit.value("Service", "RestartMaxDelaySec")) > timespan_s(unit.value("Service", "RestartSec"))
+
+
+def test_an_oom_killed_trainer_does_not_stop_the_worker(unit):
+    """OOMPolicy=continue: the worker sees its stage killed (a failed attempt) instead of being stopped,
+    which would release the job without spending its retry budget."""
+    assert unit.value("Service", "OOMPolicy") == "continue"
+
+
+def test_memory_is_capped_below_the_hosts_ram(unit):
+    """MemoryHigh below MemoryMax, and every worker on a host together leaves the system its share."""
+    high, most = _percent(unit.value("Service", "MemoryHigh")), _percent(unit.value("Service", "MemoryMax"))
+    assert 0 < high < most
+    per_host = GPUS_PER_HOST if "%i" in unit.value("Service", "RuntimeDirectory") else 1
+    assert per_host * most <= 100 - SYSTEM_SHARE_PERCENT
+
+
+def test_reconcile_memory_matches_the_fargate_task():
+    """The reconcile unit's MemoryMax is the reconcile task definition's memory (MiB)."""
+    import json
+
+    task = json.loads((REPO / "config" / "ecs-reconcile-task-definition.json").read_text())
+    limit = read_unit(SERVICES["reconcile"]).value("Service", "MemoryMax")
+    assert limit == f"{task['memory']}M"
+
+
+def test_metrics_go_to_the_file_the_cloudwatch_agent_collects(service):
+    """stdout (the EMF lines) is appended to the one file the sample agent config collects, in the unit's
+    LogsDirectory; stderr (the logs) stays in the journal instead of following stdout there; and a file
+    systemd cannot open (exit 209) is not restarted for ever."""
+    (collected,) = _collected_files()
+    output = service.value("Service", "StandardOutput")
+    assert output == "append:" + collected["file_path"]
+    assert service.value("Service", "StandardError") == "journal"
+    if service.value("Service", "Type") != "oneshot":  # a missing directory is not worth a restart loop
+        assert "209" in service.value("Service", "RestartPreventExitStatus").split()
+    path = PurePosixPath(collected["file_path"])
+    assert path.parent == PurePosixPath("/var/log") / service.value("Service", "LogsDirectory")
+
+
+def test_cloudwatch_agent_config_names_a_group_and_a_stream_per_host():
+    """The agent config is JSON with a log group and a per-instance stream for the metrics file."""
+    (collected,) = _collected_files()
+    assert collected["log_group_name"] and "{instance_id}" in collected["log_stream_name"]
+    assert collected["retention_in_days"] > 0
+
+
+def test_metrics_are_written_to_stdout_and_logs_to_stderr(capsys):
+    """What the units rely on: an EMF line lands on stdout alone, a log line on stderr alone."""
+    import json
+
+    import structlog
+
+    from worker.core.logs import configure_logging
+    from worker.core.metrics import Metrics
+
+    configure_logging("INFO", "json")
+    try:
+        Metrics().count("JobsCompleted")
+        structlog.get_logger("test").info("a.log.line")
+    finally:
+        structlog.reset_defaults()
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["_aws"]["CloudWatchMetrics"][0]["Metrics"][0]["Name"]
+            for line in out.splitlines()] == ["JobsCompleted"]
+    assert "a.log.line" in err and "a.log.line" not in out

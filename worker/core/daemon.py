@@ -82,10 +82,22 @@ class SignalRelay:
                               error=f"{type(exc).__name__}: {exc}")
 
 
-def install_signal_handlers(worker: Worker) -> SignalRelay:
+def install_signal_handlers(worker: Worker, pulse: Pulse | None = None) -> SignalRelay:
     """Route SIGTERM/SIGINT to ``worker.stop`` and SIGUSR2 to ``worker.drain`` through a relay;
-    ``uninstall()`` it when the worker is done."""
-    relay = SignalRelay(worker.stop, worker.drain)
+    ``uninstall()`` it when the worker is done. With a ``pulse``, systemd hears STOPPING=1 (or the
+    drain's STATUS) the moment the signal arrives, not when the loop ends minutes later."""
+    if pulse is None:
+        relay = SignalRelay(worker.stop, worker.drain)
+    else:
+        def stop() -> None:
+            pulse.stopping()
+            worker.stop()
+
+        def drain() -> None:
+            pulse.draining()
+            worker.drain()
+
+        relay = SignalRelay(stop, drain)
     relay.install()
     # `kill -USR1 <pid>` prints every thread's stack to stderr: the way to see where a worker that
     # does not stop is stuck, without stopping it.
@@ -97,13 +109,13 @@ def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: P
     """Run until shutdown, then leave in this order:
     1. the loop has settled its last message (``run`` returned: deleted, released or left to SQS;
        after a drain, the job in flight ran to its end first);
-    2. tell systemd we are stopping;
+    2. tell systemd we are stopping (unless the stop signal already did);
     3. close the store and other clients;
     4. put the previous signal handlers back;
     5. return the exit code: 0 for a requested stop or a drain, 1 for anything else."""
     pulse = pulse or Pulse()
     code = EXIT_OK
-    relay = install_signal_handlers(worker)
+    relay = install_signal_handlers(worker, pulse)
     try:
         pulse.ready()
         log.info("worker.started")

@@ -2,6 +2,10 @@
 
 Both are fed by one ``Pulse``: the loop beats after every receive, the heartbeat after every successful
 renewal (a three-hour job is alive as long as its lease is). Nothing happens when neither is configured.
+
+``systemctl status`` shows the last ``STATUS=`` line: "idle", "working on message <id>", "draining: ...",
+"stopping". ``STOPPING=1`` goes out once, as soon as a stop signal arrives, but never for a drain: on
+``STOPPING=1`` systemd starts ``TimeoutStopSec`` and would SIGKILL a job that drains for hours.
 """
 
 from __future__ import annotations
@@ -10,14 +14,19 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
+
+if TYPE_CHECKING:  # `worker health` imports this module and needs none of the loop's
+    from worker.core.loop import Activity
 
 log = structlog.get_logger(__name__)
 
 
 def notify(socket_path: str | None, state: str) -> bool:
-    """Send one sd_notify datagram (``READY=1``, ``WATCHDOG=1``, ``STOPPING=1``); False if not sent."""
+    """Send one sd_notify datagram (``READY=1``, ``WATCHDOG=1``, ``STOPPING=1``, ``STATUS=...``); False
+    if not sent."""
     if not socket_path:
         return False
     address = "\0" + socket_path[1:] if socket_path.startswith("@") else socket_path
@@ -38,6 +47,7 @@ class Pulse:
         self._min_interval_s = min_interval_s
         self._clock = clock
         self._last: float | None = None
+        self._stopping_sent = False
 
     def beat(self) -> None:
         """Record that the worker is alive (at most once per ``min_interval_s``)."""
@@ -54,10 +64,48 @@ class Pulse:
 
     def ready(self) -> None:
         notify(self._socket, "READY=1")
+        self.status("idle")
         self.beat()
 
+    def status(self, text: str) -> None:
+        """The one-line state ``systemctl status`` shows (one line: systemd keeps what follows a newline
+        as a separate assignment)."""
+        notify(self._socket, "STATUS=" + " ".join(text.split()))
+
+    def draining(self) -> None:
+        # No STOPPING=1 here: see the module's docstring.
+        self.status("draining: finishing the job in flight, taking no other")
+
     def stopping(self) -> None:
+        """From the signal relay when SIGTERM/SIGINT arrives, and again when the loop ends; sent once.
+        STATUS first, so STOPPING=1 is the last datagram a supervisor reads."""
+        if self._stopping_sent:
+            return
+        self._stopping_sent = True
+        self.status("stopping")
         notify(self._socket, "STOPPING=1")
+
+    def announcing(self, inner: Activity | None) -> Activity:
+        """``inner`` (task protection, or None off ECS) with the job's start and end shown as STATUS."""
+        from worker.core.loop import NoActivity  # here: `worker health` never builds an activity
+
+        return _Announcing(self, inner or NoActivity())
+
+
+class _Announcing:
+    def __init__(self, pulse: Pulse, inner: Activity):
+        self._pulse, self.inner = pulse, inner
+
+    def busy(self, for_at_most_s: float) -> None:
+        # The loop binds the message id to the log context before it hears of the job: the same id the
+        # logs carry, so STATUS points at the lines to read.
+        message_id = structlog.contextvars.get_contextvars().get("message_id", "?")
+        self._pulse.status(f"working on message {message_id}")
+        self.inner.busy(for_at_most_s)
+
+    def idle(self) -> None:
+        self.inner.idle()
+        self._pulse.status("idle")
 
 
 def liveness_problem(path: str | None, max_age_s: float, now_s: float | None = None) -> str | None:
