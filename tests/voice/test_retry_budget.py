@@ -127,6 +127,20 @@ def test_a_failure_that_could_not_be_recorded_spends_no_retry(queue, make_memory
     assert queue.dead_letter_queue.messages == []
 
 
+def test_an_unrecorded_failure_at_the_last_retry_is_retried_not_dead_lettered(
+        queue, make_memory_worker, handler, store, raw_store, train):
+    """Four failures recorded, then a fifth the store never heard of: it spends nothing, so it is retried."""
+    for n in range(4):
+        raw_store.claim(JOB_ID, owner="w-1", token=f"t-{n}", lease_s=60).attempt.fail(
+            "StageFailed", "exit 1", retryable=True)
+    train.during = failing
+    store.faults["record_error"] = lambda: StoreError("store unavailable")
+    worker = make_memory_worker(handler, queue=queue, **NO_BACKOFF)
+    queue.send(message_body())
+    assert worker.run_once() == "retry"
+    assert failed_attempts(raw_store.get_job(JOB_ID)) == 4 and queue.dead_letter_queue.messages == []
+
+
 def test_a_crash_that_recorded_nothing_spends_no_retry(queue, make_memory_worker, handler, raw_store, train, clock):
     """An attempt that died holding the job (its lease lapsed, nothing recorded) leaves the budget as it was."""
     crashed = raw_store.claim(JOB_ID, owner="w-dead", token="t-dead", lease_s=2, message_id="m-old")
