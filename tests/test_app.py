@@ -143,6 +143,21 @@ def test_the_app_makes_every_client_from_one_session_and_s3_only_when_used(queue
         app.close()
 
 
+def test_the_apps_job_handler_spends_the_configured_retry_budget(queues, tmp_path):
+    """MAX_FAILED_ATTEMPTS reaches the job handler that counts failures against it."""
+    from worker.app import build_app
+
+    settings = load_settings({
+        "SQS_QUEUE_URL": queues.url, "STORE_URL": f"sqlite:///{tmp_path / 'records.db'}",
+        "S3_BUCKET": "voice-models", "WORK_ROOT": str(tmp_path / "work"), "AWS_REGION": "us-east-1",
+        "MAX_FAILED_ATTEMPTS": "3"})
+    app = build_app(settings)
+    try:
+        assert app.worker._handler._max_failed_attempts == 3
+    finally:
+        app.close()
+
+
 def test_a_lazy_client_is_made_once_when_threads_race_to_use_it():
     """Many threads using a LazyClient first at the same moment make exactly one client."""
     import threading

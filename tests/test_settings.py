@@ -19,6 +19,7 @@ BAD = [
      "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=60000 must be shorter than SQS_VISIBILITY_TIMEOUT_SECONDS=60"),
     ({"SQS_WAIT_TIME_SECONDS": "21"}, "SQS_WAIT_TIME_SECONDS=21: Input should be less than or equal to 20"),
     ({"SQS_WAIT_TIME_SECONDS": "-1"}, "SQS_WAIT_TIME_SECONDS=-1: Input should be greater than or equal to 0"),
+    ({"MAX_FAILED_ATTEMPTS": "0"}, "MAX_FAILED_ATTEMPTS=0: Input should be greater than or equal to 1"),
     ({"SQS_RETRY_VISIBILITY_BASE_SECONDS": "1000"},
      "SQS_RETRY_VISIBILITY_BASE_SECONDS=1000 must not exceed SQS_RETRY_VISIBILITY_MAX_SECONDS=900"),
     ({"SQS_VISIBILITY_TIMEOUT_SECONDS": "43201"},

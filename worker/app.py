@@ -101,6 +101,7 @@ def build_app(settings: Settings, *, session=None) -> App:
             policy=policy,
             keep_work_files=settings.keep_work_files,
             models_root=Path(settings.models_root_path),
+            max_failed_attempts=settings.max_failed_attempts,
         )
 
     # Made when the first message arrives: until then an idle worker holds neither the job, pipeline

@@ -21,7 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from pipeline.limits import JobLimits, usable_cpus
-from worker.core.config import AwsConfig, Backoff, LeaseTimings, LoopConfig, MetricsConfig, region_for
+from worker.core.config import (
+    DEFAULT_MAX_FAILED_ATTEMPTS,
+    AwsConfig,
+    Backoff,
+    LeaseTimings,
+    LoopConfig,
+    MetricsConfig,
+    region_for,
+)
 from worker.core.errors import ConfigError
 from worker.core.faults import POINTS, CrashPoint
 from worker.core.metrics import parse_dimensions
@@ -70,6 +78,8 @@ class Settings(BaseModel):
         900, alias="SQS_RETRY_VISIBILITY_MAX_SECONDS", ge=0, le=SQS_MAX_VISIBILITY_S
     )
     sqs_wait_time_s: int = Field(20, alias="SQS_WAIT_TIME_SECONDS", ge=0, le=SQS_MAX_WAIT_S)
+    # Recorded retryable failures before the worker dead-letters a job; releases and crashes spend none.
+    max_failed_attempts: int = Field(DEFAULT_MAX_FAILED_ATTEMPTS, alias="MAX_FAILED_ATTEMPTS", ge=1)
 
     # --- records
     mongo_uri: str | None = Field(None, alias="MONGO_URI", repr=False)

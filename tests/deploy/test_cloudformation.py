@@ -9,7 +9,7 @@ import pytest
 
 from tests.deploy.cfn import TEMPLATE_PATH, Resolver, load_template
 from tests.deploy.files import VENV_BIN
-from worker.settings import load_settings
+from worker.settings import Settings, load_settings
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,12 @@ def test_job_queue_matches_the_worker_defaults(stack):
     assert queue["SqsManagedSseEnabled"] is True
 
 
-def test_redrive_sends_to_the_dlq_after_five_receives(stack):
-    """The job queue's RedrivePolicy targets the DLQ with maxReceiveCount 5."""
+def test_redrive_sends_to_the_dlq_after_twenty_receives(stack):
+    """The job queue's RedrivePolicy targets the DLQ with maxReceiveCount 20, a backstop well above
+    the worker's own MAX_FAILED_ATTEMPTS default."""
     redrive = stack.resource("JobQueue")["RedrivePolicy"]
-    assert redrive["maxReceiveCount"] == 5
+    assert redrive["maxReceiveCount"] == 20
+    assert redrive["maxReceiveCount"] > Settings.model_fields["max_failed_attempts"].default
     assert redrive["deadLetterTargetArn"] == stack.resolve({"Fn::GetAtt": ["DeadLetterQueue", "Arn"]})
 
 

@@ -148,12 +148,28 @@ def test_doctor_passes_on_a_good_deployment(sqs, tmp_path):
     """doctor passes every check on a queue with a redrive policy, a longer-lived DLQ and a writable bucket."""
     q = create_queues(sqs, name="good")
     sqs.set_queue_attributes(QueueUrl=q.dlq_url, Attributes={"MessageRetentionPeriod": "1209600"})
-    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300"})
+    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300",
+                                                         "RedrivePolicy": redrive_policy(sqs, q, 20)})
     boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
     code, out = doctor(tmp_path, q.url)
     assert code == 0, out
     assert "FAIL" not in out and "PASS  redrive policy" in out and "PASS  bucket writable" in out
+    assert "PASS  retry backstop" in out
     assert "PASS  job code loads" in out
+
+
+def redrive_policy(sqs, q, max_receives: int) -> str:
+    policy = json.loads(sqs.get_queue_attributes(QueueUrl=q.url, AttributeNames=["RedrivePolicy"])
+                        ["Attributes"]["RedrivePolicy"])
+    return json.dumps({**policy, "maxReceiveCount": str(max_receives)})
+
+
+def test_doctor_warns_when_the_queue_would_dead_letter_before_the_worker_does(sqs, tmp_path):
+    """A maxReceiveCount at or below MAX_FAILED_ATTEMPTS is a WARN: interruptions would spend retries."""
+    q = create_queues(sqs, name="tight")
+    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"RedrivePolicy": redrive_policy(sqs, q, 5)})
+    _code, out = doctor(tmp_path, q.url)
+    assert "WARN  retry backstop: maxReceiveCount=5, the worker's retry budget 5" in out
 
 
 def test_doctor_fails_by_name_without_a_redrive_policy(sqs, tmp_path):
@@ -186,7 +202,8 @@ def test_doctor_warns_without_metrics_dimensions_and_still_passes(sqs, tmp_path)
     """With METRICS_DIMENSIONS empty doctor prints a WARN naming the alarms' dimension set, and exits 0."""
     q = create_queues(sqs, name="dims")
     sqs.set_queue_attributes(QueueUrl=q.dlq_url, Attributes={"MessageRetentionPeriod": "1209600"})
-    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300"})
+    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300",
+                                                         "RedrivePolicy": redrive_policy(sqs, q, 20)})
     boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
     code, out = doctor(tmp_path, q.url)
     assert code == 0, out

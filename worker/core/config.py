@@ -12,6 +12,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+# Recorded retryable failures a job may have before the worker dead-letters it (MAX_FAILED_ATTEMPTS;
+# ``worker.core.loop.retry_budget``).
+DEFAULT_MAX_FAILED_ATTEMPTS = 5
+
 
 @dataclass(frozen=True, slots=True)
 class LeaseTimings:

@@ -22,6 +22,8 @@ handler ended with it (``action``; the most specific class wins), so ``decide`` 
     │   ├── BadRecording       a recording is gone, too large, or not decodable audio
     │   ├── StageFailedPermanently   a stage exited with a code listed in permanent_exit_codes
     │   ├── TimeLimitExceeded  one attempt ran past JOB_TIME_LIMIT_SECONDS
+    │   ├── RetriesExhausted   a retryable failure that spent the job's last failed attempt
+    │   │                      (MAX_FAILED_ATTEMPTS): dead-lettered under the type of the error it wraps
     │   └── AlreadyFailed      a redelivery of a message whose permanent failure is recorded: back to
     │                          the DLQ unworked, under the recorded error type
     ├── LeaseLost              abandon: our claim on the message or the record is gone: commit nothing,
@@ -152,6 +154,22 @@ class StageFailedPermanently(PermanentError):
 
 class TimeLimitExceeded(PermanentError):
     pass
+
+
+class RetriesExhausted(PermanentError):
+    """A retryable failure that brought the job's failed attempts to the limit: retrying is given up.
+
+    ``error_type`` is the wrapped error's, so the DLQ copy says what actually went wrong.
+    """
+
+    def __init__(self, error: WorkerError, failed_attempts: int, limit: int):
+        super().__init__(f"{failed_attempts} failed attempts (MAX_FAILED_ATTEMPTS={limit}); the last: {error}")
+        self.error = error
+        self.failed_attempts = failed_attempts
+
+    @property
+    def error_type(self) -> str:
+        return self.error.error_type
 
 
 class AlreadyFailed(PermanentError):

@@ -6,6 +6,8 @@ Settling maps the handler's result to exactly one queue action:
 
     handler returned                 -> delete (the job is completed, cancelled, or a duplicate)
     RetryableError                   -> visibility := jittered backoff for the receive count; no delete
+                                        (the handler makes its last allowed failure RetriesExhausted:
+                                        ``retry_budget``)
     PermanentError / time limit      -> copy to the DLQ with why, then delete; no DLQ -> max backoff
     Stopped(shutdown)                -> visibility := 0, another worker takes it now
     LeaseLost, or a lost lease       -> nothing, whatever the result: the message is not ours to touch
@@ -37,7 +39,7 @@ from typing import Protocol
 import structlog
 
 from worker.core.config import Backoff, LeaseTimings, LoopConfig
-from worker.core.errors import Action, QueueError, WorkerError
+from worker.core.errors import Action, QueueError, RetriesExhausted, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease, Shutdown
 from worker.core.metrics import (
@@ -110,6 +112,26 @@ def decide(outcome: WorkerError | None, lease_lost: bool) -> Decision:
     if outcome is None:
         return Decision(ACK)
     return Decision(outcome.action, outcome.settled_as())
+
+
+def retry_budget(failed_attempts: int, limit: int, error: WorkerError) -> Action:
+    """What a recorded failure does with the message: a retryable one that brought the job's failed
+    attempts (this one included) to ``limit`` dead-letters it, any other takes the error's own action.
+
+    Releases and crashes never reach here (they record no failure), so only real failures spend
+    the budget; SQS's receive count, which counts them all, is left as the backstop.
+    """
+    if error.retryable and failed_attempts >= limit:
+        return DEAD_LETTER
+    return error.action
+
+
+def spend_retry(error: WorkerError, failed_attempts: int, limit: int) -> WorkerError:
+    """The error the handler ends with after recording ``error``: ``RetriesExhausted`` (permanent)
+    once ``retry_budget`` says the budget is spent, else ``error`` itself."""
+    if error.retryable and retry_budget(failed_attempts, limit, error) is DEAD_LETTER:
+        return RetriesExhausted(error, failed_attempts, limit)
+    return error
 
 
 def keep_receiving(shutdown_requested: bool, draining: bool) -> bool:

@@ -116,7 +116,8 @@ def provision(session, endpoint: str) -> str:
     dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     queue_url = sqs.create_queue(QueueName=QUEUE, Attributes={
         "VisibilityTimeout": "60", "ReceiveMessageWaitTimeSeconds": "20",
-        "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": "5"}),
+        # The template's backstop, well above the worker's own MAX_FAILED_ATTEMPTS.
+        "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": "20"}),
     })["QueueUrl"]
     for bucket in (BUCKET, RECORDINGS_BUCKET):
         s3.create_bucket(Bucket=bucket)

@@ -39,6 +39,14 @@ def queue_checks(settings: Settings, attrs: dict, dlq_attrs: dict | None) -> lis
         max_receives = int(json.loads(policy).get("maxReceiveCount", 0))
         checks.append(Check("redrive policy", max_receives >= 2,
                             f"maxReceiveCount={max_receives} (needs at least 2 so retries can happen)"))
+        # SQS counts every receive, releases for a deploy or a spot reclaim too: at or below the
+        # worker's own budget it dead-letters healthy jobs before their failures do.
+        checks.append(Check(
+            "retry backstop", max_receives > settings.max_failed_attempts,
+            # Worded without the setting's name: its "FAIL" would read as a failed check.
+            f"maxReceiveCount={max_receives}, the worker's retry budget {settings.max_failed_attempts} "
+            "(SQS also counts interruptions: keep it well above the budget, e.g. 20)",
+            warn_only=True))
     else:
         checks.append(Check("redrive policy", False,
                             "the queue has no RedrivePolicy: permanent failures cannot be dead-lettered"))

@@ -40,6 +40,10 @@ Three rules around that path:
   the error names none (recorded before any claim), is worked on as before, and so is any message
   once the reconciler has recorded the job's dead letter (that record means the DLQ copy exists,
   so whatever arrives next is an operator's redrive).
+* An attempt's recorded retryable failure adds one to the record's ``failedAttempts``; the one that
+  brings it to ``MAX_FAILED_ATTEMPTS`` ends as ``RetriesExhausted`` (dead-lettered under its own error
+  type), and a redelivery of that message counts as permanently failed (above). Releases (shutdown,
+  drain, lease handover) and crashes record no failure, so they spend none of that budget.
 * A message that does not parse or validate changes no record: its jobId is only a claim, and
   another message (the job's own) must not inherit its failure. It is dead-lettered with its own
   reason. So is a valid message whose profileId is not the job record's.
@@ -61,6 +65,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from pipeline.manifest import recorded_outputs
+from worker.core.config import DEFAULT_MAX_FAILED_ATTEMPTS
 from worker.core.errors import (
     AlreadyFailed,
     InvalidMessage,
@@ -77,6 +82,7 @@ from worker.core.errors import (
 )
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease
+from worker.core.loop import spend_retry
 from worker.core.metrics import NULL_METRICS, Metrics
 from worker.core.queue import Message
 from worker.core.stop import StopSignal
@@ -93,7 +99,15 @@ from worker.voice.message import Job, job_id_hint, parse_job
 from worker.voice.publish import models_dir_for, publish_all, published_rel
 from worker.voice.records import ClaimOutcome, Store
 from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
-from worker.voice.records.rules import ASSET_KEYS, COMMITTING, ERROR, ERROR_MESSAGE_MAX_CHARS, is_complete, utc_now
+from worker.voice.records.rules import (
+    ASSET_KEYS,
+    COMMITTING,
+    ERROR,
+    ERROR_MESSAGE_MAX_CHARS,
+    failed_attempts,
+    is_complete,
+    utc_now,
+)
 
 if TYPE_CHECKING:
     from pipeline.run import Progress
@@ -189,10 +203,17 @@ def _artifacts_base(paths: dict[str, Path], output_dir: Path, models_dir: Path) 
     return output_dir
 
 
-def recorded_failure(record: dict | None, message: Message) -> AlreadyFailed | None:
-    """The permanent failure this message already met (see the module docstring), or None."""
+def recorded_failure(record: dict | None, message: Message,
+                     max_failed_attempts: int | None = None) -> AlreadyFailed | None:
+    """The permanent failure this message already met (see the module docstring), or None.
+
+    A retryable error that brought the job's failed attempts to ``max_failed_attempts`` counts as
+    permanent: its message was dead-lettered by the attempt that recorded it.
+    """
     error = (record or {}).get("error") or {}
-    if (record or {}).get("status") != ERROR or error.get("retryable") is not False:
+    spent = (error.get("retryable") is True and max_failed_attempts is not None
+             and failed_attempts(record) >= max_failed_attempts)
+    if (record or {}).get("status") != ERROR or (error.get("retryable") is not False and not spent):
         return None
     if "deadLetter" in error or message.receive_count < 2:
         return None
@@ -283,8 +304,11 @@ class VoiceJobHandler:
     def __init__(self, *, store: Store, uploader: ArtifactUploader, train: Trainer, work_root: Path,
                  s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
                  metrics: Metrics = NULL_METRICS, policy: InputPolicy = DEFAULT_POLICY,
-                 keep_work_files: bool = False, models_root: Path | None = None):
+                 keep_work_files: bool = False, models_root: Path | None = None,
+                 max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS):
         self._store = store
+        # Recorded retryable failures after which the job's message is dead-lettered (MAX_FAILED_ATTEMPTS).
+        self._max_failed_attempts = max_failed_attempts
         # The default policy refuses every s3:// recording: a handler is never more open than asked.
         self._policy = policy
         self._keep_work_files = keep_work_files
@@ -335,7 +359,7 @@ class VoiceJobHandler:
                 # The paths are this job's: redo the (idempotent) clean-ups a crash after the commit skipped.
                 self._clean_up_after_commit(job, profile["s3Paths"], profile["modelPaths"].values())
             return Handled.ALREADY_COMPLETE
-        failed = recorded_failure(record, message)
+        failed = recorded_failure(record, message, self._max_failed_attempts)
         if failed is not None:
             log.warning("job.already_failed", error_type=failed.error_type,
                         note="redelivery of a permanently failed message: dead-lettered again without work")
@@ -389,13 +413,13 @@ class VoiceJobHandler:
             raise
         except WorkerError as exc:
             store_lease.end()
-            self._record_error(attempt, exc)
-            raise
+            settled = self._failed(attempt, claim.job, exc)
+            if settled is exc:
+                raise
+            raise settled from exc
         except Exception as exc:
             store_lease.end()
-            error = unexpected(exc)
-            self._record_error(attempt, error)
-            raise error from exc
+            raise self._failed(attempt, claim.job, unexpected(exc)) from exc
         self._clean_up_after_commit(job, *committed)
         log.info("job.completed")
         return Handled.COMPLETED
@@ -631,11 +655,26 @@ class VoiceJobHandler:
         except WorkerError as release_exc:
             log.warning("job.release_failed", error=str(release_exc))
 
+    def _failed(self, attempt: Attempt, claimed: dict | None, exc: WorkerError) -> WorkerError:
+        """Record the attempt's failure; the error to end with: ``exc``, or ``RetriesExhausted`` once this
+        recorded failure spent the job's last retry. An unrecorded failure spends none."""
+        if not self._record_error(attempt, exc):
+            return exc
+        # The claimed record's count plus this failure: our fenced write is the only one since the claim.
+        failed = failed_attempts(claimed) + (1 if exc.retryable else 0)
+        settled = spend_retry(exc, failed, self._max_failed_attempts)
+        if settled is not exc:
+            log.warning("job.retries_exhausted", failed_attempts=failed, error_type=exc.error_type,
+                        note="dead-lettered by the worker: MAX_FAILED_ATTEMPTS reached")
+        return settled
+
     @staticmethod
-    def _record_error(attempt: Attempt, exc: WorkerError) -> None:
-        """Record the failure on the job; a failure to record never hides the original error."""
+    def _record_error(attempt: Attempt, exc: WorkerError) -> bool:
+        """Record the failure on the job; whether it was written. A failure to record never hides the
+        original error."""
         try:
-            attempt.fail(exc.error_type, str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable)
+            return attempt.fail(exc.error_type, str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable)
         except WorkerError as record_exc:
             log.error("job.record_error_failed", error=str(record_exc), original=str(exc))
+            return False
 

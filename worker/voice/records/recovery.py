@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from worker.voice.records.rules import (
     ERROR,
     ERROR_MESSAGE_MAX_CHARS,
+    FAILED_ATTEMPTS,
     FINAL_STATUSES,
     HISTORY_LIMIT,
     PENDING,
@@ -86,5 +87,6 @@ def dead_lettered(job: dict, dead_letter: dict, *, worker: str, now: datetime) -
     error = {"type": dead_letter.get("errorType") or "DeadLettered", "message": reason,
              "retryable": False, "deadLetter": dict(dead_letter)}
     applied = [*(job.get(DEAD_LETTERS) or []), dead_letter["messageId"]][-DEAD_LETTERS_KEPT:]
+    # Whatever arrives for the job next is an operator's redrive or a resubmit: a fresh retry budget.
     return {**_reconciled(job, error=error, outcome=DEAD_LETTERED, worker=worker, now=now),
-            DEAD_LETTERS: applied}
+            DEAD_LETTERS: applied, FAILED_ATTEMPTS: 0}

@@ -42,6 +42,9 @@ CLAIMS, LEGACY_CLAIM_TOKEN = "claims", "claimToken"
 CLAIMS_KEPT = 20
 # The progress stage an attempt writes (fenced) just before it persists; no stage can be named so.
 COMMITTING = "(committing)"
+# Attempts that ended in a recorded retryable failure: what MAX_FAILED_ATTEMPTS is counted against.
+# A release (shutdown, drain, lease handover) or a crash that recorded nothing never adds to it.
+FAILED_ATTEMPTS = "failedAttempts"
 
 
 def utc_now() -> datetime:
@@ -71,6 +74,11 @@ def is_complete(job: dict | None, profile: dict | None) -> bool:
 
 
 # ---------------------------------------------------------------- decisions (pure)
+
+def failed_attempts(job: dict | None) -> int:
+    """The job's attempts that ended in a recorded retryable failure (0 on records made before the count)."""
+    return int((job or {}).get(FAILED_ATTEMPTS) or 0)
+
 
 def lease_live(job: dict, now: datetime) -> bool:
     lease = job.get("lease")
@@ -168,7 +176,11 @@ def errored(job: dict, *, token: str | None, error_type: str, message: str, retr
     if token is not None and (job.get("lease") or {}).get("messageId"):
         # Which SQS message met this error: its own redelivery is told from a new message for the job.
         error["messageId"] = job["lease"]["messageId"]
-    return {**job, "status": ERROR, "error": error, "lease": None, "history": history}
+    # Only an attempt's own retryable failure spends the retry budget: an error found outside any
+    # attempt (no token) did not run the job, and a permanent one is dead-lettered anyway.
+    failed = failed_attempts(job) + (1 if token is not None and retryable else 0)
+    return {**job, "status": ERROR, "error": error, "lease": None, "history": history,
+            FAILED_ATTEMPTS: failed}
 
 
 def completed(job: dict, token: str, now: datetime) -> dict:
@@ -263,6 +275,7 @@ def new_job_record(job: dict, idempotency_key: str | None, now: datetime) -> dic
         "_id": str(job["_id"]),
         "status": PENDING,
         "attempts": 0,
+        FAILED_ATTEMPTS: 0,
         "lease": None,
         "progress": None,
         "heartbeatAt": None,
