@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -228,3 +231,21 @@ def events_until(proc, event: str) -> list[dict]:
 def events_after(proc) -> list[dict]:
     """The rest of a worker process's JSON log lines, once it has exited."""
     return [json.loads(line) for line in proc.stderr.read().splitlines()]
+
+
+def start_sleepy_worker(moto_server: str, queue_url: str, *, job_s: float, grace_s: float = 1):
+    """``tests.core.sleepy_worker`` (the real loop with a handler that sleeps ``job_s``) on the queue,
+    its JSON logs on a stderr pipe."""
+    env = {
+        **os.environ,
+        "SQS_QUEUE_URL": queue_url,
+        "AWS_ENDPOINT_URL": moto_server,
+        "AWS_REGION": "us-east-1",
+        "SQS_VISIBILITY_TIMEOUT_SECONDS": "30",
+        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
+        "SQS_WAIT_TIME_SECONDS": "1",
+        "SHUTDOWN_GRACE_SECONDS": f"{grace_s:g}",
+        "TEST_JOB_SECONDS": f"{job_s:g}",
+    }
+    return subprocess.Popen([sys.executable, "-m", "tests.core.sleepy_worker"], env=env,
+                            stderr=subprocess.PIPE, text=True, cwd=os.getcwd())

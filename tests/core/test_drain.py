@@ -6,15 +6,13 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import boto3
 import pytest
 from structlog.testing import capture_logs
 
-from tests.support import create_queues, events_after, events_until
+from tests.support import create_queues, events_after, events_until, start_sleepy_worker
 from worker.core.daemon import EXIT_OK, SignalRelay, run_worker
 from worker.core.loop import keep_receiving, stop_reason
 
@@ -203,22 +201,8 @@ def test_sigusr2_mid_job_lets_a_real_worker_finish_ack_and_exit_zero(moto_server
     sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=moto_server)
     q = create_queues(sqs, name=f"drain-{os.getpid()}-{time.monotonic_ns()}")
     q.send('{"job": 1}')
-    env = {
-        **os.environ,
-        "SQS_QUEUE_URL": q.url,
-        "AWS_ENDPOINT_URL": moto_server,
-        "AWS_REGION": "us-east-1",
-        "SQS_VISIBILITY_TIMEOUT_SECONDS": "30",
-        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
-        "SQS_WAIT_TIME_SECONDS": "1",
-        # A job longer than the grace: under SIGTERM it would be stopped and released, not deleted.
-        "SHUTDOWN_GRACE_SECONDS": "1",
-        "TEST_JOB_SECONDS": "4",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.core.sleepy_worker"], env=env,
-        stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
-    )
+    # A job longer than the grace: under SIGTERM it would be stopped and released, not deleted.
+    proc = start_sleepy_worker(moto_server, q.url, job_s=4)
     try:
         events = events_until(proc, "message.received")
         received = events[-1]["message_id"]

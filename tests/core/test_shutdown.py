@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import boto3
 import pytest
 
-from tests.support import create_queues, events_after, events_until
+from tests.support import create_queues, events_after, events_until, start_sleepy_worker
 
 
 def test_job_finishing_within_the_grace_is_acked(memory_queue, make_memory_worker, fake_clock):
@@ -82,21 +80,7 @@ def test_sigterm_past_grace_releases_and_exits_zero(moto_server, tmp_path):
     sqs = boto3.client("sqs", region_name="us-east-1", endpoint_url=moto_server)
     q = create_queues(sqs, name=f"sigterm-{os.getpid()}-{time.monotonic_ns()}")
     q.send('{"job": 1}')
-    env = {
-        **os.environ,
-        "SQS_QUEUE_URL": q.url,
-        "AWS_ENDPOINT_URL": moto_server,
-        "AWS_REGION": "us-east-1",
-        "SQS_VISIBILITY_TIMEOUT_SECONDS": "30",
-        "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
-        "SQS_WAIT_TIME_SECONDS": "1",
-        "SHUTDOWN_GRACE_SECONDS": "1",
-        "TEST_JOB_SECONDS": "120",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.core.sleepy_worker"], env=env,
-        stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
-    )
+    proc = start_sleepy_worker(moto_server, q.url, job_s=120)
     try:
         events = events_until(proc, "message.received")
         assert events[-1]["message_id"] and events[-1]["receive_count"] == 1
