@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 HASH_CHUNK_BYTES = 1 << 20
-# A file whose last change is closer than this to the end of its hashing is "racy" (git's word): a
-# later write could land in the same timestamp tick (the kernel stamps files from a coarse clock, a
-# few ms) and leave its identity unchanged. Timestamps without a sub-second part (a file system that
+# A file whose last change is closer than this to the start of its hashing is "racy" (git's word): a
+# write during the hashing could land in the same timestamp tick (the kernel stamps files from a
+# coarse clock, a few ms) and leave its identity unchanged. Timestamps without a sub-second part (a file system that
 # keeps whole seconds) need a margin of more than one of their ticks.
 RACY_MARGIN_NS = 50_000_000
 RACY_MARGIN_WHOLE_SECONDS_NS = 2_000_000_000
+# The longest a hashing waits for a just-written file to settle (see output_digest).
+SETTLE_WAIT_MAX_NS = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,20 @@ class FileIdentity:
         return cls(*value)
 
 
-def settled_identity(before: FileIdentity, after: FileIdentity, hashed_at_ns: int) -> FileIdentity | None:
-    """The identity to record for a file hashed between the two ``fstat`` calls, or None when it cannot
-    vouch for the digest: the file changed while it was hashed, or its last change is racy."""
+def racy_margin_ns(identity: FileIdentity) -> int:
+    """How long after its last change a file's timestamps can no longer hide a further write."""
+    whole_seconds = identity.mtime_ns % 1_000_000_000 == 0 and identity.ctime_ns % 1_000_000_000 == 0
+    return RACY_MARGIN_WHOLE_SECONDS_NS if whole_seconds else RACY_MARGIN_NS
+
+
+def settled_identity(before: FileIdentity, after: FileIdentity, started_ns: int) -> FileIdentity | None:
+    """The identity to record for a file hashed between the two ``fstat`` calls, the hashing begun at
+    ``started_ns``, or None when it cannot vouch for the digest: the file changed while it was hashed,
+    or it had changed less than the racy margin before the hashing began (a write during the hashing
+    could then share the last change's timestamp tick and leave the identity as it was)."""
     if before != after:
         return None
-    latest_ns = max(after.mtime_ns, after.ctime_ns)
-    whole_seconds = after.mtime_ns % 1_000_000_000 == 0 and after.ctime_ns % 1_000_000_000 == 0
-    margin_ns = RACY_MARGIN_WHOLE_SECONDS_NS if whole_seconds else RACY_MARGIN_NS
-    return after if hashed_at_ns - latest_ns >= margin_ns else None
+    return after if started_ns - max(after.mtime_ns, after.ctime_ns) >= racy_margin_ns(after) else None
 
 
 def sha256_and_size(path: Path) -> tuple[str, int]:
@@ -232,9 +239,17 @@ def output_digest(output_dir: Path, relative_path: str) -> tuple[str, int, FileI
     (``settled_identity``) is None unless it can later vouch for this digest without a second read."""
     with os.fdopen(open_output(output_dir, relative_path), "rb") as handle:
         before = FileIdentity.of_fd(handle.fileno())
+        # A stage's last file is often hashed within milliseconds of its last write: waiting out the
+        # (sub-second) margin first costs at most 50 ms a stage and spares the uploader and the
+        # publisher a second read of it. Whole-second timestamps would mean seconds: not waited for.
+        wait_ns = racy_margin_ns(before) - (time.time_ns() - max(before.mtime_ns, before.ctime_ns))
+        if 0 < wait_ns <= SETTLE_WAIT_MAX_NS:
+            time.sleep(wait_ns / 1e9)
+            before = FileIdentity.of_fd(handle.fileno())
+        started_ns = time.time_ns()
         sha256_hex, size = sha256_and_size_of(handle)
         after = FileIdentity.of_fd(handle.fileno())
-    return sha256_hex, size, settled_identity(before, after, time.time_ns())
+    return sha256_hex, size, settled_identity(before, after, started_ns)
 
 
 def sha256_and_size_of(handle: BinaryIO, copy_to: BinaryIO | None = None) -> tuple[str, int]:

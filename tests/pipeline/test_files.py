@@ -165,10 +165,10 @@ IDENTITY = FileIdentity(device=1, inode=2, size=3, mtime_ns=10_000_000_123, ctim
 
 
 def test_a_file_unchanged_while_hashed_and_settled_long_enough_keeps_its_identity():
-    """Hashed a full racy margin after its last change, with the same identity before and after: vouched."""
-    hashed_at_ns = IDENTITY.ctime_ns + RACY_MARGIN_NS
-    assert settled_identity(IDENTITY, IDENTITY, hashed_at_ns) == IDENTITY
-    assert settled_identity(IDENTITY, IDENTITY, hashed_at_ns - 1) is None
+    """Hashing begun a full racy margin after its last change, the same identity before and after: vouched."""
+    started_ns = IDENTITY.ctime_ns + RACY_MARGIN_NS
+    assert settled_identity(IDENTITY, IDENTITY, started_ns) == IDENTITY
+    assert settled_identity(IDENTITY, IDENTITY, started_ns - 1) is None
 
 
 def test_a_file_that_changed_while_it_was_hashed_gets_no_identity():

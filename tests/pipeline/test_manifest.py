@@ -174,10 +174,20 @@ def test_a_racy_file_gets_no_identity(tmp_path, monkeypatch):
     (out / "full").mkdir(parents=True)
     (out / "full/model.pth").write_bytes(b"just written")
     changed_ns = os.stat(out / "full/model.pth").st_ctime_ns
-    clock = type("Clock", (), {"time_ns": staticmethod(lambda: changed_ns + pipeline.files.RACY_MARGIN_NS - 1)})
+    clock = type("Clock", (), {"time_ns": staticmethod(lambda: changed_ns + pipeline.files.RACY_MARGIN_NS - 1),
+                               "sleep": staticmethod(lambda _s: None)})
     monkeypatch.setattr(pipeline.files, "time", clock)
     write_manifest(manifest_path(out, "train_full"), out, "train_full", "fp1", ["full/model.pth"])
     assert recorded_outputs(out)["full/model.pth"].identity is None
+
+
+def test_a_file_hashed_right_after_its_last_write_waits_out_the_margin_and_keeps_its_identity(tmp_path):
+    """A stage's freshly written output is hashed once the racy margin has passed, so its identity is kept."""
+    out = tmp_path / "output"
+    (out / "full").mkdir(parents=True)
+    (out / "full/model.pth").write_bytes(b"just written")
+    write_manifest(manifest_path(out, "train_full"), out, "train_full", "fp1", ["full/model.pth"])
+    assert recorded_outputs(out)["full/model.pth"].identity == FileIdentity.of(os.stat(out / "full/model.pth"))
 
 
 def test_a_manifest_not_sealed_by_this_process_vouches_no_identity(tmp_path, no_racy_margin, monkeypatch):
