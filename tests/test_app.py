@@ -260,12 +260,15 @@ def test_the_start_up_clock_check_reads_mongodbs_server_time():
 
 
 # What an idle daemon leaves unloaded until its first message: the job, its pipeline and message model.
+# What `run` loads (the job path, checked at start) and what it never needs (the operator commands).
 JOB_MACHINERY = ("worker.voice.job", "worker.voice.message", "worker.voice.artifacts", "pipeline.run",
-                 "pipeline.downloads", "pipeline.stages", "worker.ops.commands")
+                 "pipeline.downloads", "pipeline.stages")
+COMMANDS = ("worker.ops.commands",)
 IDLE_THEN_ONE_MESSAGE = """
 import os, sys
 from moto import mock_aws
 MACHINERY = {machinery!r}
+COMMANDS = {commands!r}
 with mock_aws():
     import boto3
     url = boto3.client("sqs", region_name="us-east-1").create_queue(QueueName="q")["QueueUrl"]
@@ -276,6 +279,7 @@ with mock_aws():
 
     def first_message(worker, close, pulse):
         print(sorted(m for m in MACHINERY if m in sys.modules))
+        print(sorted(m for m in COMMANDS if m in sys.modules))
         boto3.client("sqs", region_name="us-east-1").send_message(QueueUrl=url, MessageBody="not a job")
         print(worker.run_once(), "worker.voice.job" in sys.modules)
         close()
@@ -286,25 +290,12 @@ with mock_aws():
 """
 
 
-def test_an_idle_worker_loads_the_job_machinery_at_its_first_message(tmp_path):
-    """`run` starts and polls without the job, pipeline, message or command modules; the first message loads them."""
-    probe = IDLE_THEN_ONE_MESSAGE.format(machinery=JOB_MACHINERY)
+def test_run_loads_the_job_path_at_start_and_never_the_operator_commands(tmp_path):
+    """`run` has the job path loaded before its first message (a broken install fails at start) and never
+    loads the operator commands."""
+    probe = IDLE_THEN_ONE_MESSAGE.format(machinery=JOB_MACHINERY, commands=COMMANDS)
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["[]", "dead_letter True"]
+    assert out.stdout.splitlines() == [str(sorted(JOB_MACHINERY)), "[]", "dead_letter True"]
 
 
-def test_the_apps_job_handler_is_made_once_by_its_first_use():
-    """FirstUse makes the handler at the first call, hands it the message and lease, and reuses it after."""
-    from worker.app import FirstUse
-
-    made, calls = [], []
-
-    def make():
-        made.append(True)
-        return lambda message, lease: calls.append((message, lease)) or "ack"
-
-    handler = FirstUse(make)
-    assert made == []
-    assert handler("m1", "l1") == "ack" and handler("m2", "l2") == "ack"
-    assert made == [True] and calls == [("m1", "l1"), ("m2", "l2")]

@@ -18,14 +18,13 @@ from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics
-from worker.core.queue import Message, Queue
+from worker.core.queue import Queue
 from worker.core.reporting import Reporter
 from worker.settings import Settings, daemon_targets
 from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
 
 if TYPE_CHECKING:
-    from worker.core.lease import Lease
     from worker.voice.job import VoiceJobHandler
 
 log = structlog.get_logger(__name__)
@@ -104,10 +103,10 @@ def build_app(settings: Settings, *, session=None) -> App:
             max_failed_attempts=settings.max_failed_attempts,
         )
 
-    # Made when the first message arrives: until then an idle worker holds neither the job, pipeline
-    # and message modules nor the message model pydantic builds (about 2.5 MiB). Making it only
-    # assigns the values checked above, so no start-up failure moves to the first job.
-    handler = FirstUse(job_handler)
+    # Made at start, not at the first message: deferring it would spare an idle worker about 2.5 MiB
+    # until then, but a broken install (a module of the job path that does not import) would then
+    # crash at a message, holding it invisible, again after every restart, instead of failing here.
+    handler = job_handler()
     pulse = Pulse(settings.liveness_file, settings.notify_socket)
     lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
@@ -116,9 +115,3 @@ def build_app(settings: Settings, *, session=None) -> App:
                     activity=pulse.announcing(task_protection(settings.ecs_agent_uri)))
     return App(worker=worker, store=store, pulse=pulse)
 
-
-class FirstUse(LazyClient):
-    """A handler made at its first call (or attribute read), once, as LazyClient makes a client."""
-
-    def __call__(self, message: Message, lease: Lease) -> str:
-        return self.made()(message, lease)

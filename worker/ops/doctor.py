@@ -142,12 +142,12 @@ def metrics_dimensions_check(settings: Settings) -> Check:
     return Check(name, True, f"METRICS_DIMENSIONS={shown}")
 
 
-# The daemon loads these at its first message (worker.app), so a broken install shows here first.
+# The job path: a broken install (a module that does not import) shows here before any deployment runs it.
 JOB_MODULES = ("worker.voice.job", "worker.voice.artifacts", "pipeline.run")
 
 
 def job_code_check(modules: tuple[str, ...] = JOB_MODULES) -> Check:
-    """Whether the job's code imports: the daemon itself only loads it when the first message arrives."""
+    """Whether the job's code imports, checked from an operator's shell before the daemon starts."""
     import importlib
 
     try:
