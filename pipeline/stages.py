@@ -427,7 +427,9 @@ def _end_survivors(stage: StageSpec, env: Mapping[str, str], log_file: IO[bytes]
 
 def _await_keeper(proc: subprocess.Popen, lifeline: socket.socket) -> str | None:
     """None once the keeper says the stage started, else why it did not."""
-    ready, _, _ = select.select([lifeline], [], [], _KEEPER_START_S)
+    poller = select.poll()  # not select: the socket's descriptor may be above select's 1024
+    poller.register(lifeline, select.POLLIN)
+    ready = poller.poll(_KEEPER_START_S * 1000)
     reply = lifeline.recv(4096) if ready else b""
     if reply.startswith(STARTED):
         return None
@@ -511,7 +513,10 @@ def _wait_for_exit(exited: int | None, stop: StopSignal, timeout_s: float) -> No
     if exited is None:
         stop.wait(timeout_s)
     else:
-        select.select([exited], [], [], max(0.0, timeout_s))
+        # poll, not select: a worker with many descriptors open may get a pidfd above select's 1024.
+        poller = select.poll()
+        poller.register(exited, select.POLLIN)
+        poller.poll(max(0.0, timeout_s) * 1000)
 
 
 def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, last: list) -> None:

@@ -249,6 +249,25 @@ def test_a_file_this_process_may_not_make_read_only_gets_a_checked_copy(tmp_path
     assert os.stat(final).st_ino != identity.inode and final.read_bytes() == b"trained weights"
 
 
+def test_a_write_just_before_the_link_is_caught_and_nothing_is_published(tmp_path, monkeypatch):
+    """A write between the identity check and the link: the link is taken back, and the copy refuses the bytes."""
+    import worker.voice.publish as publish
+
+    source, sha256_hex, identity = settled_source(tmp_path)
+    real_fsync = os.fsync
+
+    def written_meanwhile(fd):
+        if os.fstat(fd).st_ino == identity.inode and os.fstat(fd).st_mtime_ns == identity.mtime_ns:
+            source.write_bytes(b"trained WEIGHTS")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(publish.os, "fsync", written_meanwhile)
+    models = tmp_path / "models"
+    with pytest.raises(StorageError, match="changed since it was uploaded"):
+        publish_file(source.parent.parent, "full/model.pth", "full/model.pth", sha256_hex, models, identity)
+    assert [p for p in models.rglob("*") if p.is_file()] == []
+
+
 def test_a_linked_publish_never_replaces_a_file_someone_else_published_first(tmp_path, monkeypatch):
     """When another attempt takes the final name with other bytes just before our link, theirs stays."""
 

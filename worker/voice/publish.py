@@ -116,7 +116,7 @@ def publish_file(base_dir: Path, source_rel: str, rel: str, sha256_hex: str, mod
         if _same_file_there(final, sha256_hex, size):
             return final
         final.parent.mkdir(parents=True, exist_ok=True)
-        if identity is not None and identity == now and _linked(source.fileno(), final, sha256_hex, size):
+        if identity is not None and identity == now and _linked(source.fileno(), final, sha256_hex, size, identity):
             fsync_dir(final.parent)
             log.info("artifacts.published", file=rel, sha256=sha256_hex, linked=True)
             return final
@@ -139,9 +139,10 @@ def publish_file(base_dir: Path, source_rel: str, rel: str, sha256_hex: str, mod
     return final
 
 
-def _linked(fd: int, final: Path, sha256_hex: str, size: int) -> bool:
+def _linked(fd: int, final: Path, sha256_hex: str, size: int, identity: FileIdentity) -> bool:
     """Hard-link the open file itself (the inode whose identity was checked, not whatever its path
-    names now) to ``final``, its data synced first; False when this file system cannot, to copy instead."""
+    names now) to ``final``, its data synced first; False when this file system cannot, or the file
+    was written to meanwhile, to copy (and hash) instead."""
     os.fsync(fd)  # the model paths written next must name bytes that are on disk
     # One file now has two names, the attempt's and the published one. Nothing writes the attempt's
     # any more (every stage process ended with its keeper, a child subreaper, before the manifest
@@ -164,9 +165,21 @@ def _linked(fd: int, final: Path, sha256_hex: str, size: int) -> bool:
         if exc.errno in _CANNOT_LINK:
             return False
         raise
+    else:
+        if not _unwritten_since(fd, identity):
+            os.unlink(final.name, dir_fd=dir_fd)  # our own link, made a moment ago: nothing names it yet
+            return False
     finally:
         os.close(dir_fd)
     return True
+
+
+def _unwritten_since(fd: int, identity: FileIdentity) -> bool:
+    """Whether the file still has the content ``identity`` was recorded with. Its change time moved (the
+    mode, the link), so the rest is compared: same file, size and modification time."""
+    now = FileIdentity.of_fd(fd)
+    return (now.device, now.inode, now.size, now.mtime_ns) == (
+        identity.device, identity.inode, identity.size, identity.mtime_ns)
 
 
 def _same_file_there(path: Path, sha256_hex: str, size: int) -> bool:
