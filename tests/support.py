@@ -16,6 +16,7 @@ from pathlib import Path
 from botocore.exceptions import ClientError
 
 from pipeline.config import load_pipeline_config
+from pipeline.recording_url import RecordingUrl
 from worker.core.errors import StoreError
 
 # The five artifacts where the shipped pipeline puts them: fakes write exactly that layout.
@@ -249,3 +250,20 @@ def start_sleepy_worker(moto_server: str, queue_url: str, *, job_s: float, grace
     }
     return subprocess.Popen([sys.executable, "-m", "tests.core.sleepy_worker"], env=env,
                             stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
+
+
+@dataclass(frozen=True)
+class FakeRecording:
+    """A recording as the pipeline reads it (``pipeline.run.Recording``)."""
+
+    url: RecordingUrl
+    text: str = "t"
+
+
+@dataclass(frozen=True)
+class FakeJob:
+    """A job as the pipeline reads it (``pipeline.run.Job``): its recordings, id and language."""
+
+    recordings: tuple[FakeRecording, ...]
+    job_id: str = "job"
+    language: str = "en"

@@ -144,13 +144,19 @@ def doctor(tmp_path, queue_url, bucket="voice-models"):
     return report(checks, out=out), out.getvalue()
 
 
-def test_doctor_passes_on_a_good_deployment(sqs, tmp_path):
-    """doctor passes every check on a queue with a redrive policy, a longer-lived DLQ and a writable bucket."""
-    q = create_queues(sqs, name="good")
+def good_deployment(sqs, name: str):
+    """Queues doctor passes (a longer-lived DLQ, a 300 s visibility, a redrive after 20 receives) and the bucket."""
+    q = create_queues(sqs, name=name)
     sqs.set_queue_attributes(QueueUrl=q.dlq_url, Attributes={"MessageRetentionPeriod": "1209600"})
     sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300",
                                                          "RedrivePolicy": redrive_policy(sqs, q, 20)})
     boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
+    return q
+
+
+def test_doctor_passes_on_a_good_deployment(sqs, tmp_path):
+    """doctor passes every check on a queue with a redrive policy, a longer-lived DLQ and a writable bucket."""
+    q = good_deployment(sqs, "good")
     code, out = doctor(tmp_path, q.url)
     assert code == 0, out
     assert "FAIL" not in out and "PASS  redrive policy" in out and "PASS  bucket writable" in out
@@ -200,11 +206,7 @@ def test_doctor_fails_when_the_job_code_does_not_import():
 
 def test_doctor_warns_without_metrics_dimensions_and_still_passes(sqs, tmp_path):
     """With METRICS_DIMENSIONS empty doctor prints a WARN naming the alarms' dimension set, and exits 0."""
-    q = create_queues(sqs, name="dims")
-    sqs.set_queue_attributes(QueueUrl=q.dlq_url, Attributes={"MessageRetentionPeriod": "1209600"})
-    sqs.set_queue_attributes(QueueUrl=q.url, Attributes={"VisibilityTimeout": "300",
-                                                         "RedrivePolicy": redrive_policy(sqs, q, 20)})
-    boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="voice-models")
+    q = good_deployment(sqs, "dims")
     code, out = doctor(tmp_path, q.url)
     assert code == 0, out
     assert "WARN  metrics dimensions: METRICS_DIMENSIONS is empty" in out and "Environment=<...>,Queue=<...>" in out

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.config import load_pipeline_config
 from pipeline.downloads import DownloadSettings
-from pipeline.recording_url import RecordingUrl, parse_recording_url
+from pipeline.recording_url import parse_recording_url
 from pipeline.run import PipelineTrainer, download_all
 from tests.pipeline.tls_server import (  # noqa: F401  (ca, ca_path, server, base, ds are fixtures)
     PAYLOAD,
@@ -22,23 +22,13 @@ from tests.pipeline.tls_server import (  # noqa: F401  (ca, ca_path, server, bas
     resolver,
     server,
 )
+from tests.support import FakeJob as Job
+from tests.support import FakeRecording as Rec
 from worker.core.stop import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]
 GIVE_UP_S = 10.0
 
-
-@dataclass(frozen=True)
-class Rec:
-    url: RecordingUrl
-    text: str = "t"
-
-
-@dataclass(frozen=True)
-class Job:
-    recordings: tuple[Rec, ...]
-    job_id: str = "job"
-    language: str = "en"
 
 
 def wait_until(condition) -> bool:

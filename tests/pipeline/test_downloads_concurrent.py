@@ -6,7 +6,7 @@ from __future__ import annotations
 import ssl
 import threading
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -15,9 +15,11 @@ import pytest
 from pipeline.config import load_pipeline_config
 from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import Connections, DownloadSettings
-from pipeline.recording_url import RecordingUrl, parse_recording_url
+from pipeline.recording_url import parse_recording_url
 from pipeline.run import PipelineTrainer, download_all
 from tests.pipeline.tls_server import LOOPBACK, ca, ca_path, leftovers  # noqa: F401  (ca, ca_path are fixtures)
+from tests.support import FakeJob as Job
+from tests.support import FakeRecording as Rec
 from worker.core.errors import BadRecording, Stopped
 from worker.core.stop import StopSignal
 from worker.settings import load_settings
@@ -212,18 +214,6 @@ def serve(context):
 def settings(ca_path) -> DownloadSettings:
     return DownloadSettings(timeout_s=30.0, max_bytes=10**7, allowed_networks=LOOPBACK, ca_certs=ca_path, concurrency=4)
 
-
-@dataclass(frozen=True)
-class Rec:
-    url: RecordingUrl
-    text: str = "t"
-
-
-@dataclass(frozen=True)
-class Job:
-    recordings: tuple[Rec, ...]
-    job_id: str = "job"
-    language: str = "en"
 
 
 def job_of(srv: _Server, paths: list[str], host: str = "one.test") -> Job:
