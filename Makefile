@@ -43,3 +43,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/uploads.py
 	$(BIN)/python benchmarks/downloads.py
 	$(BIN)/python benchmarks/job.py
+
+# The real trainers (trainers/, their own virtualenv; not part of `make test`): a voice actually cloned
+# on this CPU. Both build trainers/.venv on first use.
+.PHONY: test-real demo-real
+test-real: $(STAMP) trainers/.venv/.installed
+	$(BIN)/python -m pytest -q tests/real
+
+demo-real: $(STAMP) trainers/.venv/.installed
+	$(BIN)/python -m worker demo --real

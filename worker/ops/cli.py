@@ -77,10 +77,10 @@ def cmd_run(settings: Settings, _args) -> int:
     return run_worker(app.worker, close=app.close, pulse=app.pulse)
 
 
-def cmd_demo(_settings, _args) -> int:
+def cmd_demo(_settings, args) -> int:
     from worker.ops.demo import run_demo
 
-    return run_demo()
+    return run_demo(real=args.real)
 
 
 def cmd_dev_stack(_settings, args) -> int:
@@ -200,8 +200,10 @@ COMMANDS = {
              "Start a local SQS/S3 server (moto), use the SQLite store, submit a sample job from the\n"
              "shipped recordings and run the real worker and pipeline until it completes.\n"
              "Needs no configuration and no network.\n\n"
-             "exit codes: 0 the job completed; 1 it did not",
-             "python -m worker demo"),
+             "--real runs the real trainers instead (config/pipeline.real.toml, trainers/.venv) and\n"
+             "writes a WAV of a sentence spoken by the cloned voice (make demo-real).\n\n"
+             "exit codes: 0 the job completed (with --real: and the WAV was written); 1 it did not",
+             "python -m worker demo\n  python -m worker demo --real"),
     "dev-stack": (cmd_dev_stack, False, "start a persistent local SQS/S3 stack for the dev loop",
                   "Start a local SQS/S3 server (moto) on 127.0.0.1:PORT with the queue, its dead-letter\n"
                   "queue and redrive policy, the model and recordings buckets and the sample recordings;\n"
@@ -276,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int, default=4566, help="loopback port (default 4566)")
             p.add_argument("--dir", type=Path, default=None,
                            help="where env.sh and records.db go (default var/dev in the checkout)")
+        if name == "demo":
+            p.add_argument("--real", action="store_true",
+                           help="the real trainers (trainers/.venv) and a WAV spoken by the cloned voice")
         if name == "submit":
             p.add_argument("file", help="JSON file with the message's fields, or - for stdin")
             p.add_argument("--json", action="store_true", help='print {"jobId": "..."}')

@@ -6,6 +6,11 @@ prefix (RECORDINGS_S3_KEY_PREFIX) and referenced as ``s3://``. The real worker l
 (with the reference trainer, the local stand-in for GPU training) run in this process until the
 job is completed; then a summary is printed. Exit 0 only if it completed.
 The demo keeps the job's work files (KEEP_WORK_FILES), so the local files it lists can be looked at.
+
+``--real`` (``make demo-real``) is the second act: the same job with the real trainers
+(config/pipeline.real.toml, run by the trainer virtualenv's interpreter, TRAINER_PYTHON), which clone
+the voice of the shipped clips; then piper-tts speaks a sentence with the cloned light model into a
+WAV file next to the run, and the demo prints its path so a person can listen to it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"
 # Where the worker's default RECORDINGS_S3_KEY_PREFIX lets this profile's job read recordings.
 RECORDINGS_PREFIX = f"recordings/{PROFILE_ID}/"
 DEMO_TIMEOUT_S = 120
+REAL_PIPELINE = REPO / "config" / "pipeline.real.toml"
+TRAINER_PYTHON = REPO / "trainers" / ".venv" / "bin" / "python"
+# The ci profile trains from scratch in minutes on two cores; an hour leaves room for a loaded machine.
+REAL_DEMO_TIMEOUT_S = 3600
+REAL_SENTENCE = "This voice was cloned by the worker from three short recordings."
+SPEAK_TIMEOUT_S = 300
 
 
 def _free_port() -> int:
@@ -146,9 +157,11 @@ def local_stack_env(endpoint: str, queue_url: str, state_dir: Path) -> dict[str,
     }
 
 
-def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
+def demo_settings(endpoint: str, queue_url: str, run_dir: Path, real: bool = False) -> Settings:
+    trainers = {"PIPELINE_CONFIG": str(REAL_PIPELINE), "TRAINER_PYTHON": str(TRAINER_PYTHON)} if real else {}
     return load_settings({**local_stack_env(endpoint, queue_url, run_dir),
-                          "SQS_WAIT_TIME_SECONDS": "1", "LOG_LEVEL": "WARNING", "WORKER_ID": "demo-worker"})
+                          "SQS_WAIT_TIME_SECONDS": "1", "LOG_LEVEL": "WARNING", "WORKER_ID": "demo-worker",
+                          **trainers})
 
 
 def sample_job() -> dict:
@@ -198,21 +211,30 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
             last = (stage, percent)
 
 
-def run_demo(out=None) -> int:
+def run_demo(out=None, real: bool = False) -> int:
     out = out or sys.stdout
     from worker.app import build_app
     from worker.core.logs import configure_logging
     from worker.voice.submit import submit
 
+    if real and not TRAINER_PYTHON.is_file():
+        print(f"{TRAINER_PYTHON} does not exist: build the trainer environment first "
+              "(make trainers/.venv/.installed; make demo-real does it)", file=out, flush=True)
+        return 1
     run_dir = REPO / "var" / "demo" / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    print("voice-worker demo: local SQS/S3 (moto), SQLite records, reference trainer "
-          "(the local stand-in for GPU training)", file=out, flush=True)
+    if real:
+        print("voice-worker demo, second act: local SQS/S3 (moto), SQLite records, the REAL trainers "
+              "(Resemblyzer, Coqui VITS trained from scratch in the ci profile, ONNX for Piper): "
+              "several minutes on a CPU", file=out, flush=True)
+    else:
+        print("voice-worker demo: local SQS/S3 (moto), SQLite records, reference trainer "
+              "(the local stand-in for GPU training)", file=out, flush=True)
     with LocalAws() as aws:
         session = dev_session()
         queue_url = provision(session, aws.url)
-        settings = demo_settings(aws.url, queue_url, run_dir)
+        settings = demo_settings(aws.url, queue_url, run_dir, real=real)
         configure_logging(settings.log_level, settings.log_format)
         app = build_app(settings, session=session)
         try:
@@ -222,7 +244,7 @@ def run_demo(out=None) -> int:
             clock, done = StageClock(), threading.Event()
             watcher = threading.Thread(target=_watch, args=(app.store, job_id, clock, done, out), daemon=True)
             watcher.start()
-            deadline = time.monotonic() + DEMO_TIMEOUT_S
+            deadline = time.monotonic() + (REAL_DEMO_TIMEOUT_S if real else DEMO_TIMEOUT_S)
             job = {}
             while time.monotonic() < deadline:
                 app.worker.run_once()
@@ -235,9 +257,26 @@ def run_demo(out=None) -> int:
             ended = time.monotonic()
             profile = app.store.get_profile(job["profileId"]) if job else None
             s3 = session.client("s3", endpoint_url=aws.url)
-            return _summary(out, job_id, job, profile, clock.durations(ended), ended - started, s3)
+            code = _summary(out, job_id, job, profile, clock.durations(ended), ended - started, s3)
         finally:
             app.close()
+    if real and code == 0:
+        return speak_cloned_voice(out, (profile or {}).get("modelPaths") or {}, run_dir / "cloned-voice.wav")
+    return code
+
+
+def speak_cloned_voice(out, model_paths: dict, wav: Path, sentence: str = REAL_SENTENCE) -> int:
+    """piper-tts (in the trainer virtualenv) speaks ``sentence`` with the job's light model into ``wav``."""
+    argv = [str(TRAINER_PYTHON), "-m", "piper", "--model", model_paths["lightModel"],
+            "--config", model_paths["lightConfig"], "--output-file", str(wav)]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(wav.parent)}
+    proc = subprocess.run(argv, input=sentence, capture_output=True, text=True, env=env, timeout=SPEAK_TIMEOUT_S)
+    if proc.returncode != 0 or not wav.is_file() or wav.stat().st_size <= 44:
+        print(f"\npiper could not speak with the cloned voice (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
+              file=out, flush=True)
+        return 1
+    print(f"\nthe cloned light model says {sentence!r}; listen to it:\n  {wav}", file=out, flush=True)
+    return 0
 
 
 def _summary(out, job_id, job, profile, stages, total_s, s3) -> int:

@@ -1,0 +1,250 @@
+"""The real end-to-end rig: `python -m worker run` on the local stack with the real trainers.
+
+The queues, buckets and records come from the reliability suite's per-case stack (tests/reliability/
+stack.py) on the session's moto server; the worker is a real daemon process (tests/reliability/
+procs.py). What differs here: the pipeline is config/pipeline.real.toml, the stages run under the
+trainer virtualenv's interpreter (TRAINER_PYTHON), and the job's recordings are several espeak-ng
+sentences (tests/real/speech.py) instead of a tone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.reliability.procs import WorkerProcess, descendants, is_alive, wait_until
+from tests.reliability.stack import ENVIRONMENT, Stack, make_stack, new_object_id, recording_key_for
+from worker.voice.records.rules import ASSET_KEYS
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINER_PYTHON = REPO / "trainers" / ".venv" / "bin" / "python"
+REAL_PIPELINE = REPO / "config" / "pipeline.real.toml"
+CHECKER = Path(__file__).with_name("check_artifacts.py")
+DIRECTORY = "real-voice-1"
+
+# The visibility timeout is short so that a second worker takes a killed worker's job within
+# seconds; heartbeats every 2 s keep it alive with room to spare while training loads both cores.
+VISIBILITY_S = 12
+HEARTBEAT_MS = 2000
+# Torch's intra-op threads: the machine's two cores.
+TORCH_THREADS = "2"
+LOG_TAIL_LINES = 40
+CHECKER_TIMEOUT_S = 600
+
+
+def trainer_python() -> Path:
+    """The trainer virtualenv's interpreter; AssertionError when it is not built."""
+    if not os.access(TRAINER_PYTHON, os.X_OK):
+        raise AssertionError(f"{TRAINER_PYTHON} does not exist: the real tests need the trainer "
+                             "environment (make trainers/.venv/.installed, which make test-real runs first)")
+    return TRAINER_PYTHON
+
+
+@dataclass
+class RealJob:
+    stack: Stack
+    job_id: str
+    profile_id: str
+    directory: str = DIRECTORY
+
+    @property
+    def work_dir(self) -> Path:
+        return self.stack.work_dir(self.job_id, self.directory)
+
+    def record(self) -> dict:
+        with self.stack.reader() as store:
+            return store.get_job(self.job_id) or {}
+
+    def profile(self) -> dict:
+        with self.stack.reader() as store:
+            return store.get_profile(self.profile_id) or {}
+
+    def stage_logs(self, stage: str) -> list[Path]:
+        """The stage's log files, oldest first (one per run of the stage)."""
+        return sorted((self.work_dir / "logs").glob(f"*-{stage}.log"))
+
+    def checkpoints(self, stage: str, pattern: str) -> list[Path]:
+        return sorted(self.work_dir.glob(f"attempts/*/checkpoints/{stage}/{pattern}"))
+
+
+def make_real_stack(endpoint: str, root: Path, pipeline: Path = REAL_PIPELINE) -> Stack:
+    """A fresh stack whose workers run ``pipeline`` (the file itself, not a copy)."""
+    stack = make_stack(endpoint, root, pipeline.read_text())
+    stack.pipeline = pipeline
+    return stack
+
+
+def submit_speech_job(stack: Stack, clips: list[tuple[Path, str]], directory: str = DIRECTORY,
+                      language: str = "en") -> RealJob:
+    """Records for a new job whose recordings are ``clips`` (uploaded under its profile), and its message."""
+    job_id, profile_id = new_object_id(), new_object_id()
+    entries = []
+    for path, text in clips:
+        key = recording_key_for(profile_id, path.name)
+        stack.s3.upload_file(str(path), stack.recordings, key)
+        entries.append({"recordingUrl": f"s3://{stack.recordings}/{key}", "originalText": text})
+    body = {"_doc": {"_id": job_id}, "jobId": job_id, "profileId": profile_id, "environment": ENVIRONMENT,
+            "metadata": {"directoryName": directory, "language": language}, "input": entries}
+    with stack.store() as store:
+        store.submit({"_id": job_id, "profileId": profile_id, "environment": ENVIRONMENT,
+                      "directoryName": directory}, {"_id": profile_id})
+    stack.queues.send(json.dumps(body))
+    return RealJob(stack, job_id, profile_id, directory)
+
+
+def real_worker(stack: Stack, root: Path, name: str, **extra: str) -> WorkerProcess:
+    """A worker daemon (not started) for the stack's pipeline with the trainer interpreter, logging JSON
+    to ``root/<name>.log``."""
+    env = stack.env(
+        WORKER_ID=name, TRAINER_PYTHON=str(trainer_python()),
+        SQS_VISIBILITY_TIMEOUT_SECONDS=str(VISIBILITY_S), SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=str(HEARTBEAT_MS),
+        # The production default: after the commit only logs/ stays, which is all the checks read.
+        KEEP_WORK_FILES="false", OMP_NUM_THREADS=TORCH_THREADS, MKL_NUM_THREADS=TORCH_THREADS, **extra)
+    return WorkerProcess(env, root / f"{name}.log")
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"<{path}: {exc}>"
+
+
+def diagnosis(job: RealJob, *workers: WorkerProcess) -> str:
+    """The job record, each worker's log tail and each stage log's tail: what a failure message needs."""
+    parts = [f"job record: {json.dumps(job.record(), default=str)[:3000]}"]
+    parts += [f"--- {w.log_path.name}:\n{tail(w.log_path)}" for w in workers]
+    logs = job.work_dir / "logs"
+    parts += [f"--- {p.name}:\n{tail(p)}" for p in sorted(logs.glob("*.log"))] if logs.is_dir() else []
+    return "\n".join(parts)
+
+
+def wait_for_commit(job: RealJob, worker: WorkerProcess, timeout_s: float, *others: WorkerProcess) -> None:
+    """Until the job is completed and the worker has deleted its message; AssertionError with the logs
+    as soon as the worker dies, the job fails for good, or ``timeout_s`` passes."""
+
+    def committed() -> bool:
+        record = job.record()
+        error = record.get("error") or {}
+        if not worker.running() or (error and not error.get("retryable")):
+            raise AssertionError(f"the job cannot complete (worker running: {worker.running()})\n"
+                                 + diagnosis(job, worker, *others))
+        return record.get("status") == "completed" and "message.deleted" in worker.event_names()
+
+    try:
+        wait_until(committed, timeout_s, f"job {job.job_id} to be committed", interval_s=1.0)
+    except AssertionError as exc:
+        if "timed out" in str(exc):
+            raise AssertionError(f"{exc}\n{diagnosis(job, worker, *others)}") from None
+        raise
+
+
+def s3_problems(job: RealJob) -> list[str]:
+    """What is wrong with 'the profile names five non-empty S3 objects, each uploaded once, each holding
+    the bytes whose SHA-256 its content-addressed key names'; [] if nothing."""
+    stack, paths = job.stack, job.profile().get("s3Paths") or {}
+    if sorted(paths) != sorted(ASSET_KEYS):
+        return [f"the profile's S3 paths are {paths}"]
+    problems = []
+    for name, uri in sorted(paths.items()):
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        data = stack.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        if not data:
+            problems.append(f"{name}: {uri} is empty")
+        if hashlib.sha256(data).hexdigest() not in key.split("/"):
+            problems.append(f"{name}: {uri} does not hold the bytes its key names")
+        if stack.versions(key) != 1:
+            problems.append(f"{name}: {stack.versions(key)} versions of {key}")
+    return problems
+
+
+def download_artifacts(job: RealJob, dest: Path) -> dict[str, Path]:
+    """The five objects the profile names, downloaded to ``dest`` under their artifact paths."""
+    files = {}
+    for name, uri in (job.profile().get("s3Paths") or {}).items():
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        path = dest / name / Path(key).name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        job.stack.s3.download_file(bucket, key, str(path))
+        files[name] = path
+    return files
+
+
+def check_artifacts(artifacts: dict[str, Path], wav: Path, sentence: str) -> dict:
+    """tests/real/check_artifacts.py, run by the trainer interpreter on the five files; its JSON report."""
+    argv = [str(trainer_python()), str(CHECKER), "--wav", str(wav), "--sentence", sentence,
+            *[arg for name, path in sorted(artifacts.items()) for arg in (f"--{name}", str(path))]]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(wav.parent),
+           "OMP_NUM_THREADS": TORCH_THREADS, "HF_HUB_OFFLINE": "1", "NUMBA_CACHE_DIR": str(wav.parent / "numba")}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=CHECKER_TIMEOUT_S, env=env, cwd=wav.parent)
+    if proc.returncode != 0:
+        raise AssertionError(f"the checker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """How a resumable stage's trainer shows its progress: where its checkpoints land, and the log lines
+    (regular expressions with one group, a step number) for a resume and for each finished step."""
+
+    stage: str
+    checkpoint_glob: str
+    resumed: re.Pattern
+    step_done: re.Pattern
+    steps: int
+
+    def resumed_at(self, log: Path) -> list[int]:
+        return [int(m.group(1)) for m in self.resumed.finditer(log.read_text(errors="replace"))]
+
+    def steps_done(self, log: Path) -> list[int]:
+        return [int(m.group(1)) for m in self.step_done.finditer(log.read_text(errors="replace"))]
+
+
+@dataclass
+class KillOutcome:
+    job: RealJob
+    first: WorkerProcess
+    second: WorkerProcess
+    checkpoints_at_kill: list[str]
+    stage_processes: list[int]
+    verified_at_kill: set[str]
+
+
+def stage_finished(job: RealJob, stage: str) -> bool:
+    return any(job.work_dir.glob(f"attempts/*/output/.manifests/{stage}.json"))
+
+
+def kill_after_first_checkpoint(job: RealJob, first: WorkerProcess, second: WorkerProcess, stage: Resumable,
+                                timeout_s: float) -> KillOutcome:
+    """Run ``first`` until ``stage`` has written its first checkpoint, SIGKILL that worker alone (its
+    stage keeper ends the stage), then run ``second`` until the job is committed."""
+    first.start()
+
+    def first_checkpoint() -> list[Path]:
+        if not first.running():
+            raise AssertionError("the first worker died before the checkpoint\n" + diagnosis(job, first))
+        if stage_finished(job, stage.stage):
+            raise AssertionError(f"{stage.stage} finished before a checkpoint was seen: the kill would "
+                                 "test nothing (checkpoints too far apart?)\n" + diagnosis(job, first))
+        return job.checkpoints(stage.stage, stage.checkpoint_glob)
+
+    try:
+        found = wait_until(first_checkpoint, timeout_s, f"the first checkpoint of {stage.stage}", interval_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{diagnosis(job, first)}") from None
+    stage_processes = descendants(first.pid)
+    verified = {s for s in ("embed", "train_full", "train_light") if stage_finished(job, s)}
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait(30)
+    # The keeper notices the worker's death and ends the stage: SIGTERM, SIGKILL after the grace.
+    wait_until(lambda: not any(is_alive(p) for p in stage_processes), 60,
+               "the dead worker's stage processes to end")
+    second.start()
+    wait_for_commit(job, second, timeout_s, first)
+    return KillOutcome(job, first, second, [p.name for p in found], stage_processes, verified)
