@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import signal
 import string
 import tomllib
 from collections.abc import Mapping
@@ -25,14 +27,19 @@ from worker.core.errors import ConfigError
 ASSET_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
 
 PLACEHOLDERS = frozenset(
-    {"python", "dataset_dir", "output_dir", "checkpoint_dir", "log_dir", "job_id", "language"}
+    {"python", "trainer_python", "dataset_dir", "output_dir", "checkpoint_dir", "log_dir", "job_id",
+     "language"}
 )
+# The signals a stage may ask for as its "write a checkpoint now" notice. SIGTERM is the stop itself
+# and SIGKILL/SIGSTOP cannot be handled; the rest have defaults a trainer would not want by surprise.
+CHECKPOINT_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT"})
 # Manifests live under the output dir; no stage may declare (and so delete) anything in there.
 MANIFEST_DIR_NAME = ".manifests"
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _STAGE_KEYS = frozenset(
-    {"name", "argv", "outputs", "resumable", "permanent_exit_codes", "timeout_seconds"}
+    {"name", "argv", "outputs", "resumable", "permanent_exit_codes", "timeout_seconds",
+     "checkpoint_signal"}
 )
 _TOP_KEYS = frozenset({"artifacts", "stages"})
 _FORMATTER = string.Formatter()
@@ -46,6 +53,9 @@ class StageSpec:
     resumable: bool = False
     permanent_exit_codes: frozenset[int] = frozenset()
     timeout_s: float | None = None
+    # Sent to the stage's own process (never its children) when a shutdown starts: a trainer that
+    # handles it writes a checkpoint inside the grace instead of losing the work since its last one.
+    checkpoint_signal: signal.Signals | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -58,10 +68,15 @@ class StageSpec:
 class PipelineConfig:
     artifacts: Mapping[str, str]  # artifact key -> normalised path relative to the output dir
     stages: tuple[StageSpec, ...]
+    # ``{trainer_python}``: the interpreter of the trainers' own virtualenv (``TRAINER_PYTHON``).
+    trainer_python: str = ""
 
 
-def load_pipeline_config(path: str | Path) -> PipelineConfig:
-    """Read and validate the TOML file; raises ``ConfigError`` with one line per problem."""
+def load_pipeline_config(path: str | Path, trainer_python: str = "") -> PipelineConfig:
+    """Read and validate the TOML file; raises ``ConfigError`` with one line per problem.
+
+    ``trainer_python`` is what ``{trainer_python}`` stands for (the ``TRAINER_PYTHON`` setting).
+    """
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -71,10 +86,11 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"pipeline config {path}: cannot read ({exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"pipeline config {path}: not valid TOML ({exc})") from None
-    return parse_pipeline_config(data, source=str(path))
+    return parse_pipeline_config(data, source=str(path), trainer_python=trainer_python)
 
 
-def parse_pipeline_config(data: Mapping[str, Any], source: str = "pipeline config") -> PipelineConfig:
+def parse_pipeline_config(data: Mapping[str, Any], source: str = "pipeline config",
+                          trainer_python: str = "") -> PipelineConfig:
     """Validate an already-parsed config mapping; raises ``ConfigError`` with one line per problem."""
     problems: list[str] = []
     for key in sorted(set(data) - _TOP_KEYS):
@@ -86,9 +102,31 @@ def parse_pipeline_config(data: Mapping[str, Any], source: str = "pipeline confi
     for key, rel in artifacts.items():
         if rel not in produced:
             problems.append(f"artifacts.{key}: {rel!r} is not among any stage's outputs")
+    users = [stage.name for stage in stages if any(uses_placeholder(a, "trainer_python") for a in stage.argv)]
+    if users and (why := trainer_python_problem(trainer_python)):
+        problems.append(f"stages {', '.join(users)} use {{trainer_python}}, but TRAINER_PYTHON {why}")
     if problems:
         raise ConfigError([f"{source}: {line}" for line in problems])
-    return PipelineConfig(artifacts=dict(artifacts), stages=tuple(stages))
+    return PipelineConfig(artifacts=dict(artifacts), stages=tuple(stages), trainer_python=trainer_python)
+
+
+def uses_placeholder(element: str, name: str) -> bool:
+    try:
+        return any(field == name for _literal, field, _spec, _conv in _FORMATTER.parse(element))
+    except ValueError:
+        return False  # malformed braces are reported by placeholder_problems
+
+
+def trainer_python_problem(path: str) -> str | None:
+    """Why ``path`` cannot be the trainers' interpreter, or None. Checked at start, so a missing
+    trainer environment stops the worker before it takes a job, not at the job's first stage."""
+    if not path:
+        return "is not set (the trainers' virtualenv interpreter, e.g. /opt/trainers/bin/python)"
+    if not os.path.isabs(path):
+        return f"{path!r} is not an absolute path"
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        return f"{path!r} is not an executable file (is the trainer environment installed?)"
+    return None
 
 
 def placeholder_problems(element: str) -> list[str]:
@@ -253,6 +291,10 @@ def _parse_stage_body(
         isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
     ):
         problems.append(f"{label}: timeout_seconds must be a positive number")
+    checkpoint_signal = table.get("checkpoint_signal")
+    if checkpoint_signal is not None and (not isinstance(checkpoint_signal, str)
+                                          or checkpoint_signal not in CHECKPOINT_SIGNALS):
+        problems.append(f"{label}: checkpoint_signal must be one of {', '.join(sorted(CHECKPOINT_SIGNALS))}")
     if len(problems) > before:
         return None
     return {
@@ -261,6 +303,7 @@ def _parse_stage_body(
         "resumable": resumable,
         "permanent_exit_codes": frozenset(codes),
         "timeout_s": float(timeout) if timeout is not None else None,
+        "checkpoint_signal": signal.Signals[checkpoint_signal] if checkpoint_signal else None,
     }
 
 

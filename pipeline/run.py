@@ -254,6 +254,7 @@ def _run(
         log_dir=dirs["logs"],
         job_id=job.job_id,
         language=job.language,
+        trainer_python=config.trainer_python,
         env=env,
     )
     for stage in config.stages:

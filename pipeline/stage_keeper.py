@@ -21,6 +21,10 @@ so that no stage process outlives its worker, not even after ``kill -9`` of the 
   is left after ``GRACE_S``. When the stage exits by itself, the keeper ends whatever it left
   running the same way. Then it exits as the stage did: the same code, or the same signal.
 
+The worker can ask it on the lifeline to send the stage's own process a signal (``signal <n>``: the
+stage's checkpoint signal when a shutdown starts). The keeper does it, not the worker, because only
+the stage's parent knows the pid is still the stage's: it has not reaped it yet.
+
 It tells the worker on the lifeline whether the stage started (``started``) or could not be
 (``failed <reason>``), and otherwise writes nothing: after the worker's death nobody reads the
 stage's output pipe, and a write there would fail. It imports nothing beyond the standard library
@@ -45,6 +49,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 STARTED = b"started\n"
 FAILED = b"failed "
+SIGNAL = b"signal "
 _POLL_S = 0.5
 _KILL_ROUNDS = 20
 _KILL_POLL_S = 0.05
@@ -83,6 +88,7 @@ class Keeper:
         self._grace_s = grace_s
         self._stage_pid: int | None = None
         self._stage_status: int | None = None
+        self._requests = b""
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         os.set_blocking(write_fd, False)
@@ -134,8 +140,33 @@ class Keeper:
         for fd, _events in poller.poll(_POLL_S * 1000):
             if fd == self._wakeup:
                 _drain(self._wakeup)
-            elif _peer_gone(self._lifeline):
-                self._terminate = True
+            else:
+                self._read_lifeline()
+
+    def _read_lifeline(self) -> None:
+        """End-of-file: the worker is gone. Otherwise its requests, one per line."""
+        try:
+            data = self._lifeline.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._terminate = True
+            return
+        *lines, self._requests = (self._requests + data).split(b"\n")
+        for line in lines:
+            if line.startswith(SIGNAL) and line[len(SIGNAL):].isdigit():
+                self._signal_stage(int(line[len(SIGNAL):]))
+
+    def _signal_stage(self, signum: int) -> None:
+        # Not reaped yet (no status), so the pid cannot have been reused by another process.
+        if self._stage_pid is None or self._stage_status is not None:
+            return
+        try:
+            os.kill(self._stage_pid, signum)
+        except (OSError, ValueError):
+            pass  # exited in between, or a number the kernel refuses: nothing to notify
 
     def _reap(self) -> None:
         while True:
@@ -171,15 +202,6 @@ def _stdout_inode() -> int | None:
         return os.fstat(1).st_ino
     except OSError:
         return None
-
-
-def _peer_gone(lifeline: socket.socket) -> bool:
-    try:
-        return lifeline.recv(64, socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 def _drain(fd: int) -> None:

@@ -71,7 +71,7 @@ from pipeline.proctree import (
 )
 from pipeline.reuse import attempt_order
 from pipeline.stage_env import stage_environment
-from pipeline.stage_keeper import FAILED, STARTED, keeper_argv
+from pipeline.stage_keeper import FAILED, SIGNAL, STARTED, keeper_argv
 from worker.core.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
@@ -102,6 +102,7 @@ class StageContext:
     job_id: str
     language: str
     python: str = field(default_factory=lambda: sys.executable)
+    trainer_python: str = ""
     # The worker passes the one it built at start-up; a context made without one (tests, benchmarks)
     # still gets only the built-in allow-list, never this process's whole environment.
     env: Mapping[str, str] = field(default_factory=lambda: stage_environment(os.environ), repr=False)
@@ -118,6 +119,7 @@ class StageContext:
     def placeholder_values(self, stage: StageSpec) -> dict[str, str]:
         return {
             "python": self.python,
+            "trainer_python": self.trainer_python,
             "dataset_dir": str(self.dataset_dir),
             "output_dir": str(self.output_dir),
             "checkpoint_dir": str(self.checkpoint_dir(stage)),
@@ -464,10 +466,14 @@ def _supervise(
     last_reported: list[float | None] = [None]
     deadline = clock() + stage.timeout_s if stage.timeout_s is not None else None
     finished = False
+    checkpoint_asked = stage.checkpoint_signal is None
     exited = _exit_fd(proc)
     try:
         while proc.poll() is None:
             _report(stage.name, updates, progress, last_reported)
+            if not checkpoint_asked and stop.forewarned() and not stop.is_set():
+                checkpoint_asked = True
+                _ask_checkpoint(stage, lifeline, log_file)
             if stop.is_set():
                 end_tree(proc, tree, grace_s)
                 _log_line(log_file, f"stage {stage.name} stopped: {stop.reason}")
@@ -495,6 +501,18 @@ def _supervise(
             log.warning("stage.output_still_open", stage=stage.name)
     _report(stage.name, updates, progress, last_reported)
     return proc.returncode
+
+
+def _ask_checkpoint(stage: StageSpec, lifeline: socket.socket, log_file: IO[bytes]) -> None:
+    """Have the keeper send the stage's own process its checkpoint signal (a shutdown has begun)."""
+    assert stage.checkpoint_signal is not None
+    name = stage.checkpoint_signal.name
+    try:
+        lifeline.sendall(SIGNAL + str(int(stage.checkpoint_signal)).encode() + b"\n")
+    except OSError:
+        return  # the keeper has exited: the stage has ended, and its exit is what counts
+    _log_line(log_file, f"stage {stage.name} asked to checkpoint ({name}): a shutdown has begun")
+    log.info("stage.checkpoint_requested", stage=stage.name, signal=name)
 
 
 def _exit_fd(proc: subprocess.Popen) -> int | None:

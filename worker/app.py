@@ -16,6 +16,7 @@ from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
 from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
+from worker.core.imds import InstanceMetadata, SpotWatch
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics
 from worker.core.queue import Queue
@@ -35,8 +36,16 @@ class App:
     worker: Worker
     store: Store
     pulse: Pulse
+    spot_watch: SpotWatch | None = None
+
+    def start(self) -> None:
+        """Start what runs beside the loop (the spot watch), just before the loop."""
+        if self.spot_watch is not None:
+            self.spot_watch.start()
 
     def close(self) -> None:
+        if self.spot_watch is not None:
+            self.spot_watch.close()
         self.store.close()
 
 
@@ -55,7 +64,7 @@ def refuse_clock_skew(store: Store, max_skew_s: float) -> None:
 def build_app(settings: Settings, *, session=None) -> App:
     """Check everything that can be checked before the first receive, then assemble the worker."""
     # Cheapest checks first: a bad pipeline file must not wait on a store connection.
-    config = load_pipeline_config(settings.pipeline_config)
+    config = load_pipeline_config(settings.pipeline_config, settings.trainer_python)
     if problems := stage_env_problems(settings.stage_env_passthrough):
         raise ConfigError(problems)
     # Read once, here: stages get this allow-listed copy, never the worker's own environment.
@@ -113,5 +122,13 @@ def build_app(settings: Settings, *, session=None) -> App:
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
                     crash_points=crash_points, metrics=metrics,
                     activity=pulse.announcing(task_protection(settings.ecs_agent_uri)))
-    return App(worker=worker, store=store, pulse=pulse)
+    spot_watch = None
+    if settings.spot_interruption_check_s > 0:
+        def reclaimed() -> None:  # as SIGTERM does (worker.core.daemon): systemd hears it at once
+            pulse.stopping()
+            worker.stop()
+
+        spot_watch = SpotWatch(InstanceMetadata(settings.imds_endpoint), settings.spot_interruption_check_s,
+                               on_notice=reclaimed)
+    return App(worker=worker, store=store, pulse=pulse, spot_watch=spot_watch)
 

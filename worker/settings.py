@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -96,6 +97,9 @@ class Settings(BaseModel):
     s3_prefix: str = Field("", alias="S3_PREFIX")
     work_root: str = Field("var/work", alias="WORK_ROOT")
     pipeline_config: str = Field("config/pipeline.toml", alias="PIPELINE_CONFIG")
+    # What a config's {trainer_python} stands for: the interpreter of the trainers' own virtualenv
+    # (trainers/), never the worker's. Checked at start when the config uses it.
+    trainer_python: str = Field("", alias="TRAINER_PYTHON")
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
     stage_env_passthrough: tuple[str, ...] = Field(default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
@@ -164,8 +168,21 @@ class Settings(BaseModel):
     # Set by ECS in every task's containers: the agent's local endpoint, used for scale-in protection
     # while a job runs (worker/core/ecs_agent.py). Absent elsewhere, and then nothing is protected.
     ecs_agent_uri: str | None = Field(None, alias="ECS_AGENT_URI")
+    # On EC2 spot: read the interruption notice from instance metadata this often and shut down as for
+    # SIGTERM at the first one (worker/core/imds.py). 0: off (the default; ECS's spot draining sends
+    # SIGTERM itself).
+    spot_interruption_check_s: float = Field(0.0, alias="SPOT_INTERRUPTION_CHECK_SECONDS", ge=0)
+    imds_endpoint: str = Field("http://169.254.169.254", alias="IMDS_ENDPOINT")
 
     # Each variable's own format, parsed here once; a value that is not text was parsed already.
+    @field_validator("imds_endpoint")
+    @classmethod
+    def _imds_endpoint(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+            raise ValueError("must be http://host[:port] (the instance metadata service)")
+        return url
+
     @field_validator("sqlite_path", mode="before")
     @classmethod
     def _sqlite_path(cls, url: Any) -> Any:

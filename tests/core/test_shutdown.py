@@ -92,3 +92,19 @@ def test_sigterm_past_grace_releases_and_exits_zero(moto_server, tmp_path):
     assert [e["event"] for e in rest if e["event"].startswith("message.")][-1] == "message.released"
     [again] = q.receive_now(wait_s=0)  # visible at once, not when its 30 s visibility runs out
     assert again["Attributes"]["ApproximateReceiveCount"] == "2"
+
+
+def test_a_shutdown_request_announces_the_stop_before_the_grace_ends(memory_queue, make_memory_worker, fake_clock):
+    """The job's stop is forewarned when the shutdown is requested, long before the grace ends it."""
+    seen = {}
+
+    def handler(message, lease):
+        assert not lease.stop.forewarned()
+        worker.stop()
+        assert fake_clock.advance(1, until=lease.stop.forewarned)
+        seen["stopped"] = lease.stop.is_set()
+
+    worker = make_memory_worker(handler, SHUTDOWN_GRACE_SECONDS=60)
+    memory_queue.send()
+    assert worker.run_once() == "ack"
+    assert seen == {"stopped": False}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import signal
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,37 @@ def test_placeholder_problems_accepts_known_and_escaped_braces():
     """Known placeholders and doubled braces pass validation; anything else is named."""
     assert placeholder_problems("{output_dir}/full/{{x}}") == []
     assert placeholder_problems("{HOME}") == ["unknown placeholder {HOME}"]
+
+
+def test_a_checkpoint_signal_is_read_by_name_and_only_a_handleable_one():
+    """checkpoint_signal takes a signal name a trainer can handle; SIGTERM, SIGKILL or a number is refused."""
+    data = good_config()
+    data["stages"][0]["checkpoint_signal"] = "SIGUSR1"
+    config = parse_pipeline_config(data)
+    assert config.stages[0].checkpoint_signal == signal.SIGUSR1 and config.stages[1].checkpoint_signal is None
+    for bad in ("SIGTERM", "SIGKILL", 10, "usr1"):
+        data["stages"][0]["checkpoint_signal"] = bad
+        assert any("checkpoint_signal must be one of" in line for line in problems_of(data))
+
+
+def trainer_config() -> dict:
+    data = good_config()
+    data["stages"][0]["argv"] = ["{trainer_python}", "-m", "voice_trainers", "full"]
+    return data
+
+
+def test_trainer_python_stands_for_the_setting_and_is_checked_at_load(tmp_path):
+    """{trainer_python} renders to TRAINER_PYTHON, which must be an absolute executable when a stage uses it."""
+    assert any("TRAINER_PYTHON is not set" in line for line in problems_of(trainer_config()))
+    for bad, why in (("bin/python", "not an absolute path"), (str(tmp_path / "absent"), "not an executable")):
+        with pytest.raises(ConfigError) as caught:
+            parse_pipeline_config(trainer_config(), trainer_python=bad)
+        assert any(why in line for line in caught.value.problems)
+    interpreter = tmp_path / "python"
+    interpreter.write_text("#!/bin/sh\n")
+    interpreter.chmod(0o755)
+    config = parse_pipeline_config(trainer_config(), trainer_python=str(interpreter))
+    assert config.trainer_python == str(interpreter)
+    assert render_argv(config.stages[0].argv, {"trainer_python": str(interpreter)})[0] == str(interpreter)
+    # A config that does not use it needs no trainer environment.
+    assert parse_pipeline_config(good_config()).trainer_python == ""

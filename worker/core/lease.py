@@ -167,6 +167,7 @@ class Lease:
         while True:
             if self._shutdown.requested.is_set() and shutdown_at is None:
                 shutdown_at = self._clock() + self._grace_s
+                self.stop.forewarn()  # the stage may checkpoint inside the grace (checkpoint_signal)
             if self._shutdown.hurried.is_set():
                 shutdown_at = self._clock()
             wake_at = min(next_tick, self._deadline)

@@ -3,6 +3,10 @@
 The heartbeat sets it on lease loss, time limit or cancellation, the loop on shutdown past the grace;
 the handler and the pipeline's stage runner wait on it. The first reason wins: a job stopped for
 shutdown that then loses its lease is still reported as a shutdown.
+
+A stop can also be announced before it is made (``forewarn``): when a shutdown starts, the grace
+runs before the stop, and a stage that can checkpoint on request is told at once, so its work up to
+that moment survives the stop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ class StopSignal:
         self._lock = threading.Lock()
         self._reason: StopReason | None = None
         self._detail = ""
+        self._forewarned = threading.Event()
 
     def set(self, reason: StopReason | str, detail: str = "") -> bool:
         """Request a stop; returns True only for the call that actually set it."""
@@ -28,6 +33,14 @@ class StopSignal:
             self._reason, self._detail = reason, detail
         self._event.set()
         return True
+
+    def forewarn(self) -> None:
+        """Announce that a stop is coming (a shutdown's grace has begun); idempotent."""
+        self._forewarned.set()
+
+    def forewarned(self) -> bool:
+        """Whether a stop was announced (a stop made without notice, a cancel say, is not announced)."""
+        return self._forewarned.is_set()
 
     def is_set(self) -> bool:
         return self._event.is_set()

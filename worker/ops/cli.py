@@ -74,6 +74,7 @@ def cmd_run(settings: Settings, _args) -> int:
     except WorkerError as exc:
         log.error("worker.startup_failed", error=str(exc), error_type=exc.error_type)
         return EXIT_CRASHED
+    app.start()
     return run_worker(app.worker, close=app.close, pulse=app.pulse)
 
 

@@ -113,7 +113,7 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
         checks.append(Check("store reachable", False, str(exc)))
 
     try:
-        config = load_pipeline(settings.pipeline_config)
+        config = load_pipeline(settings.pipeline_config, settings.trainer_python)
         checks.append(Check("pipeline config", True,
                             f"{settings.pipeline_config}: {len(config.stages)} stages"))
     except WorkerError as exc:

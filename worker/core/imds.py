@@ -1,0 +1,150 @@
+"""EC2 spot interruption notices: the one place the instance metadata service (IMDS) is called.
+
+EC2 gives a spot instance two minutes' notice before it reclaims it, readable on the instance at
+``/latest/meta-data/spot/instance-action`` (404 until a notice exists). Nothing else tells a worker
+under systemd: the host is simply gone two minutes later. ``SpotWatch`` reads the notice every
+``SPOT_INTERRUPTION_CHECK_SECONDS`` and, at the first one, starts the same shutdown as SIGTERM: no
+more receives, the running stage gets its checkpoint signal at once, and the message is released
+when the grace runs out (set ``SHUTDOWN_GRACE_SECONDS`` below the two minutes). On ECS with
+``ECS_ENABLE_SPOT_INSTANCE_DRAINING`` the agent sends SIGTERM itself; the watch only makes it earlier.
+
+IMDSv2 only: a session token from ``PUT /latest/api/token``, sent with each read; an instance that
+requires IMDSv2 (the safe default) refuses plain reads. http.client rather than urllib: urllib would
+honour ``HTTP_PROXY`` and send the request to a proxy, and the metadata address is link-local.
+
+A metadata service that does not answer (not on EC2, a hop limit of 1 inside a container, a
+timeout) is one warning and the watch asks again next time; it never stops the worker.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_ENDPOINT = "http://169.254.169.254"
+TOKEN_PATH = "/latest/api/token"
+NOTICE_PATH = "/latest/meta-data/spot/instance-action"
+TOKEN_TTL_S = 21600  # the longest IMDS grants; renewed a minute before it ends
+TIMEOUT_S = 2.0
+
+
+class MetadataUnavailable(Exception):
+    """IMDS did not answer usefully; internal to this adapter (the watch logs it and asks again)."""
+
+
+@dataclass(frozen=True)
+class SpotNotice:
+    action: str  # "terminate", "stop" or "hibernate"
+    time: str  # when EC2 acts, as IMDS gives it (ISO 8601, UTC)
+
+
+def parse_notice(body: bytes) -> SpotNotice:
+    """The notice in IMDS's JSON; a body that is not one is ``MetadataUnavailable``."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise MetadataUnavailable("the spot notice is not JSON") from None
+    if not isinstance(data, dict) or not isinstance(data.get("action"), str):
+        raise MetadataUnavailable("the spot notice has no action")
+    return SpotNotice(action=data["action"], time=str(data.get("time", "")))
+
+
+class InstanceMetadata:
+    """IMDSv2 reads with a cached session token."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        parts = urlsplit(endpoint)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"IMDS endpoint must be http://host[:port], not {endpoint!r}")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._token: str | None = None
+        self._token_until = 0.0
+
+    def spot_notice(self) -> SpotNotice | None:
+        """The pending interruption, or None when there is none; ``MetadataUnavailable`` otherwise."""
+        status, body = self._get(NOTICE_PATH)
+        if status == 401:  # the token expired early (IMDS restarted): one fresh try
+            self._token = None
+            status, body = self._get(NOTICE_PATH)
+        if status == 404:
+            return None
+        if status != 200:
+            raise MetadataUnavailable(f"HTTP {status} for the spot notice")
+        return parse_notice(body)
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        return self._request("GET", path, {"X-aws-ec2-metadata-token": self._session_token()})
+
+    def _session_token(self) -> str:
+        if self._token is None or self._clock() >= self._token_until:
+            status, body = self._request("PUT", TOKEN_PATH,
+                                         {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
+            if status != 200 or not body:
+                raise MetadataUnavailable(f"HTTP {status} for an IMDSv2 token")
+            self._token = body.decode("ascii", errors="replace").strip()
+            self._token_until = self._clock() + TOKEN_TTL_S - 60
+        return self._token
+
+    def _request(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        try:
+            connection.request(method, path, headers=headers)
+            response = connection.getresponse()
+            return response.status, response.read(64 * 1024)
+        except (OSError, http.client.HTTPException) as exc:
+            raise MetadataUnavailable(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            connection.close()
+
+
+class SpotWatch:
+    """A thread that calls ``on_notice`` once, at the first spot interruption notice."""
+
+    def __init__(self, metadata: InstanceMetadata, interval_s: float, on_notice: Callable[[], None]):
+        self._metadata = metadata
+        self._interval_s = interval_s
+        self._on_notice = on_notice
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="spot-watch", daemon=True)
+        self._warned = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def check(self) -> bool:
+        """One look at the notice; True once it was seen and the shutdown started."""
+        try:
+            notice = self._metadata.spot_notice()
+        except MetadataUnavailable as exc:
+            # Once at warning level: a worker off EC2 with the watch on would otherwise fill the log.
+            (log.debug if self._warned else log.warning)("spot_watch.metadata_unavailable", error=str(exc))
+            self._warned = True
+            return False
+        if notice is None:
+            return False
+        log.warning("worker.spot_interruption", action=notice.action, at=notice.time,
+                    note="EC2 reclaims this instance: shutting down as for SIGTERM")
+        self._on_notice()
+        return True
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self._interval_s):
+            if self.check():
+                return
