@@ -28,9 +28,10 @@ def check_full(model_path: Path, config_path: Path) -> dict:
 
     config = VitsConfig()
     config.load_json(str(config_path))
-    model = Vits.init_from_config(config)
+    model = Vits(config)
     model.load_checkpoint(config, str(model_path), eval=True, strict=False)
-    saved = torch.load(str(model_path), map_location="cpu", weights_only=False)["model"]
+    checkpoint = torch.load(str(model_path), map_location="cpu", weights_only=False)
+    saved = checkpoint["model"]
     own = model.state_dict()
     # strict=False tolerates the missing discriminator; every generator tensor must come from the file.
     generator = {k for k in own if not k.startswith("disc.")}
@@ -39,6 +40,7 @@ def check_full(model_path: Path, config_path: Path) -> dict:
     with torch.inference_mode():
         out = model.inference(torch.tensor([ids], dtype=torch.long))["model_outputs"]
     return {"config_model": config.model, "sample_rate": config.audio.sample_rate,
+            "full_model_step": checkpoint.get("step"),
             "generator_tensors": len(generator), "generator_tensors_loaded": loaded,
             "full_audio_samples": int(out.shape[-1]), "full_audio_finite": bool(torch.isfinite(out).all())}
 

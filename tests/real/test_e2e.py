@@ -1,0 +1,186 @@
+"""A voice actually cloned: the worker runs the real trainers end to end on the local stack.
+
+`python -m worker run` takes a job whose recordings are espeak-ng speech, runs config/pipeline.real.toml
+(Resemblyzer d-vectors, Coqui VITS from scratch in the ci profile, its ONNX export for Piper) under
+the trainer virtualenv's interpreter and commits. One clean job is checked with the libraries that
+will use its five artifacts (tests/real/check_artifacts.py, run by the trainer interpreter); a second
+job has its worker killed with SIGKILL after the first checkpoint and is finished by a second worker,
+resumed from that checkpoint at exactly the requested global step.
+
+Not part of `make test` (minutes of CPU training): `make test-real` runs it, after building
+trainers/.venv.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import wave
+
+import pytest
+
+from pipeline.config import load_pipeline_config
+from tests.real.harness import (
+    REAL_PIPELINE,
+    Resumable,
+    check_artifacts,
+    download_artifacts,
+    kill_after_first_checkpoint,
+    make_real_stack,
+    real_worker,
+    s3_problems,
+    submit_speech_job,
+    trainer_python,
+    wait_for_commit,
+)
+from tests.real.speech import speech_clips
+from worker.ops.demo import speak_cloned_voice
+
+# Generous: a job takes a few minutes on two idle cores; CI's machine may be busier.
+JOB_TIMEOUT_S = 1500
+SENTENCE = "The worker cloned this voice from a few short recordings."
+SPEAKER_DIMENSIONS = 256
+PROFILE = "ci"
+
+
+def requested_steps() -> int:
+    """The global steps config/pipeline.real.toml asks train_full for: its --steps, or the profile's."""
+    config = load_pipeline_config(REAL_PIPELINE, trainer_python=str(trainer_python()))
+    argv = next(stage.argv for stage in config.stages if stage.name == "train_full")
+    assert argv[argv.index("--profile") + 1] == PROFILE, f"the real pipeline does not train the {PROFILE} profile"
+    if "--steps" in argv:
+        return int(argv[argv.index("--steps") + 1])
+    from_trainer = f"from voice_trainers.profiles import PROFILES; print(PROFILES[{PROFILE!r}].total_steps)"
+    return int(subprocess.run([str(trainer_python()), "-c", from_trainer], capture_output=True, text=True,
+                              check=True, timeout=60).stdout)
+
+
+def train_full(steps: int) -> Resumable:
+    """voice_trainers' full stage: step-NNNNNNNN.pt checkpoints, 'Model restored from step N' on resume."""
+    return Resumable(stage="train_full", checkpoint_glob="step-*.pt",
+                     resumed=re.compile(r"^Model restored from step (\d+)", re.M),
+                     step_done=re.compile(r"^step (\d+)/\d+:", re.M), steps=steps)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    return speech_clips(tmp_path_factory.mktemp("clips"))
+
+
+@pytest.fixture(scope="module")
+def committed(moto_server, tmp_path_factory, clips):
+    """One job run start to finish by one worker."""
+    root = tmp_path_factory.mktemp("clean")
+    stack = make_real_stack(moto_server, root)
+    job = submit_speech_job(stack, clips)
+    worker = real_worker(stack, root, "clean")
+    try:
+        worker.start()
+        wait_for_commit(job, worker, JOB_TIMEOUT_S)
+        assert worker.stop() == 0
+    finally:
+        worker.ensure_dead()
+    return job
+
+
+@pytest.fixture(scope="module")
+def downloaded(committed, tmp_path_factory):
+    return download_artifacts(committed, tmp_path_factory.mktemp("artifacts"))
+
+
+@pytest.fixture(scope="module")
+def report(downloaded, tmp_path_factory):
+    wav = tmp_path_factory.mktemp("checker") / "piper.wav"
+    return check_artifacts(downloaded, wav, SENTENCE) | {"wav": wav}
+
+
+def test_the_job_commits_five_non_empty_artifacts_to_s3(committed):
+    """The committed profile names five S3 objects, each non-empty, uploaded once, holding the bytes its key names."""
+    assert committed.record()["status"] == "completed"
+    assert s3_problems(committed) == []
+
+
+def test_each_stage_ran_once_in_the_ci_profile(committed):
+    """embed, train_full and train_light each ran once, in the ci profile, and exited 0."""
+    for stage in ("embed", "train_full", "train_light"):
+        logs = committed.stage_logs(stage)
+        assert len(logs) == 1, (stage, logs)
+        text = logs[0].read_text()
+        assert f"profile {PROFILE}," in text, text[-2000:]
+        assert f"stage {stage} exited with code 0\n" in text, text[-2000:]
+
+
+def test_full_model_reloads_into_the_vits_its_config_describes(report):
+    """config.json loads as a VITS config, and every generator tensor of that VITS comes from model.pth, which speaks."""
+    assert report["config_model"] == "vits"
+    assert report["generator_tensors"] > 0
+    assert report["generator_tensors_loaded"] == report["generator_tensors"]
+    assert report["full_audio_samples"] > 0 and report["full_audio_finite"]
+    assert report["full_model_step"] == requested_steps()
+
+
+def test_speaker_embeddings_are_256_dimensional_d_vectors(report, clips):
+    """speakers.pth holds one finite, non-zero 256-d vector per clip, all of one speaker."""
+    assert report["speaker_entries"] == len(clips)
+    assert report["speaker_dimensions"] == [SPEAKER_DIMENSIONS]
+    assert len(report["speaker_names"]) == 1
+    assert report["speaker_vectors_finite"] and report["speaker_min_norm"] > 0
+
+
+def test_onnxruntime_returns_audio_from_the_light_model(report):
+    """onnxruntime runs model.onnx on phoneme ids from its Piper config and returns finite audio."""
+    assert report["onnx_ids"] > 0
+    assert report["onnx_audio_samples"] > 0 and report["onnx_audio_finite"]
+    assert report["piper_num_speakers"] == 1
+    assert report["piper_sample_rate"] == report["sample_rate"]
+
+
+def test_piper_speaks_a_sentence_with_the_light_pair(report):
+    """piper-tts's PiperVoice loads model.onnx with model.onnx.json and writes a mono WAV of a sentence."""
+    assert report["piper_wav_frames"] > 0
+    assert report["piper_wav_channels"] == 1
+    assert report["piper_wav_rate"] == report["piper_sample_rate"]
+
+
+def test_the_demo_speaks_with_the_light_model(downloaded, tmp_path):
+    """The second act's last step (`make demo-real`): piper's command line speaks with the light pair into a WAV."""
+    wav = tmp_path / "cloned-voice.wav"
+    paths = {name: str(path) for name, path in downloaded.items()}
+    said = io.StringIO()
+    assert speak_cloned_voice(said, paths, wav) == 0, said.getvalue()
+    assert str(wav) in said.getvalue()
+    with wave.open(str(wav), "rb") as spoken:
+        assert spoken.getnframes() > 0 and spoken.getnchannels() == 1
+
+
+def test_a_killed_worker_s_training_resumes_on_a_second_worker_at_the_requested_step(moto_server, tmp_path, clips):
+    """SIGKILL to the worker after train_full's first checkpoint: a second worker takes the job after the
+    visibility timeout, resumes from that checkpoint (not from scratch) and stops at exactly the requested step."""
+    steps = requested_steps()
+    stage = train_full(steps)
+    stack = make_real_stack(moto_server, tmp_path)
+    job = submit_speech_job(stack, clips)
+    first, second = real_worker(stack, tmp_path, "first"), real_worker(stack, tmp_path, "second")
+    try:
+        outcome = kill_after_first_checkpoint(job, first, second, stage, JOB_TIMEOUT_S)
+        assert second.stop() == 0
+    finally:
+        first.ensure_dead()
+        second.ensure_dead()
+    assert outcome.stage_processes, "no stage process was running at the kill"
+    assert "train_full" not in outcome.verified_at_kill
+    assert "message.deleted" not in first.event_names(), "the killed worker must not have acknowledged"
+    assert job.record()["status"] == "completed" and s3_problems(job) == []
+
+    # embed had finished before the kill: its verified output was reused, not recomputed.
+    assert len(job.stage_logs("embed")) == 1
+    killed, resumed = job.stage_logs("train_full")
+    killed_steps, resumed_steps = stage.steps_done(killed), stage.steps_done(resumed)
+    checkpointed = int(outcome.checkpoints_at_kill[0].removeprefix("step-").removesuffix(".pt"))
+    assert stage.resumed_at(killed) == []
+    assert killed_steps[:checkpointed] == list(range(1, checkpointed + 1))
+    restored = stage.resumed_at(resumed)
+    assert len(restored) == 1 and checkpointed <= restored[0] < steps, (restored, checkpointed)
+    assert resumed_steps == list(range(restored[0] + 1, steps + 1))
+    assert f"at step {steps}" in resumed.read_text()
