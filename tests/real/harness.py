@@ -18,13 +18,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import load_pipeline_config
 from tests.reliability.procs import WorkerProcess, descendants, is_alive, wait_until
-from tests.reliability.stack import ENVIRONMENT, Stack, make_stack, new_object_id, recording_key_for
+from tests.reliability.stack import ENVIRONMENT, Stack, make_stack, new_object_id, quick_pipeline, recording_key_for
+from worker.ops.demo import CI_PROFILE, REAL_PIPELINE, pipeline_with_profile
 from worker.voice.records.rules import ASSET_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER_PYTHON = REPO / "trainers" / ".venv" / "bin" / "python"
-REAL_PIPELINE = REPO / "config" / "pipeline.real.toml"
 CHECKER = Path(__file__).with_name("check_artifacts.py")
 DIRECTORY = "real-voice-1"
 
@@ -74,10 +75,27 @@ class RealJob:
 
 
 def make_real_stack(endpoint: str, root: Path, pipeline: Path = REAL_PIPELINE) -> Stack:
-    """A fresh stack whose workers run ``pipeline`` (the file itself, not a copy)."""
-    stack = make_stack(endpoint, root, pipeline.read_text())
-    stack.pipeline = pipeline
+    """A fresh stack whose workers run ``pipeline`` in the trainers' ci profile (the demo's copy of it:
+    the shipped file trains the production profile)."""
+    root.mkdir(parents=True, exist_ok=True)
+    ci = pipeline_with_profile(pipeline, CI_PROFILE, root / "pipeline.ci.toml")
+    load_pipeline_config(ci, trainer_python=str(trainer_python()))
+    # make_stack checks the config it is given without TRAINER_PYTHON: it gets a stand-in, checked above.
+    stack = make_stack(endpoint, root, quick_pipeline())
+    stack.pipeline = ci
     return stack
+
+
+def requested_steps(pipeline: Path) -> int:
+    """The global steps ``pipeline`` asks train_full for: its --steps, else its profile's (from the trainers)."""
+    config = load_pipeline_config(pipeline, trainer_python=str(trainer_python()))
+    argv = next(stage.argv for stage in config.stages if stage.name == "train_full")
+    if "--steps" in argv:
+        return int(argv[argv.index("--steps") + 1])
+    profile = argv[argv.index("--profile") + 1]
+    code = f"from voice_trainers.profiles import PROFILES; print(PROFILES[{profile!r}].total_steps)"
+    return int(subprocess.run([str(trainer_python()), "-c", code], capture_output=True, text=True, check=True,
+                              timeout=60).stdout)
 
 
 def submit_speech_job(stack: Stack, clips: list[tuple[Path, str]], directory: str = DIRECTORY,
@@ -165,11 +183,14 @@ def s3_problems(job: RealJob) -> list[str]:
 
 
 def download_artifacts(job: RealJob, dest: Path) -> dict[str, Path]:
-    """The five objects the profile names, downloaded to ``dest`` under their artifact paths."""
+    """The five objects the profile names, downloaded to ``dest`` under their paths in the output
+    directory (the part of the key after its SHA-256)."""
     files = {}
     for name, uri in (job.profile().get("s3Paths") or {}).items():
         bucket, _, key = uri.removeprefix("s3://").partition("/")
-        path = dest / name / Path(key).name
+        parts = key.split("/")
+        digest = next(i for i, part in enumerate(parts) if re.fullmatch(r"[0-9a-f]{64}", part))
+        path = dest.joinpath(*parts[digest + 1:])
         path.parent.mkdir(parents=True, exist_ok=True)
         job.stack.s3.download_file(bucket, key, str(path))
         files[name] = path

@@ -15,45 +15,30 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
 import wave
 
 import pytest
 
-from pipeline.config import load_pipeline_config
 from tests.real.harness import (
-    REAL_PIPELINE,
     Resumable,
     check_artifacts,
     download_artifacts,
     kill_after_first_checkpoint,
     make_real_stack,
     real_worker,
+    requested_steps,
     s3_problems,
     submit_speech_job,
-    trainer_python,
     wait_for_commit,
 )
 from tests.real.speech import speech_clips
-from worker.ops.demo import speak_cloned_voice
+from worker.ops.demo import CI_PROFILE, speak_cloned_voice
 
 # Generous: a job takes a few minutes on two idle cores; CI's machine may be busier.
 JOB_TIMEOUT_S = 1500
 SENTENCE = "The worker cloned this voice from a few short recordings."
 SPEAKER_DIMENSIONS = 256
-PROFILE = "ci"
-
-
-def requested_steps() -> int:
-    """The global steps config/pipeline.real.toml asks train_full for: its --steps, or the profile's."""
-    config = load_pipeline_config(REAL_PIPELINE, trainer_python=str(trainer_python()))
-    argv = next(stage.argv for stage in config.stages if stage.name == "train_full")
-    assert argv[argv.index("--profile") + 1] == PROFILE, f"the real pipeline does not train the {PROFILE} profile"
-    if "--steps" in argv:
-        return int(argv[argv.index("--steps") + 1])
-    from_trainer = f"from voice_trainers.profiles import PROFILES; print(PROFILES[{PROFILE!r}].total_steps)"
-    return int(subprocess.run([str(trainer_python()), "-c", from_trainer], capture_output=True, text=True,
-                              check=True, timeout=60).stdout)
+PROFILE = CI_PROFILE
 
 
 def train_full(steps: int) -> Resumable:
@@ -90,9 +75,9 @@ def downloaded(committed, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def report(downloaded, tmp_path_factory):
+def report(committed, downloaded, tmp_path_factory):
     wav = tmp_path_factory.mktemp("checker") / "piper.wav"
-    return check_artifacts(downloaded, wav, SENTENCE) | {"wav": wav}
+    return check_artifacts(downloaded, wav, SENTENCE) | {"pipeline": committed.stack.pipeline}
 
 
 def test_the_job_commits_five_non_empty_artifacts_to_s3(committed):
@@ -117,7 +102,7 @@ def test_full_model_reloads_into_the_vits_its_config_describes(report):
     assert report["generator_tensors"] > 0
     assert report["generator_tensors_loaded"] == report["generator_tensors"]
     assert report["full_audio_samples"] > 0 and report["full_audio_finite"]
-    assert report["full_model_step"] == requested_steps()
+    assert report["full_model_step"] == requested_steps(report["pipeline"])
 
 
 def test_speaker_embeddings_are_256_dimensional_d_vectors(report, clips):
@@ -157,9 +142,9 @@ def test_the_demo_speaks_with_the_light_model(downloaded, tmp_path):
 def test_a_killed_worker_s_training_resumes_on_a_second_worker_at_the_requested_step(moto_server, tmp_path, clips):
     """SIGKILL to the worker after train_full's first checkpoint: a second worker takes the job after the
     visibility timeout, resumes from that checkpoint (not from scratch) and stops at exactly the requested step."""
-    steps = requested_steps()
-    stage = train_full(steps)
     stack = make_real_stack(moto_server, tmp_path)
+    steps = requested_steps(stack.pipeline)
+    stage = train_full(steps)
     job = submit_speech_job(stack, clips)
     first, second = real_worker(stack, tmp_path, "first"), real_worker(stack, tmp_path, "second")
     try:
