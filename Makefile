@@ -64,8 +64,8 @@ bench: $(STAMP)
 # The real trainers (trainers/, their own virtualenv; not part of `make test`): a voice actually cloned
 # on this CPU. Both build trainers/.venv on first use.
 .PHONY: test-real demo-real
-test-real: $(STAMP) trainers/.venv/.installed
+test-real: $(STAMP) $(TRAINER_STAMP)
 	$(BIN)/python -m pytest -q tests/real
 
-demo-real: $(STAMP) trainers/.venv/.installed
+demo-real: $(STAMP) $(TRAINER_STAMP)
 	$(BIN)/python -m worker demo --real

@@ -68,9 +68,15 @@ def test_installs_the_worker_and_the_trainers_with_the_makefiles_scripts(instruc
     scripts = [argv for argv in _run_commands(instructions) if argv[0].startswith("scripts/")]
     assert [argv[0] for argv in scripts] == ["scripts/install.sh", "scripts/install-trainers.sh"]
     assert scripts[0] == ["scripts/install.sh", "python", "prod"]
+    # prod: the trainers without the test-only extra (piper-tts is GPL-3.0 and only proves the light pair).
+    assert scripts[1] == ["scripts/install-trainers.sh", "python", "trainers/.venv", "prod"]
+    trainer_python = env_instructions(instructions)["TRAINER_PYTHON"]
+    assert trainer_python == f"{WORKDIR}/{scripts[1][2]}/bin/python"
+    # The Makefile builds the same virtualenv directory in dev mode (with the test-only extra).
     makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"^trainers/\.venv/\.installed:.*\n(\t.*\n)*\t.*scripts/install-trainers\.sh", makefile,
-                     re.MULTILINE), "the Makefile's trainer target does not run scripts/install-trainers.sh"
+    venv = re.search(r"^TRAINER_VENV\s*:=\s*(\S+)$", makefile, re.MULTILINE)
+    assert venv and venv.group(1) == scripts[1][2]
+    assert re.search(r"^\tscripts/install-trainers\.sh \S+ \$\(TRAINER_VENV\) dev$", makefile, re.MULTILINE)
     assert os.access(REPO / "scripts" / "install-trainers.sh", os.X_OK)
 
 
