@@ -43,6 +43,8 @@ log = structlog.get_logger(__name__)
 
 DOWNLOAD_STEP = "download"
 DATASET_STEP = "dataset"
+# The progress steps that are the worker's own work, not a trainer stage's (no GPU time).
+OWN_STEPS = frozenset({DOWNLOAD_STEP, DATASET_STEP})
 ATTEMPTS_DIR = "attempts"
 LOGS_DIR = "logs"
 

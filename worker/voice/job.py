@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from pipeline.manifest import recorded_outputs
+from pipeline.run import OWN_STEPS
 from worker.core.config import DEFAULT_MAX_FAILED_ATTEMPTS
 from worker.core.errors import (
     AlreadyFailed,
@@ -83,7 +84,16 @@ from worker.core.errors import (
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease
 from worker.core.loop import spend_retry
-from worker.core.metrics import NULL_METRICS, Metrics
+from worker.core.metrics import (
+    COUNT,
+    JOB_ATTEMPTS,
+    JOB_GPU_SECONDS,
+    JOB_WASTED_GPU_SECONDS,
+    NULL_METRICS,
+    SECONDS,
+    WASTED_GPU_SECONDS,
+    Metrics,
+)
 from worker.core.queue import Message
 from worker.core.stop import StopSignal
 from worker.voice.artifacts import (
@@ -106,6 +116,7 @@ from worker.voice.records.rules import (
     ERROR_MESSAGE_MAX_CHARS,
     failed_attempts,
     is_complete,
+    usage,
     utc_now,
 )
 
@@ -394,6 +405,7 @@ class VoiceJobHandler:
             attempt.cancel()
             log.info("job.cancelled", when="at claim")
             return Handled.CANCELLED
+        committed: tuple[dict[str, str], list[str]] | None = None
         try:
             # Inside the try: a work dir that escapes WORK_ROOT is this attempt's recorded failure.
             attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
@@ -420,9 +432,23 @@ class VoiceJobHandler:
         except Exception as exc:
             store_lease.end()
             raise self._failed(attempt, claim.job, unexpected(exc)) from exc
+        finally:
+            if committed is None:  # whatever ended the attempt short of its commit: time bought nothing
+                self._metrics.seconds(WASTED_GPU_SECONDS, attempt.trainer_clock.seconds(), jobId=job.job_id)
+        self._report_cost(claim.job, attempt, job.job_id)
         self._clean_up_after_commit(job, *committed)
         log.info("job.completed")
         return Handled.COMPLETED
+
+    def _report_cost(self, claimed: dict | None, attempt: Attempt, job_id: str) -> None:
+        """The job's GPU-seconds over all its attempts, and those wasted by the ones that did not commit."""
+        earlier = usage(claimed)  # this attempt's own entry is still "running" there: counted below
+        ours_s = attempt.trainer_clock.seconds()
+        self._metrics.emit({JOB_GPU_SECONDS: (earlier["gpuSeconds"] + ours_s, SECONDS),
+                            JOB_WASTED_GPU_SECONDS: (earlier["wastedGpuSeconds"], SECONDS),
+                            JOB_ATTEMPTS: (earlier["attempts"], COUNT)}, jobId=job_id)
+        log.info("job.cost", gpu_s=round(earlier["gpuSeconds"] + ours_s, 3),
+                 wasted_gpu_s=earlier["wastedGpuSeconds"], attempts=earlier["attempts"])
 
     def _published_earlier(self, job: Job, profile: dict | None) -> dict[str, Path] | None:
         """The profile's published paths of this job when all five verify (an earlier attempt reached
@@ -457,7 +483,7 @@ class VoiceJobHandler:
         if reused is not None:
             log.info("job.reusing_verified_artifacts")
             return reused
-        progress = ProgressReporter(attempt, stop, metrics=self._metrics)
+        progress = ProgressReporter(attempt, stop, metrics=self._metrics, own_steps=OWN_STEPS)
         log.info("job.attempt_dir", attempt_dir=attempt_dir.name)
         return self._train(job, attempt_dir, stop, progress)
 
