@@ -40,6 +40,11 @@ CLIPS = (
     ("clip-2.wav", "The quick brown fox jumps over the lazy dog."),
     ("clip-3.flac", "Please train a model that sounds just like me."),
 )
+# The second act's job takes these too: the real trainers' ci profile wants at least four clips.
+REAL_EXTRA_CLIPS = (
+    ("clip-4.wav", "She sells sea shells by the sea shore every summer."),
+    ("clip-5.wav", "Seven bright lanterns hung above the quiet harbour."),
+)
 QUEUE, DLQ, BUCKET, RECORDINGS_BUCKET = "voice-jobs", "voice-jobs-dlq", "voice-models", "voice-recordings"
 PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"
 # Where the worker's default RECORDINGS_S3_KEY_PREFIX lets this profile's job read recordings.
@@ -52,7 +57,7 @@ CI_PROFILE = "ci"
 TRAINER_PYTHON = REPO / "trainers" / ".venv" / "bin" / "python"
 # The ci profile trains from scratch in minutes on two cores; an hour leaves room for a loaded machine.
 REAL_DEMO_TIMEOUT_S = 3600
-REAL_SENTENCE = "This voice was cloned by the worker from three short recordings."
+REAL_SENTENCE = "This voice was cloned by the worker from five short recordings."
 SPEAK_TIMEOUT_S = 300
 # Run by the trainer interpreter: piper's own command line (1.8) ignores --config and looks for the
 # JSON next to the model, so the demo loads the pair through the API it documents instead.
@@ -143,7 +148,7 @@ def provision(session, endpoint: str) -> str:
     })["QueueUrl"]
     for bucket in (BUCKET, RECORDINGS_BUCKET):
         s3.create_bucket(Bucket=bucket)
-    for name, _text in CLIPS:
+    for name, _text in CLIPS + REAL_EXTRA_CLIPS:
         s3.upload_file(str(SAMPLES / name), RECORDINGS_BUCKET, RECORDINGS_PREFIX + name)
     return queue_url
 
@@ -211,13 +216,14 @@ def demo_settings(endpoint: str, queue_url: str, run_dir: Path, real: bool = Fal
                           **trainers})
 
 
-def sample_job() -> dict:
+def sample_job(real: bool = False) -> dict:
+    clips = CLIPS + REAL_EXTRA_CLIPS if real else CLIPS
     return {
         "profileId": PROFILE_ID,
         "environment": "development",
         "metadata": {"directoryName": "demo-user-voice-1", "language": "en"},
         "input": [{"recordingUrl": f"s3://{RECORDINGS_BUCKET}/{RECORDINGS_PREFIX}{name}", "originalText": text}
-                  for name, text in CLIPS],
+                  for name, text in clips],
     }
 
 
@@ -285,7 +291,7 @@ def run_demo(out=None, real: bool = False) -> int:
         configure_logging(settings.log_level, settings.log_format)
         app = build_app(settings, session=session)
         try:
-            job_id, _ = submit(app.store, session.client("sqs", endpoint_url=aws.url), queue_url, sample_job(),
+            job_id, _ = submit(app.store, session.client("sqs", endpoint_url=aws.url), queue_url, sample_job(real),
                                policy=settings.input_policy())
             print(f"submitted job {job_id}; working:", file=out, flush=True)
             clock, done = StageClock(), threading.Event()
