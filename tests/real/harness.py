@@ -2,9 +2,9 @@
 
 The queues, buckets and records come from the reliability suite's per-case stack (tests/reliability/
 stack.py) on the session's moto server; the worker is a real daemon process (tests/reliability/
-procs.py). What differs here: the pipeline is config/pipeline.real.toml, the stages run under the
-trainer virtualenv's interpreter (TRAINER_PYTHON), and the job's recordings are several espeak-ng
-sentences (tests/real/speech.py) instead of a tone.
+procs.py). What differs here: the pipeline is config/pipeline.real.toml in the trainers' ci profile,
+the stages run under the trainer virtualenv's interpreter (TRAINER_PYTHON), and the job's recordings
+are several espeak-ng sentences (tests/real/speech.py) instead of a tone.
 """
 
 from __future__ import annotations
@@ -209,6 +209,15 @@ def check_artifacts(artifacts: dict[str, Path], wav: Path, sentence: str) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def model_step(model_pth: Path) -> int:
+    """The global step a full model was written at, read by the trainer interpreter (torch lives there)."""
+    code = "import sys, torch; print(torch.load(sys.argv[1], map_location='cpu', weights_only=True)['step'])"
+    proc = subprocess.run([str(trainer_python()), "-c", code, str(model_pth)], capture_output=True, text=True,
+                          timeout=CHECKER_TIMEOUT_S, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return int(proc.stdout)
+
+
 @dataclass(frozen=True)
 class Resumable:
     """How a resumable stage's trainer shows its progress: where its checkpoints land, and the log lines
@@ -218,7 +227,6 @@ class Resumable:
     checkpoint_glob: str
     resumed: re.Pattern
     step_done: re.Pattern
-    steps: int
 
     def resumed_at(self, log: Path) -> list[int]:
         return [int(m.group(1)) for m in self.resumed.finditer(log.read_text(errors="replace"))]
@@ -258,7 +266,9 @@ def kill_after_first_checkpoint(job: RealJob, first: WorkerProcess, second: Work
     try:
         found = wait_until(first_checkpoint, timeout_s, f"the first checkpoint of {stage.stage}", interval_s=0.5)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{diagnosis(job, first)}") from None
+        if "timed out" in str(exc):
+            raise AssertionError(f"{exc}\n{diagnosis(job, first)}") from None
+        raise
     stage_processes = descendants(first.pid)
     verified = {s for s in ("embed", "train_full", "train_light") if stage_finished(job, s)}
     os.kill(first.pid, signal.SIGKILL)

@@ -32,6 +32,7 @@ from tests.real.harness import (
     download_artifacts,
     kill_after_first_checkpoint,
     make_real_stack,
+    model_step,
     real_worker,
     requested_steps,
     s3_problems,
@@ -48,11 +49,10 @@ SPEAKER_DIMENSIONS = 256
 PROFILE = CI_PROFILE
 
 
-def train_full(steps: int) -> Resumable:
-    """voice_trainers' full stage: step-NNNNNNNN.pt checkpoints, 'Model restored from step N' on resume."""
-    return Resumable(stage="train_full", checkpoint_glob="step-*.pt",
-                     resumed=re.compile(r"^Model restored from step (\d+)", re.M),
-                     step_done=re.compile(r"^step (\d+)/\d+:", re.M), steps=steps)
+# voice_trainers' full stage: step-NNNNNNNN.pt checkpoints, 'Model restored from step N' on a resume.
+TRAIN_FULL = Resumable(stage="train_full", checkpoint_glob="step-*.pt",
+                       resumed=re.compile(r"^Model restored from step (\d+)", re.M),
+                       step_done=re.compile(r"^step (\d+)/\d+:", re.M))
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_a_killed_worker_s_training_resumes_on_a_second_worker_at_the_requested_
     visibility timeout, resumes from that checkpoint (not from scratch) and stops at exactly the requested step."""
     stack = make_real_stack(moto_server, tmp_path)
     steps = requested_steps(stack.pipeline)
-    stage = train_full(steps)
+    stage = TRAIN_FULL
     job = submit_speech_job(stack, clips)
     first, second = real_worker(stack, tmp_path, "first"), real_worker(stack, tmp_path, "second")
     try:
@@ -185,3 +185,4 @@ def test_a_killed_worker_s_training_resumes_on_a_second_worker_at_the_requested_
     assert len(restored) == 1 and checkpointed <= restored[0] < steps, (restored, checkpointed)
     assert resumed_steps == list(range(restored[0] + 1, steps + 1))
     assert f"at step {steps}" in resumed.read_text()
+    assert model_step(download_artifacts(job, tmp_path / "artifacts")["fullModel"]) == steps
