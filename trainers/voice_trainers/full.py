@@ -69,12 +69,13 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
 
 
 def usable_samples(dataset_dir: Path, clips: list[Any], tokenizer: Any) -> list[dict[str, Any]]:
-    """Coqui samples of the clips whose text gives at least one phoneme token."""
+    """Coqui samples of the clips whose text gives at least one phoneme (punctuation and blanks do not count)."""
+    characters = tokenizer.characters
+    not_spoken = set(characters.punctuations) | {" "}
     samples = []
     for clip in clips:
-        ids = tokenizer.text_to_ids(clip.text)
-        special = {tokenizer.characters.blank_id, tokenizer.characters.pad_id}
-        if not [i for i in ids if i not in special]:
+        symbols = [characters.id_to_char(i) for i in tokenizer.text_to_ids(clip.text)]
+        if not [s for s in symbols if len(s) == 1 and s not in not_spoken]:
             print(f"left out {clip.uid}: its text phonemises to nothing", flush=True)
             continue
         samples.append({
