@@ -57,7 +57,7 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     print(f"VITS: {parameter_count(model) / 1e6:.1f} M parameters on {device}, {len(samples)} clips", flush=True)
     optimizers = model.get_optimizer()
     schedulers = model.get_scheduler(optimizers)
-    criteria = model.get_criterion()
+    criteria = [criterion.to(device) for criterion in model.get_criterion()]
     step = restore(args.checkpoints, fingerprint, model, optimizers, schedulers, torch)
     if step >= profile.total_steps:
         print(f"already at step {step} of {profile.total_steps}", flush=True)
