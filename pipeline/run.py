@@ -34,7 +34,15 @@ from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
 from pipeline.recording_url import RecordingUrl
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
-from pipeline.stages import DEFAULT_GRACE_S, Progress, StageContext, end_survivors, open_step_log, run_stage
+from pipeline.stages import (
+    DEFAULT_GRACE_S,
+    ManifestWriter,
+    Progress,
+    StageContext,
+    end_survivors,
+    open_step_log,
+    run_stage,
+)
 from worker.core.errors import BadRecording, StageFailed
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.stop import StopSignal
@@ -259,13 +267,19 @@ def _run(
         trainer_python=config.trainer_python,
         env=env,
     )
-    for stage in config.stages:
-        stop.raise_if_set()
-        progress(stage.name, 0.0)
-        _adopt_earlier_work(stage, ctx, earlier)
-        outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s)
-        progress(stage.name, 100.0)
-        log.info("pipeline.stage_done", job_id=job.job_id, stage=stage.name, skipped=outcome.skipped)
+    manifests = ManifestWriter()  # a stage's outputs are hashed while the next stage runs
+    try:
+        for stage in config.stages:
+            manifests.check()
+            stop.raise_if_set()
+            progress(stage.name, 0.0)
+            _adopt_earlier_work(stage, ctx, earlier)
+            outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s, manifests=manifests)
+            progress(stage.name, 100.0)
+            log.info("pipeline.stage_done", job_id=job.job_id, stage=stage.name, skipped=outcome.skipped)
+        manifests.wait()
+    finally:
+        manifests.close()
 
     stop.raise_if_set()
     return verify_artifacts(config, dirs["output"])
