@@ -49,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -197,10 +198,13 @@ def run_stage(
     poll_interval_s: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
     manifests: ManifestWriter | None = None,
+    beside: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> StageResult:
     """Run ``stage`` unless its manifest verifies; raises the project's typed errors on failure.
 
     With ``manifests`` the stage's manifest is written in the background (``ManifestWriter``).
+    ``beside`` is entered while the stage's processes run, only when they do (not for a skipped
+    stage): the pipeline mirrors a resumable stage's checkpoints to S3 from there.
     """
     manifest = manifest_path(ctx.output_dir, stage.name)
     problem = manifest_problem(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
@@ -211,7 +215,8 @@ def run_stage(
     log.info("stage.preparing", stage=stage.name, why=problem)
     prepare_rerun(stage, ctx)
     try:
-        return _run_prepared(stage, ctx, manifest, stop, progress, grace_s, poll_interval_s, clock, manifests)
+        return _run_prepared(stage, ctx, manifest, stop, progress, grace_s, poll_interval_s, clock, manifests,
+                             beside)
     except BaseException:
         # Whatever the stage wrote in place may be a part (disk full, killed mid-write): no file under
         # a declared name without its manifest, and the space goes back for the retry.
@@ -221,10 +226,11 @@ def run_stage(
 
 def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: StopSignal, progress: Progress,
                   grace_s: float, poll_interval_s: float, clock: Callable[[], float],
-                  manifests: ManifestWriter | None = None) -> StageResult:
+                  manifests: ManifestWriter | None = None,
+                  beside: Callable[[], AbstractContextManager[object]] | None = None) -> StageResult:
     argv = render_argv(stage.argv, ctx.placeholder_values(stage))
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
-    with log_file:
+    with log_file, (beside() if beside is not None else nullcontext()):
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
         code = run_supervised(
             stage, argv, {**ctx.env, JOB_NAME: ctx.job_mark()}, log_file, stop, progress, grace_s,
@@ -273,6 +279,10 @@ class ManifestWriter:
         future = self._pool.submit(write_manifest, manifest, ctx.output_dir, stage.name, stage.fingerprint,
                                    stage.outputs)
         self._pending.append((future, stage, ctx))
+
+    def then(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the manifest thread after the writes submitted so far (it must not raise)."""
+        self._pool.submit(task)
 
     def check(self) -> None:
         """Raise the error of a manifest write that already failed; never waits."""

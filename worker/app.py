@@ -26,6 +26,7 @@ from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
 
 if TYPE_CHECKING:
+    from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.job import VoiceJobHandler
 
 log = structlog.get_logger(__name__)
@@ -59,6 +60,18 @@ def refuse_clock_skew(store: Store, max_skew_s: float) -> None:
     log.info("worker.store_clock", offset_s=round(offset_s, 3), max_skew_s=max_skew_s)
     if problem := clock_skew_problem(offset_s, max_skew_s):
         raise ConfigError(problem)
+
+
+def remote_work(settings: Settings) -> RemoteWorkConfig | None:
+    """Where attempts mirror their work in S3; None when off, or when the work root is shared (NFS,
+    EFS): every host then sees every attempt's files, and a mirror would only copy them twice."""
+    from pipeline.remote_work import shared_file_system
+
+    config = settings.remote_work_config()
+    if config is not None and (fstype := shared_file_system(Path(settings.work_root))):
+        log.info("remote_work.off", reason=f"WORK_ROOT is on a shared file system ({fstype})")
+        return None
+    return config
 
 
 def build_app(settings: Settings, *, session=None) -> App:
@@ -95,7 +108,7 @@ def build_app(settings: Settings, *, session=None) -> App:
 
         trainer = PipelineTrainer(config, settings.download_settings(), s3_client=s3, limits=limits,
                                   stage_env=stage_env, grace_s=settings.stage_stop_grace_s,
-                                  crash_points=crash_points)
+                                  crash_points=crash_points, remote=remote_work(settings))
         return VoiceJobHandler(
             store=store,
             uploader=ArtifactUploader(s3, targets.bucket),
@@ -110,6 +123,7 @@ def build_app(settings: Settings, *, session=None) -> App:
             keep_work_files=settings.keep_work_files,
             models_root=Path(settings.models_root_path),
             max_failed_attempts=settings.max_failed_attempts,
+            forget_remote_work=trainer.forget_remote_work,
         )
 
     # Made at start, not at the first message: deferring it would spare an idle worker about 2.5 MiB

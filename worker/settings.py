@@ -40,6 +40,7 @@ from worker.voice.input_policy import InputPolicy, key_prefix_problem
 
 if TYPE_CHECKING:
     from pipeline.downloads import DownloadSettings
+    from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.records import StoreConfig
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
@@ -100,6 +101,9 @@ class Settings(BaseModel):
     # What a config's {trainer_python} stands for: the interpreter of the trainers' own virtualenv
     # (trainers/), never the worker's. Checked at start when the config uses it.
     trainer_python: str = Field("", alias="TRAINER_PYTHON")
+    # Mirror each attempt's checkpoints and finished stages to S3 this often (pipeline/remote_work.py),
+    # so a retry on another host resumes instead of starting over. 0: off. Off anyway on a shared work root.
+    checkpoint_s3_sync_s: float = Field(0.0, alias="CHECKPOINT_S3_SYNC_SECONDS", ge=0)
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
     stage_env_passthrough: tuple[str, ...] = Field(default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
@@ -308,6 +312,15 @@ class Settings(BaseModel):
                          max_recording_seconds=self.max_recording_seconds,
                          max_job_audio_seconds=self.max_job_audio_seconds,
                          dataset_workers=self.dataset_workers)
+
+    def remote_work_config(self) -> RemoteWorkConfig | None:
+        """Where attempts mirror their work, or None when they do not."""
+        from pipeline.remote_work import RemoteWorkConfig
+
+        if self.checkpoint_s3_sync_s <= 0 or not self.s3_bucket:
+            return None
+        return RemoteWorkConfig(bucket=self.s3_bucket, prefix=self.s3_prefix,
+                                sync_interval_s=self.checkpoint_s3_sync_s)
 
     def download_settings(self) -> DownloadSettings:
         from pipeline.downloads import DownloadSettings  # the download machinery only when it is used

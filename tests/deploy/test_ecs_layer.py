@@ -34,7 +34,10 @@ S3_ACTION = {"put_object": "s3:PutObject", "create_multipart_upload": "s3:PutObj
              "upload_part": "s3:PutObject", "complete_multipart_upload": "s3:PutObject",
              "abort_multipart_upload": "s3:AbortMultipartUpload", "head_object": "s3:GetObject",
              "get_object": "s3:GetObject", "delete_object": "s3:DeleteObject",
-             "list_objects_v2": "s3:ListBucket"}
+             "list_objects_v2": "s3:ListBucket",
+             # boto3's managed transfers (s3transfer): multipart parts are s3:PutObject too.
+             "upload_fileobj": "s3:PutObject", "download_fileobj": "s3:GetObject",
+             "delete_objects": "s3:DeleteObject"}
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -316,10 +316,13 @@ class VoiceJobHandler:
                  s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
                  metrics: Metrics = NULL_METRICS, policy: InputPolicy = DEFAULT_POLICY,
                  keep_work_files: bool = False, models_root: Path | None = None,
-                 max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS):
+                 max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS,
+                 forget_remote_work: Callable[[Path], None] | None = None):
         self._store = store
         # Recorded retryable failures after which the job's message is dead-lettered (MAX_FAILED_ATTEMPTS).
         self._max_failed_attempts = max_failed_attempts
+        # After the commit: the job's mirror in S3 (pipeline.remote_work), when attempts mirror their work.
+        self._forget_remote_work = forget_remote_work
         # The default policy refuses every s3:// recording: a handler is never more open than asked.
         self._policy = policy
         self._keep_work_files = keep_work_files
@@ -630,6 +633,11 @@ class VoiceJobHandler:
         self._remove_unreferenced_objects(job, s3_paths)
         self._remove_unpublished(job, model_paths)
         self._remove_work_files(job)
+        if self._forget_remote_work is not None:
+            try:
+                self._forget_remote_work(work_dir_for(self._work_root, job))
+            except Exception as exc:  # noqa: BLE001 - the job is committed: nothing here may fail it
+                log.warning("job.remote_work_not_removed", error=f"{type(exc).__name__}: {exc}")
 
     def _remove_unpublished(self, job: Job, model_paths: Iterable[str]) -> None:
         try:
