@@ -14,6 +14,7 @@ from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
 from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
+from worker.core.events import Events, NoEvents, Publisher, target_service
 from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
 from worker.core.imds import InstanceMetadata, SpotWatch
@@ -99,6 +100,10 @@ def build_app(settings: Settings, *, session=None) -> App:
         raise
     crash_points = CrashPoints(settings.crash_at)
     metrics = Metrics.from_config(settings.metrics_config())
+    events: Events = NoEvents()
+    if settings.events_target:
+        service = target_service(settings.events_target)
+        events = Publisher(settings.events_target, LazyClient(lambda: make_client(service, aws, session)).made)
     limits, policy = settings.job_limits(), settings.input_policy()
 
     def job_handler() -> VoiceJobHandler:
@@ -124,6 +129,7 @@ def build_app(settings: Settings, *, session=None) -> App:
             models_root=Path(settings.models_root_path),
             max_failed_attempts=settings.max_failed_attempts,
             forget_remote_work=trainer.forget_remote_work,
+            events=events,
         )
 
     # Made at start, not at the first message: deferring it would spare an idle worker about 2.5 MiB

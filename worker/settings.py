@@ -32,6 +32,7 @@ from worker.core.config import (
     region_for,
 )
 from worker.core.errors import ConfigError
+from worker.core.events import target_problem
 from worker.core.faults import POINTS, CrashPoint
 from worker.core.metrics import parse_dimensions
 from worker.core.names import SAFE_NAME
@@ -162,6 +163,8 @@ class Settings(BaseModel):
     metrics_namespace: str = Field("VoiceWorker", alias="METRICS_NAMESPACE", min_length=1, max_length=255)
     # Name=Value pairs added to every metric, e.g. "Environment=production,Queue=jobs".
     metrics_dimensions: dict[str, str] = Field(default_factory=dict, alias="METRICS_DIMENSIONS")
+    # Job state-change events (worker/core/events.py): an SNS topic ARN or an EventBridge bus ARN; empty: none.
+    events_target: str = Field("", alias="EVENTS_TARGET")
 
     # --- testing only: kill the process at a named point (see worker/core/faults.py); unset in production
     crash_at: CrashPoint | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
@@ -179,6 +182,13 @@ class Settings(BaseModel):
     imds_endpoint: str = Field("http://169.254.169.254", alias="IMDS_ENDPOINT")
 
     # Each variable's own format, parsed here once; a value that is not text was parsed already.
+    @field_validator("events_target")
+    @classmethod
+    def _events_target(cls, target: str) -> str:
+        if problem := target_problem(target):
+            raise ValueError(problem)
+        return target
+
     @field_validator("imds_endpoint")
     @classmethod
     def _imds_endpoint(cls, url: str) -> str:
