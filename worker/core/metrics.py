@@ -43,6 +43,12 @@ JOB_DURATION = "JobDuration"                            # the completing attempt
 STAGE_DURATION = "StageDuration"                        # first progress report to 100 %, per Stage
 RECEIVE_COUNT_AT_COMPLETION = "ReceiveCountAtCompletion"
 HEARTBEAT_FAILURES = "HeartbeatFailures"                # a renewal (queue or store) that failed
+# What a job cost in trainer-stage time (GPU-seconds); at the commit, over all its attempts:
+JOB_GPU_SECONDS = "JobGpuSeconds"
+JOB_WASTED_GPU_SECONDS = "JobWastedGpuSeconds"          # of its attempts that did not commit
+JOB_ATTEMPTS = "JobAttempts"
+# At the end of each attempt that did not commit (failed, stopped, released, lease lost): its time.
+WASTED_GPU_SECONDS = "WastedGpuSeconds"
 STAGE_DIMENSION = "Stage"
 
 # What the loop did with a message -> the count it adds 1 to.
@@ -77,6 +83,7 @@ RECONCILE_METRICS = {
     "failed": "ReconcileFailures",
 }
 METRIC_NAMES = frozenset({JOB_DURATION, STAGE_DURATION, RECEIVE_COUNT_AT_COMPLETION, HEARTBEAT_FAILURES,
+                          JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS, JOB_ATTEMPTS, WASTED_GPU_SECONDS,
                           *OUTCOME_METRICS.values(), *RECONCILE_METRICS.values()})
 
 MAX_DIMENSIONS = 30  # per dimension set, CloudWatch's limit

@@ -24,7 +24,16 @@ from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.settings import Settings
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.records import Store
-from worker.voice.records.rules import ERROR, FINAL_STATUSES, PENDING, PROCESSING, committing, lease_live
+from worker.voice.records.rules import (
+    ERROR,
+    FINAL_STATUSES,
+    PENDING,
+    PROCESSING,
+    committing,
+    failed_attempts,
+    lease_live,
+    usage,
+)
 from worker.voice.submit import prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5
@@ -75,7 +84,9 @@ def status_document(store: Store, job_id: str) -> dict | None:
     if job is None:
         return None
     profile = store.get_profile(job["profileId"]) if job.get("profileId") else None
-    return {"job": _jsonable(job), "profile": _jsonable(profile)}
+    # What the job cost so far (GPU-seconds of its trainer stages), summed from its attempts.
+    cost = {**usage(job), "failedAttempts": failed_attempts(job)}
+    return {"job": _jsonable(job), "profile": _jsonable(profile), "cost": cost}
 
 
 def one_line(value: Any) -> str:
@@ -100,6 +111,9 @@ def render_status(doc: dict) -> str:
     if job.get("lease"):
         held = job["lease"]
         lines.append(f"  lease      held by {o(held.get('owner'))} until {o(held.get('expiresAt'))}")
+    if cost := doc.get("cost"):
+        lines.append(f"  cost       {cost['gpuSeconds']:.0f} GPU-s, of which {cost['wastedGpuSeconds']:.0f} wasted "
+                     f"by attempts that did not commit; {cost['failedAttempts']} failed attempts")
     if job.get("cancelRequested") and job.get("status") != "cancelled":
         lines.append("  cancel     requested")
     if job.get("error"):
@@ -108,8 +122,9 @@ def render_status(doc: dict) -> str:
         message = indented_lines(e.get("message"), " " * 13 + "| ")
         lines.append(f"  error      {o(e.get('type'))} ({kind}): {message}")
     for h in job.get("history") or []:
+        gpu = f"  {float(h['gpuSeconds']):.0f} GPU-s" if isinstance(h.get("gpuSeconds"), int | float) else ""
         lines.append(f"  attempt    {o(h.get('start'))} -> {o(h.get('end') or '…')}  {o(h.get('outcome'))}  "
-                     f"on {o(h.get('worker'))}")
+                     f"on {o(h.get('worker'))}{gpu}")
     if job.get("completedAt"):
         lines.append(f"  completed  {o(job['completedAt'])}")
     profile_id, profile_status = profile.get("_id", job.get("profileId")), profile.get("status", "missing")

@@ -16,7 +16,7 @@ class Renewals:
 
     cancel_requested = False
 
-    def renew_lease(self, job_id, token, lease_s):
+    def renew_lease(self, job_id, token, lease_s, gpu_seconds=None):
         return self.cancel_requested
 
 

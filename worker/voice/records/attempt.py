@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
@@ -22,6 +23,40 @@ log = structlog.get_logger(__name__)
 PROGRESS_MIN_INTERVAL_S = 2.0
 
 
+class TrainerClock:
+    """Wall time the attempt spent in trainer stages: its GPU-seconds, the cost a job is billed in.
+
+    Fed the attempt's progress reports: a step's first report starts it, its 100 % (or another
+    step's report) ends it. The worker's own steps (downloads, dataset, commit) hold no GPU and are
+    not counted. Written to the attempt's history entry with each progress write and renewal, so an
+    attempt that dies unannounced has its time on record up to its last heartbeat.
+    """
+
+    # The store makes each attempt's clock; a test that needs time to pass on its own clock swaps this.
+    default_clock: Callable[[], float] = staticmethod(time.monotonic)
+
+    def __init__(self, clock: Callable[[], float] | None = None):
+        self._clock = clock or self.default_clock
+        self._lock = threading.Lock()  # fed on the job's thread, read on the heartbeat's
+        self._done_s = 0.0
+        self._running_since: tuple[str, float] | None = None
+
+    def observe(self, step: str, percent: float, *, trainer: bool) -> None:
+        """A progress report of ``step``; ``trainer``: it is a trainer stage, not a step of the worker's own."""
+        now = self._clock()
+        with self._lock:
+            if self._running_since is not None and (step != self._running_since[0] or percent >= 100):
+                self._done_s += now - self._running_since[1]
+                self._running_since = None
+            if self._running_since is None and percent < 100 and trainer:
+                self._running_since = (step, now)
+
+    def seconds(self) -> float:
+        with self._lock:
+            running = self._running_since
+            return self._done_s + (self._clock() - running[1] if running is not None else 0.0)
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One claimed attempt at a job: every write it may make, each fenced on its claim's token.
@@ -36,13 +71,14 @@ class Attempt:
     profile_id: str | None
     token: str
     lease_s: float
+    trainer_clock: TrainerClock = field(default_factory=TrainerClock, compare=False, repr=False)
 
     def renew(self) -> bool:
         """Extend the record lease; returns the job's cancelRequested flag."""
-        return self.store.renew_lease(self.job_id, self.token, self.lease_s)
+        return self.store.renew_lease(self.job_id, self.token, self.lease_s, self.trainer_clock.seconds())
 
     def progress(self, stage: str, percent: float) -> None:
-        self.store.set_progress(self.job_id, self.token, stage, percent)
+        self.store.set_progress(self.job_id, self.token, stage, percent, self.trainer_clock.seconds())
 
     def write_paths(self, model_paths: dict, s3_paths: dict) -> None:
         self.store.write_paths(self._profile(), self.token, model_paths, s3_paths, job_id=self.job_id)
@@ -52,17 +88,18 @@ class Attempt:
 
     def complete(self) -> None:
         """The commit marker: the job record says completed."""
-        self.store.mark_job_completed(self.job_id, self.token)
+        self.store.mark_job_completed(self.job_id, self.token, self.trainer_clock.seconds())
 
     def cancel(self) -> None:
-        self.store.mark_cancelled(self.job_id, self.token)
+        self.store.mark_cancelled(self.job_id, self.token, self.trainer_clock.seconds())
 
     def release(self) -> bool:
-        return self.store.release_lease(self.job_id, self.token)
+        return self.store.release_lease(self.job_id, self.token, self.trainer_clock.seconds())
 
     def fail(self, error_type: str, message: str, *, retryable: bool) -> bool:
         return self.store.record_error(self.job_id, token=self.token, error_type=error_type,
-                                       message=message, retryable=retryable)
+                                       message=message, retryable=retryable,
+                                       gpu_seconds=self.trainer_clock.seconds())
 
     def _profile(self) -> str:
         if not self.profile_id:
@@ -78,13 +115,14 @@ class ProgressReporter:
 
     def __init__(self, attempt: Attempt, stop: StopSignal,
                  min_interval_s: float = PROGRESS_MIN_INTERVAL_S, clock=time.monotonic,
-                 metrics: Metrics = NULL_METRICS):
+                 metrics: Metrics = NULL_METRICS, own_steps: Collection[str] = ()):
         self._attempt, self._job_id, self._stop = attempt, attempt.job_id, stop
         self._min_interval_s, self._clock = min_interval_s, clock
         self._last: tuple[str, float] | None = None
         self._metrics = metrics
         self._stage_started: dict[str, float] = {}
         self._stages_timed: set[str] = set()
+        self._own_steps = own_steps  # the worker's own steps (downloads, dataset): not GPU time
         self.writes = 0
 
     def _time_stage(self, stage: str, percent: float, now: float) -> None:
@@ -98,6 +136,7 @@ class ProgressReporter:
         now = self._clock()
         # Timed before the rate limit: a report that is not written still marks when a stage ran.
         self._time_stage(stage, percent, now)
+        self._attempt.trainer_clock.observe(stage, percent, trainer=stage not in self._own_steps)
         if self._last is not None:
             last_stage, last_at = self._last
             if stage == last_stage and percent < 100 and now - last_at < self._min_interval_s:

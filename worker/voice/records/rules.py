@@ -45,6 +45,10 @@ COMMITTING = "(committing)"
 # Attempts that ended in a recorded retryable failure: what MAX_FAILED_ATTEMPTS is counted against.
 # A release (shutdown, drain, lease handover) or a crash that recorded nothing never adds to it.
 FAILED_ATTEMPTS = "failedAttempts"
+# Trainer-stage wall time (GPU-seconds): each history entry carries its attempt's, kept up by the
+# attempt's own fenced writes; entries dropped by HISTORY_LIMIT are folded into these job totals.
+GPU_SECONDS, EARLIER_GPU_SECONDS, EARLIER_WASTED_GPU_SECONDS = (
+    "gpuSeconds", "earlierGpuSeconds", "earlierWastedGpuSeconds")
 
 
 def utc_now() -> datetime:
@@ -141,8 +145,12 @@ def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
     # A "running" entry left behind is an attempt that died without saying so.
     history = close_attempt(job.get("history"), "abandoned", now)
     history.append({"worker": owner, "token": token, "start": now, "end": None, "outcome": "running"})
+    dropped, kept = history[:-HISTORY_LIMIT], history[-HISTORY_LIMIT:]
+    earlier = usage({"history": dropped})
     return {
         **job,
+        EARLIER_GPU_SECONDS: _seconds(job.get(EARLIER_GPU_SECONDS)) + earlier["gpuSeconds"],
+        EARLIER_WASTED_GPU_SECONDS: _seconds(job.get(EARLIER_WASTED_GPU_SECONDS)) + earlier["wastedGpuSeconds"],
         "status": PROCESSING,
         # messageId tells a second delivery of this same message (our SQS lease lapsed) from a
         # duplicate message for the job (ours is still alive).
@@ -151,17 +159,48 @@ def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
         "heartbeatAt": now,
         "startedAt": now,
         "attempts": int(job.get("attempts") or 0) + 1,
-        "history": history[-HISTORY_LIMIT:],
+        "history": kept,
     }
 
 
-def renewed(job: dict, lease_s: float, now: datetime) -> dict:
+def usage(job: dict | None) -> dict[str, float]:
+    """GPU-seconds of the job's attempts: in all, and of those that ended without committing (wasted;
+    an attempt still running is neither yet), with the attempt count."""
+    job = job or {}
+    total = _seconds(job.get(EARLIER_GPU_SECONDS))
+    wasted = _seconds(job.get(EARLIER_WASTED_GPU_SECONDS))
+    for entry in job.get("history") or []:
+        seconds = _seconds(entry.get(GPU_SECONDS))
+        total += seconds
+        if entry.get("outcome") not in ("completed", "running"):
+            wasted += seconds
+    return {"attempts": int(job.get("attempts") or 0), "gpuSeconds": round(total, 3),
+            "wastedGpuSeconds": round(wasted, 3)}
+
+
+def _seconds(value: object) -> float:
+    # A record written before these fields, or edited by hand, still reads (as no time).
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def with_gpu_seconds(job: dict, token: str, gpu_seconds: float | None) -> dict:
+    """The attempt's trainer time so far on its own history entry (none: unchanged)."""
+    history = job.get("history") or []
+    if gpu_seconds is None or not history or history[-1].get("token") != token:
+        return job
+    entry = {**history[-1], GPU_SECONDS: round(max(0.0, float(gpu_seconds)), 3)}
+    return {**job, "history": [*history[:-1], entry]}
+
+
+def renewed(job: dict, lease_s: float, now: datetime, *, token: str = "", gpu_seconds: float | None = None) -> dict:
     lease = {**job["lease"], "expiresAt": to_ms(now + timedelta(seconds=lease_s))}
-    return {**job, "lease": lease, "heartbeatAt": now}
+    return with_gpu_seconds({**job, "lease": lease, "heartbeatAt": now}, token, gpu_seconds)
 
 
-def with_progress(job: dict, stage: str, percent: float, now: datetime) -> dict:
-    return {**job, "progress": {"stage": stage, "percent": float(percent), "updatedAt": now}}
+def with_progress(job: dict, stage: str, percent: float, now: datetime, *, token: str = "",
+                  gpu_seconds: float | None = None) -> dict:
+    return with_gpu_seconds({**job, "progress": {"stage": stage, "percent": float(percent), "updatedAt": now}},
+                            token, gpu_seconds)
 
 
 def errored(job: dict, *, token: str | None, error_type: str, message: str, retryable: bool,
@@ -183,8 +222,8 @@ def errored(job: dict, *, token: str | None, error_type: str, message: str, retr
             FAILED_ATTEMPTS: failed}
 
 
-def completed(job: dict, token: str, now: datetime) -> dict:
-    history = close_attempt(job.get("history"), "completed", now, token)
+def completed(job: dict, token: str, now: datetime, gpu_seconds: float | None = None) -> dict:
+    history = close_attempt(with_gpu_seconds(job, token, gpu_seconds).get("history"), "completed", now, token)
     return {**job, "status": COMPLETED, "completedAt": now, "lease": None, "error": None,
             "history": history}
 

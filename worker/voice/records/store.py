@@ -52,15 +52,16 @@ class Store(ABC):
         """Claim the job under ``token``; a CLAIMED outcome carries the ``Attempt`` to write with."""
 
     @abstractmethod
-    def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
-        """Extend our lease; returns the job's cancelRequested flag."""
+    def renew_lease(self, job_id: str, token: str, lease_s: float, gpu_seconds: float | None = None) -> bool:
+        """Extend our lease (and note the attempt's trainer time so far); returns cancelRequested."""
 
     @abstractmethod
-    def set_progress(self, job_id: str, token: str, stage: str, percent: float) -> None: ...
+    def set_progress(self, job_id: str, token: str, stage: str, percent: float,
+                     gpu_seconds: float | None = None) -> None: ...
 
     @abstractmethod
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
-                     retryable: bool) -> bool: ...
+                     retryable: bool, gpu_seconds: float | None = None) -> bool: ...
 
     @abstractmethod
     def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
@@ -72,14 +73,14 @@ class Store(ABC):
         """Set the profile completed; fenced as ``write_paths``."""
 
     @abstractmethod
-    def mark_job_completed(self, job_id: str, token: str) -> None:
-        """The commit marker."""
+    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None:
+        """The commit marker (with the attempt's final trainer time)."""
 
     @abstractmethod
-    def mark_cancelled(self, job_id: str, token: str) -> None: ...
+    def mark_cancelled(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None: ...
 
     @abstractmethod
-    def release_lease(self, job_id: str, token: str) -> bool: ...
+    def release_lease(self, job_id: str, token: str, gpu_seconds: float | None = None) -> bool: ...
 
     @abstractmethod
     def request_cancel(self, job_id: str) -> bool: ...

@@ -128,21 +128,24 @@ class TransitionStore(Store):
         except Exception as exc:  # noqa: BLE001 - the claim's own failure is the one to report
             log.warning("store.claim_release_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
 
-    def renew_lease(self, job_id: str, token: str, lease_s: float) -> bool:
-        job = self._fenced_job("renew_lease", job_id, token, lambda j, now: rules.renewed(j, lease_s, now))
+    def renew_lease(self, job_id: str, token: str, lease_s: float, gpu_seconds: float | None = None) -> bool:
+        job = self._fenced_job("renew_lease", job_id, token,
+                               lambda j, now: rules.renewed(j, lease_s, now, token=token, gpu_seconds=gpu_seconds))
         return bool(job.get("cancelRequested"))
 
-    def set_progress(self, job_id: str, token: str, stage: str, percent: float) -> None:
+    def set_progress(self, job_id: str, token: str, stage: str, percent: float,
+                     gpu_seconds: float | None = None) -> None:
         self._fenced_job("set_progress", job_id, token,
-                         lambda j, now: rules.with_progress(j, stage, percent, now))
+                         lambda j, now: rules.with_progress(j, stage, percent, now, token=token,
+                                                            gpu_seconds=gpu_seconds))
 
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
-                     retryable: bool) -> bool:
+                     retryable: bool, gpu_seconds: float | None = None) -> bool:
         return self._swap_job(
             "record_error", job_id,
             lambda j, now: rules.may_record_error(j, token, now),
-            lambda j, now: rules.errored(j, token=token, error_type=error_type, message=message,
-                                         retryable=retryable, now=now))[1]
+            lambda j, now: rules.errored(_with_time(j, token, gpu_seconds), token=token, error_type=error_type,
+                                         message=message, retryable=retryable, now=now))[1]
 
     def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
                     job_id: str) -> None:
@@ -152,15 +155,17 @@ class TransitionStore(Store):
     def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
         self._fenced_profile("mark_profile_completed", profile_id, job_id, token, {"status": rules.COMPLETED})
 
-    def mark_job_completed(self, job_id: str, token: str) -> None:
-        self._fenced_job("mark_job_completed", job_id, token, lambda j, now: rules.completed(j, token, now))
+    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None:
+        self._fenced_job("mark_job_completed", job_id, token,
+                         lambda j, now: rules.completed(j, token, now, gpu_seconds))
 
-    def mark_cancelled(self, job_id: str, token: str) -> None:
-        self._fenced_job("mark_cancelled", job_id, token, lambda j, now: rules.cancelled(j, token, now))
+    def mark_cancelled(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None:
+        self._fenced_job("mark_cancelled", job_id, token,
+                         lambda j, now: rules.cancelled(_with_time(j, token, gpu_seconds), token, now))
 
-    def release_lease(self, job_id: str, token: str) -> bool:
+    def release_lease(self, job_id: str, token: str, gpu_seconds: float | None = None) -> bool:
         return self._swap_job("release_lease", job_id, lambda j, _now: rules.holds_lease(j, token),
-                              lambda j, now: rules.released(j, token, now))[1]
+                              lambda j, now: rules.released(_with_time(j, token, gpu_seconds), token, now))[1]
 
     def request_cancel(self, job_id: str) -> bool:
         return self._swap_job("request_cancel", job_id, lambda j, now: rules.may_request_cancel(j, now),
@@ -183,3 +188,8 @@ class TransitionStore(Store):
         return self._swap_job(
             "record_dead_letter", job_id, lambda j, now: recovery.may_record_dead_letter(j, message_id, now),
             lambda j, now: recovery.dead_lettered(j, dead_letter, worker=worker, now=now))[1]
+
+
+def _with_time(job: dict, token: str | None, gpu_seconds: float | None) -> dict:
+    """The attempt's final trainer time on its history entry, before a final write closes the entry."""
+    return job if token is None else rules.with_gpu_seconds(job, token, gpu_seconds)
