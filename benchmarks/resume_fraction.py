@@ -9,12 +9,17 @@ With checkpoints after every step the resumed run should cost about the remainin
 plus the fixed start-up (interpreter, imports, feature extraction). A script, not a test: timings
 depend on the machine, so nothing here asserts.
 
-    .venv/bin/python benchmarks/resume_fraction.py [--steps 100] [--step-delay-s 0.03]
+``--fresh-host``: the stopped run mirrors its checkpoints to S3 (``pipeline.remote_work``, as with
+``CHECKPOINT_S3_SYNC_SECONDS``; moto in-process here) and the resumed run is a retry on another host:
+an empty work root, whose checkpoints come from the mirror (the restore is timed with it).
+
+    .venv/bin/python benchmarks/resume_fraction.py [--steps 100] [--step-delay-s 0.03] [--fresh-host]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -27,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import StageSpec  # noqa: E402
 from pipeline.dataset import build_dataset  # noqa: E402
+from pipeline.remote_work import RemoteWork, RemoteWorkConfig  # noqa: E402
 from pipeline.stages import StageContext, run_stage  # noqa: E402
 from worker.core.errors import Stopped  # noqa: E402
 from worker.core.stop import StopSignal  # noqa: E402
@@ -71,8 +77,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-delay-s", type=float, default=0.03)
     parser.add_argument("--stop-at-percent", type=float, default=90.0)
+    parser.add_argument("--fresh-host", action="store_true",
+                        help="resume on an empty work root from the checkpoints mirrored in S3")
+    parser.add_argument("--sync-interval-s", type=float, default=0.5)
     args = parser.parse_args()
+    if args.fresh_host:
+        from moto import mock_aws
+
+        with mock_aws():
+            measure(args)
+    else:
+        measure(args)
+
+
+def measure(args) -> None:
     spec = stage(args.steps, args.step_delay_s)
+    mirrors: tuple[RemoteWork, RemoteWork] | None = None
+    if args.fresh_host:
+        import boto3
+
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="bench")
+        config = RemoteWorkConfig("bench", "", args.sync_interval_s)
+        mirrors = (RemoteWork(s3, config, "bench/job/1", "1-a"), RemoteWork(s3, config, "bench/job/1", "2-b"))
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -87,22 +114,32 @@ def main() -> None:
                 stop.set(Stopped.SHUTDOWN, "benchmark")
 
         killed_ctx = context(root / "dataset", root / "killed")
+        beside = None if mirrors is None else functools.partial(
+            mirrors[0].syncing, spec.name, killed_ctx.checkpoint_dir(spec))
         started = time.perf_counter()
         try:
-            run_stage(spec, killed_ctx, stop, stop_late, grace_s=5.0)
+            run_stage(spec, killed_ctx, stop, stop_late, grace_s=5.0, beside=beside)
             raise SystemExit("the run finished before the stop took effect; raise --steps")
         except Stopped:
             killed_s = time.perf_counter() - started
-        resumed_s = timed_run(spec, killed_ctx, StopSignal(), lambda s, p: None)
-        resumed_log = sorted((root / "killed/logs").glob("*.log"))[-1].read_text()
+        resumed_ctx, restore_s = killed_ctx, 0.0
+        if mirrors is not None:
+            resumed_ctx = context(root / "dataset", root / "fresh-host")  # an empty work root
+            started = time.perf_counter()
+            assert mirrors[1].pull_checkpoints(spec.name, resumed_ctx.checkpoint_dir(spec)) == "1-a"
+            restore_s = time.perf_counter() - started
+        resumed_s = restore_s + timed_run(spec, resumed_ctx, StopSignal(), lambda s, p: None)
+        resumed_log = sorted((resumed_ctx.log_dir).glob("*.log"))[-1].read_text()
         resumed_steps = resumed_log.count("\nstep ")
 
-    print(f"steps={args.steps} step_delay_s={args.step_delay_s} stop_at={args.stop_at_percent:g}%")
+    print(f"steps={args.steps} step_delay_s={args.step_delay_s} stop_at={args.stop_at_percent:g}%"
+          + (f" fresh host, mirrored every {args.sync_interval_s:g} s" if mirrors else " same host"))
     print(f"full run:            {full_s:7.3f} s")
     print(f"killed run:          {killed_s:7.3f} s (stopped, then its process group ended)")
+    if mirrors:
+        print(f"restore from S3:     {restore_s:7.3f} s (counted in the resumed run)")
     print(f"resumed run:         {resumed_s:7.3f} s ({resumed_steps} of {args.steps} steps re-done)")
     print(f"resumed / full:      {resumed_s / full_s:7.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -159,10 +159,21 @@ def read_manifest(
     Only the manifest itself is checked here, not the files it lists (``manifest_problem`` does both).
     """
     try:
-        manifest = json.loads(path.read_bytes())
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None, "no manifest"
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        return None, f"manifest unreadable ({type(exc).__name__})"
+    return manifest_from_bytes(raw, stage_name, fingerprint, outputs)
+
+
+def manifest_from_bytes(
+    raw: bytes, stage_name: str, fingerprint: str, outputs: Sequence[str]
+) -> tuple[dict, None] | tuple[None, str]:
+    """``read_manifest`` for a manifest's bytes (one mirrored in S3, say)."""
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
         return None, f"manifest unreadable ({type(exc).__name__})"
     if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
         return None, "manifest has an unknown format"

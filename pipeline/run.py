@@ -14,6 +14,7 @@ own (tests, benchmarks): logs inside it, no earlier attempts.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,9 +33,18 @@ from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
 from pipeline.recording_url import RecordingUrl
+from pipeline.remote_work import RemoteWork, RemoteWorkConfig, job_key
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
-from pipeline.stages import DEFAULT_GRACE_S, Progress, StageContext, end_survivors, open_step_log, run_stage
+from pipeline.stages import (
+    DEFAULT_GRACE_S,
+    ManifestWriter,
+    Progress,
+    StageContext,
+    end_survivors,
+    open_step_log,
+    run_stage,
+)
 from worker.core.errors import BadRecording, StageFailed
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.stop import StopSignal
@@ -105,8 +115,10 @@ class PipelineTrainer:
 
     def __init__(self, config: PipelineConfig, downloads: DownloadSettings, *, s3_client: Any = None,
                  limits: JobLimits | None = None, stage_env: Mapping[str, str] | None = None,
-                 grace_s: float = DEFAULT_GRACE_S, crash_points: CrashPoints = NEVER):
+                 grace_s: float = DEFAULT_GRACE_S, crash_points: CrashPoints = NEVER,
+                 remote: RemoteWorkConfig | None = None):
         self._config = config
+        self._remote = remote
         self._downloads = downloads
         self._s3_client = s3_client
         self._limits = limits
@@ -117,7 +129,18 @@ class PipelineTrainer:
     def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress, /) -> dict[str, Path]:
         return run_pipeline(job, work_dir, stop, config=self._config, fetch=self.downloader(stop), progress=progress,
                             grace_s=self._grace_s, limits=self._limits, stage_env=self._stage_env,
-                            plan=self.download_plan)
+                            plan=self.download_plan, remote=self.remote_work(work_dir))
+
+    def remote_work(self, work_dir: Path) -> RemoteWork | None:
+        """The attempt's mirror in S3, when jobs mirror their work (``CHECKPOINT_S3_SYNC_SECONDS``)."""
+        if self._remote is None or not is_attempt_dir(work_dir):
+            return None
+        return RemoteWork(self._s3_client, self._remote, job_key(job_dir_of(work_dir)), work_dir.name)
+
+    def forget_remote_work(self, job_dir: Path) -> None:
+        """After the commit: the job's mirror in S3, every attempt's, is no longer needed."""
+        if self._remote is not None:
+            RemoteWork(self._s3_client, self._remote, job_key(job_dir), "").forget()
 
     def downloader(self, stop: StopSignal) -> Downloader:
         """The job's fetcher: bound per call, so every download of the job answers to its stop signal,
@@ -181,15 +204,17 @@ def run_pipeline(
     limits: JobLimits | None = None,
     stage_env: Mapping[str, str] | None = None,
     plan: DownloadPlan = DownloadPlan(),
+    remote: RemoteWork | None = None,
 ) -> dict[str, Path]:
     """Run every step that is not already complete; returns the five artifact paths by key.
 
     ``stage_env`` is the stages' whole environment (``pipeline.stage_env``); None means the built-in
     allow-list from this process. ``plan``: how the downloads run (one at a time unless told).
+    ``remote``: the attempt's mirror in S3 (``pipeline.remote_work``), or None.
     """
     try:
         return _run(job, Path(work_dir), stop, config, fetch, _without_repeats(progress), grace_s,
-                    stage_env, limits or JobLimits(), plan)
+                    stage_env, limits or JobLimits(), plan, remote)
     except OSError as exc:
         # Our own file system work failed (full or unavailable shared disk): worth another attempt.
         where = Path(exc.filename).name if exc.filename else "work dir"
@@ -207,6 +232,7 @@ def _run(
     stage_env: Mapping[str, str] | None,
     limits: JobLimits,
     plan: DownloadPlan,
+    remote: RemoteWork | None,
 ) -> dict[str, Path]:
     dirs = work_layout(work_dir)
     for directory in dirs.values():
@@ -259,31 +285,54 @@ def _run(
         trainer_python=config.trainer_python,
         env=env,
     )
-    for stage in config.stages:
-        stop.raise_if_set()
-        progress(stage.name, 0.0)
-        _adopt_earlier_work(stage, ctx, earlier)
-        outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s)
-        progress(stage.name, 100.0)
-        log.info("pipeline.stage_done", job_id=job.job_id, stage=stage.name, skipped=outcome.skipped)
+    manifests = ManifestWriter()  # a stage's outputs are hashed while the next stage runs
+    try:
+        for index, stage in enumerate(config.stages):
+            manifests.check()
+            stop.raise_if_set()
+            progress(stage.name, 0.0)
+            _adopt_earlier_work(stage, ctx, earlier, remote)
+            outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s, manifests=manifests,
+                                beside=_mirroring(stage, ctx, remote))
+            if remote is not None and not outcome.skipped and index < len(config.stages) - 1:
+                # Behind its manifest, on the same thread. Not the last stage's: the commit sends those.
+                manifests.then(functools.partial(remote.push_outputs, stage, ctx.output_dir))
+            progress(stage.name, 100.0)
+            log.info("pipeline.stage_done", job_id=job.job_id, stage=stage.name, skipped=outcome.skipped)
+        manifests.wait()
+    finally:
+        manifests.close()
 
     stop.raise_if_set()
     return verify_artifacts(config, dirs["output"])
 
 
-def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path]) -> None:
-    """Give the stage an earlier attempt's verified outputs, or (resumable) its newest checkpoints."""
-    if not earlier or manifest_path(ctx.output_dir, stage.name).exists():
+def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remote: RemoteWork | None = None) -> None:
+    """Give the stage an earlier attempt's verified outputs, or (resumable) its newest checkpoints:
+    from this host's earlier attempts, else from the attempts mirrored in S3 (``remote``)."""
+    if manifest_path(ctx.output_dir, stage.name).exists():
         return  # this attempt's own manifest decides (run_stage verifies it)
-    source = adopt_verified_outputs(stage, [d / "output" for d in earlier], ctx.output_dir)
+    source = adopt_verified_outputs(stage, [d / "output" for d in earlier], ctx.output_dir) if earlier else None
     if source is not None:
         log.info("pipeline.stage_reused", stage=stage.name, attempt=source.parent.name)
         return
+    if remote is not None and remote.pull_outputs(stage, ctx.output_dir) is not None:
+        return
     if stage.resumable:
         root = ctx.checkpoints_root
-        source = adopt_checkpoints(earlier, root.parent, f"{root.name}/{stage.name}")
-        if source is not None:
-            log.info("pipeline.checkpoints_reused", stage=stage.name, attempt=source.name)
+        local = adopt_checkpoints(earlier, root.parent, f"{root.name}/{stage.name}") if earlier else None
+        if local is not None:
+            log.info("pipeline.checkpoints_reused", stage=stage.name, attempt=local.name)
+        if remote is not None:
+            # Only a newer attempt's (another host's, since): a local copy from this host wins a tie.
+            remote.pull_checkpoints(stage.name, ctx.checkpoint_dir(stage), newer_than=local.name if local else None)
+
+
+def _mirroring(stage, ctx: StageContext, remote: RemoteWork | None):
+    """While a resumable stage runs, its checkpoints are mirrored to S3 (when the job mirrors)."""
+    if remote is None or not stage.resumable:
+        return None
+    return functools.partial(remote.syncing, stage.name, ctx.checkpoint_dir(stage))
 
 
 def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:

@@ -48,6 +48,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -195,8 +197,15 @@ def run_stage(
     grace_s: float = DEFAULT_GRACE_S,
     poll_interval_s: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
+    manifests: ManifestWriter | None = None,
+    beside: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> StageResult:
-    """Run ``stage`` unless its manifest verifies; raises the project's typed errors on failure."""
+    """Run ``stage`` unless its manifest verifies; raises the project's typed errors on failure.
+
+    With ``manifests`` the stage's manifest is written in the background (``ManifestWriter``).
+    ``beside`` is entered while the stage's processes run, only when they do (not for a skipped
+    stage): the pipeline mirrors a resumable stage's checkpoints to S3 from there.
+    """
     manifest = manifest_path(ctx.output_dir, stage.name)
     problem = manifest_problem(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
     if problem is None:
@@ -206,7 +215,8 @@ def run_stage(
     log.info("stage.preparing", stage=stage.name, why=problem)
     prepare_rerun(stage, ctx)
     try:
-        return _run_prepared(stage, ctx, manifest, stop, progress, grace_s, poll_interval_s, clock)
+        return _run_prepared(stage, ctx, manifest, stop, progress, grace_s, poll_interval_s, clock, manifests,
+                             beside)
     except BaseException:
         # Whatever the stage wrote in place may be a part (disk full, killed mid-write): no file under
         # a declared name without its manifest, and the space goes back for the retry.
@@ -215,10 +225,12 @@ def run_stage(
 
 
 def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: StopSignal, progress: Progress,
-                  grace_s: float, poll_interval_s: float, clock: Callable[[], float]) -> StageResult:
+                  grace_s: float, poll_interval_s: float, clock: Callable[[], float],
+                  manifests: ManifestWriter | None = None,
+                  beside: Callable[[], AbstractContextManager[object]] | None = None) -> StageResult:
     argv = render_argv(stage.argv, ctx.placeholder_values(stage))
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
-    with log_file:
+    with log_file, (beside() if beside is not None else nullcontext()):
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
         code = run_supervised(
             stage, argv, {**ctx.env, JOB_NAME: ctx.job_mark()}, log_file, stop, progress, grace_s,
@@ -236,9 +248,65 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
         )
     # The stage may have made output/.manifests a link: the manifest is written into a real directory.
     real_directory(ctx.output_dir.parent, relative_output(ctx.output_dir.parent, manifest.parent))
-    write_manifest(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
+    if manifests is None:
+        write_manifest(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
+    else:
+        manifests.submit(stage, ctx, manifest)
     log.info("stage.completed", stage=stage.name, log=log_path.name)
     return StageResult(stage.name, skipped=False, log_path=log_path)
+
+
+class ManifestWriter:
+    """Writes stage manifests on a thread of its own, so that hashing one stage's outputs (seconds for
+    a model of some GiB) overlaps the next stage instead of delaying it.
+
+    A stage's manifest is what lets a later attempt skip it and what the uploads take each file's
+    digest from, so ``wait`` must return before either is needed: the pipeline calls it after the last
+    stage. A manifest that could not be written (a full disk) fails the job as it would have at the
+    stage itself, with that stage's outputs removed; it is raised by the next ``check`` (before each
+    stage starts) or by ``wait``. A later stage that changes an earlier stage's output while it is
+    hashed is caught as before: the hash's identity check sees the change, so the file's identity is
+    not recorded and the upload hashes it again and finds it differs from the manifest.
+
+    concurrent.futures rather than a thread of our own: one worker, results and errors carried back.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-manifest")
+        self._pending: list[tuple[Future, StageSpec, StageContext]] = []
+
+    def submit(self, stage: StageSpec, ctx: StageContext, manifest: Path) -> None:
+        future = self._pool.submit(write_manifest, manifest, ctx.output_dir, stage.name, stage.fingerprint,
+                                   stage.outputs)
+        self._pending.append((future, stage, ctx))
+
+    def then(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the manifest thread after the writes submitted so far (it must not raise)."""
+        self._pool.submit(task)
+
+    def check(self) -> None:
+        """Raise the error of a manifest write that already failed; never waits."""
+        self._settle(only_done=True)
+
+    def wait(self) -> None:
+        """Wait for every manifest; raise the first failure (its stage's outputs removed)."""
+        self._settle(only_done=False)
+
+    def close(self) -> None:
+        """Let a write in progress finish (the job's files may be removed next); errors are not raised."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _settle(self, *, only_done: bool) -> None:
+        while self._pending:
+            future, stage, ctx = self._pending[0]
+            if only_done and not future.done():
+                return
+            self._pending.pop(0)
+            try:
+                future.result()
+            except BaseException:
+                discard_outputs(stage, ctx)
+                raise
 
 
 def prepare_rerun(stage: StageSpec, ctx: StageContext) -> None:

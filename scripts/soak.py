@@ -35,11 +35,14 @@ def main(argv: list[str]) -> int:
                         help="one training's duration (above the lease, a kill -9 mid-training leaves a trainer "
                              "running while the retry trains)")
     parser.add_argument("--keep", action="store_true", help="keep the run's files (logs, records) and print where")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a worker setting for the run, e.g. CHECKPOINT_S3_SYNC_SECONDS=1 (repeatable)")
     args = parser.parse_args(argv)
+    worker_env = dict(item.split("=", 1) for item in args.env)
     window_s = args.minutes * 60
     faults = args.faults if args.faults is not None else max(1, int(args.minutes * FAULTS_PER_MINUTE))
     config = SoakConfig(seed=args.seed, workers=args.workers, jobs=args.jobs, window_s=window_s, train_s=args.train_s,
-                        faults=faults, settle_timeout_s=max(120.0, window_s / 2))
+                        faults=faults, settle_timeout_s=max(120.0, window_s / 2), worker_env=worker_env)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, LocalAws() as aws:
         root = Path(tempfile.mkdtemp(prefix="soak-")) if args.keep else Path(tmp)
         result = run_soak(aws.url, root, config)

@@ -14,6 +14,7 @@ from pipeline.stage_env import stage_env_problems, stage_environment
 from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
 from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
+from worker.core.events import Events, NoEvents, Publisher, target_service
 from worker.core.faults import CrashPoints
 from worker.core.health import Pulse
 from worker.core.imds import InstanceMetadata, SpotWatch
@@ -26,6 +27,7 @@ from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
 
 if TYPE_CHECKING:
+    from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.job import VoiceJobHandler
 
 log = structlog.get_logger(__name__)
@@ -61,6 +63,18 @@ def refuse_clock_skew(store: Store, max_skew_s: float) -> None:
         raise ConfigError(problem)
 
 
+def remote_work(settings: Settings) -> RemoteWorkConfig | None:
+    """Where attempts mirror their work in S3; None when off, or when the work root is shared (NFS,
+    EFS): every host then sees every attempt's files, and a mirror would only copy them twice."""
+    from pipeline.remote_work import shared_file_system
+
+    config = settings.remote_work_config()
+    if config is not None and (fstype := shared_file_system(Path(settings.work_root))):
+        log.info("remote_work.off", reason=f"WORK_ROOT is on a shared file system ({fstype})")
+        return None
+    return config
+
+
 def build_app(settings: Settings, *, session=None) -> App:
     """Check everything that can be checked before the first receive, then assemble the worker."""
     # Cheapest checks first: a bad pipeline file must not wait on a store connection.
@@ -86,6 +100,10 @@ def build_app(settings: Settings, *, session=None) -> App:
         raise
     crash_points = CrashPoints(settings.crash_at)
     metrics = Metrics.from_config(settings.metrics_config())
+    events: Events = NoEvents()
+    if settings.events_target:
+        service = target_service(settings.events_target)
+        events = Publisher(settings.events_target, LazyClient(lambda: make_client(service, aws, session)).made)
     limits, policy = settings.job_limits(), settings.input_policy()
 
     def job_handler() -> VoiceJobHandler:
@@ -95,7 +113,7 @@ def build_app(settings: Settings, *, session=None) -> App:
 
         trainer = PipelineTrainer(config, settings.download_settings(), s3_client=s3, limits=limits,
                                   stage_env=stage_env, grace_s=settings.stage_stop_grace_s,
-                                  crash_points=crash_points)
+                                  crash_points=crash_points, remote=remote_work(settings))
         return VoiceJobHandler(
             store=store,
             uploader=ArtifactUploader(s3, targets.bucket),
@@ -110,6 +128,8 @@ def build_app(settings: Settings, *, session=None) -> App:
             keep_work_files=settings.keep_work_files,
             models_root=Path(settings.models_root_path),
             max_failed_attempts=settings.max_failed_attempts,
+            forget_remote_work=trainer.forget_remote_work,
+            events=events,
         )
 
     # Made at start, not at the first message: deferring it would spare an idle worker about 2.5 MiB

@@ -32,6 +32,7 @@ from worker.core.config import (
     region_for,
 )
 from worker.core.errors import ConfigError
+from worker.core.events import target_problem
 from worker.core.faults import POINTS, CrashPoint
 from worker.core.metrics import parse_dimensions
 from worker.core.names import SAFE_NAME
@@ -40,6 +41,7 @@ from worker.voice.input_policy import InputPolicy, key_prefix_problem
 
 if TYPE_CHECKING:
     from pipeline.downloads import DownloadSettings
+    from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.records import StoreConfig
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
@@ -100,6 +102,9 @@ class Settings(BaseModel):
     # What a config's {trainer_python} stands for: the interpreter of the trainers' own virtualenv
     # (trainers/), never the worker's. Checked at start when the config uses it.
     trainer_python: str = Field("", alias="TRAINER_PYTHON")
+    # Mirror each attempt's checkpoints and finished stages to S3 this often (pipeline/remote_work.py),
+    # so a retry on another host resumes instead of starting over. 0: off. Off anyway on a shared work root.
+    checkpoint_s3_sync_s: float = Field(0.0, alias="CHECKPOINT_S3_SYNC_SECONDS", ge=0)
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
     stage_env_passthrough: tuple[str, ...] = Field(default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
@@ -158,6 +163,8 @@ class Settings(BaseModel):
     metrics_namespace: str = Field("VoiceWorker", alias="METRICS_NAMESPACE", min_length=1, max_length=255)
     # Name=Value pairs added to every metric, e.g. "Environment=production,Queue=jobs".
     metrics_dimensions: dict[str, str] = Field(default_factory=dict, alias="METRICS_DIMENSIONS")
+    # Job state-change events (worker/core/events.py): an SNS topic ARN or an EventBridge bus ARN; empty: none.
+    events_target: str = Field("", alias="EVENTS_TARGET")
 
     # --- testing only: kill the process at a named point (see worker/core/faults.py); unset in production
     crash_at: CrashPoint | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
@@ -175,6 +182,13 @@ class Settings(BaseModel):
     imds_endpoint: str = Field("http://169.254.169.254", alias="IMDS_ENDPOINT")
 
     # Each variable's own format, parsed here once; a value that is not text was parsed already.
+    @field_validator("events_target")
+    @classmethod
+    def _events_target(cls, target: str) -> str:
+        if problem := target_problem(target):
+            raise ValueError(problem)
+        return target
+
     @field_validator("imds_endpoint")
     @classmethod
     def _imds_endpoint(cls, url: str) -> str:
@@ -308,6 +322,15 @@ class Settings(BaseModel):
                          max_recording_seconds=self.max_recording_seconds,
                          max_job_audio_seconds=self.max_job_audio_seconds,
                          dataset_workers=self.dataset_workers)
+
+    def remote_work_config(self) -> RemoteWorkConfig | None:
+        """Where attempts mirror their work, or None when they do not."""
+        from pipeline.remote_work import RemoteWorkConfig
+
+        if self.checkpoint_s3_sync_s <= 0 or not self.s3_bucket:
+            return None
+        return RemoteWorkConfig(bucket=self.s3_bucket, prefix=self.s3_prefix,
+                                sync_interval_s=self.checkpoint_s3_sync_s)
 
     def download_settings(self) -> DownloadSettings:
         from pipeline.downloads import DownloadSettings  # the download machinery only when it is used

@@ -24,7 +24,8 @@ def load_template() -> dict:
 
 
 class Resolver:
-    """Evaluates Ref, Fn::GetAtt, Fn::Sub, Fn::If, Fn::Not, Fn::Equals for one set of parameters."""
+    """Evaluates Ref, Fn::GetAtt, Fn::Sub, Fn::If, Fn::Not, Fn::And, Fn::Equals, Fn::Select, Fn::Split
+    and Condition for one set of parameters."""
 
     def __init__(self, template: dict, **params: str) -> None:
         self.template = template
@@ -46,7 +47,7 @@ class Resolver:
         if isinstance(node, dict):
             if len(node) == 1:
                 (key, arg), = node.items()
-                if key == "Ref" or key.startswith("Fn::"):
+                if key in ("Ref", "Condition") or key.startswith("Fn::"):
                     return self._intrinsic(key, arg)
             out = {k: self.resolve(v) for k, v in node.items()}
             return {k: v for k, v in out.items() if v is not _NO_VALUE}
@@ -78,6 +79,16 @@ class Resolver:
             return self.resolve(when_true if self.condition(name) else when_false)
         if key == "Fn::Not":
             return not self.resolve(arg[0])
+        if key == "Fn::And":
+            return all(self.resolve(item) for item in arg)
+        if key == "Condition":
+            return self.condition(arg)
+        if key == "Fn::Select":
+            index, items = arg
+            return self.resolve(items)[int(self.resolve(index))]
+        if key == "Fn::Split":
+            separator, text = arg
+            return str(self.resolve(text)).split(separator)
         if key == "Fn::Equals":
             left, right = (self.resolve(a) for a in arg)
             return str(left) == str(right)

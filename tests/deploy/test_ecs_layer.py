@@ -34,7 +34,10 @@ S3_ACTION = {"put_object": "s3:PutObject", "create_multipart_upload": "s3:PutObj
              "upload_part": "s3:PutObject", "complete_multipart_upload": "s3:PutObject",
              "abort_multipart_upload": "s3:AbortMultipartUpload", "head_object": "s3:GetObject",
              "get_object": "s3:GetObject", "delete_object": "s3:DeleteObject",
-             "list_objects_v2": "s3:ListBucket"}
+             "list_objects_v2": "s3:ListBucket",
+             # boto3's managed transfers (s3transfer): multipart parts are s3:PutObject too.
+             "upload_fileobj": "s3:PutObject", "download_fileobj": "s3:GetObject",
+             "delete_objects": "s3:DeleteObject"}
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +315,22 @@ def test_worker_task_role_grants_only_calls_the_daemon_makes(stack):
     for action in ("sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility"):
         assert not _grants(statements, action, dlq), action
     assert _grants(statements, "sqs:SendMessage", dlq)
+
+
+@pytest.mark.parametrize("target,action,other", [
+    ("arn:aws:sns:eu-west-1:123456789012:voice-jobs", "sns:Publish", "events:PutEvents"),
+    ("arn:aws:events:eu-west-1:123456789012:event-bus/voice", "events:PutEvents", "sns:Publish")])
+def test_job_events_grant_the_one_call_on_the_one_target_and_reach_the_task(target, action, other):
+    """With JobEventsTarget the task gets EVENTS_TARGET and its role that target's one call, on it alone;
+    without it, neither."""
+    with_events = Resolver(load_template(), **ECS_PARAMS, JobEventsTarget=target)
+    statements = _statements(with_events, "WorkerTaskRole")
+    assert _grants(statements, action, target) and not _grants(statements, action, target + "-other")
+    assert not any(other in _actions(s) for s in statements)
+    assert _env(_container(with_events, "WorkerTaskDefinition"))["EVENTS_TARGET"] == target
+    plain = Resolver(load_template(), **ECS_PARAMS)
+    assert not any(a in _actions(s) for s in _statements(plain, "WorkerTaskRole") for a in (action, other))
+    assert "EVENTS_TARGET" not in _env(_container(plain, "WorkerTaskDefinition"))
 
 
 def test_execution_role_pulls_the_image_writes_the_logs_and_reads_the_secret_only(stack):

@@ -352,3 +352,25 @@ def test_five_real_artifacts_pass_the_end_check(tmp_path, default_config):
     five_artifacts(tmp_path, default_config)
     paths = verify_artifacts(default_config, tmp_path)
     assert paths["fullModel"] == tmp_path / "full/model.pth"
+
+
+def test_a_stage_manifest_that_cannot_be_written_fails_the_run(tmp_path, job_and_fetch, default_config, monkeypatch):
+    """A manifest written behind the next stage that fails (here the last stage's: a full disk) fails the
+    run as a retryable stage failure, with that stage's outputs removed."""
+    import errno
+
+    import pipeline.stages as stages
+
+    real = stages.write_manifest
+
+    def full_disk_for_light(path, output_dir, stage_name, *rest):
+        if stage_name == "train_light":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, output_dir, stage_name, *rest)
+
+    monkeypatch.setattr(stages, "write_manifest", full_disk_for_light)
+    job, fetch = job_and_fetch
+    with pytest.raises(StageFailed, match="No space left"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                     progress=lambda s, p: None)
+    assert not (tmp_path / "work" / "output" / "light" / "model.onnx").exists()

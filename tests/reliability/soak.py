@@ -60,6 +60,8 @@ class SoakConfig:
     # comes later than the deployment default of 5.
     max_receive_count: int = 12
     settle_timeout_s: float = 90.0  # after the window: how long the last jobs may take
+    # More worker settings for the run (scripts/soak.py --env), e.g. CHECKPOINT_S3_SYNC_SECONDS=1.
+    worker_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ class Soak:
             WORKER_ID=f"soak-{slot.number}-{n}", AWS_ENDPOINT_URL=slot.proxy.url,
             SQS_VISIBILITY_TIMEOUT_SECONDS=str(self.config.visibility_s),
             SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=str(self.config.heartbeat_ms),
-            KEEP_WORK_FILES="false", LIVENESS_FILE=str(self.root / f"alive-{n}"))
+            KEEP_WORK_FILES="false", LIVENESS_FILE=str(self.root / f"alive-{n}"), **self.config.worker_env)
         slot.worker = WorkerProcess(env, self.root / f"worker-{n}.log").start()
         self.instances.append(slot.worker)
 

@@ -36,3 +36,13 @@ def test_sigterm_interrupts_at_once(handlers_restored):
 def test_the_terminated_exit_code_is_retried_not_permanent():
     """143 is not the permanent 65, so a stopped stage's job is retried."""
     assert EXIT_TERMINATED == 143
+
+
+def test_sigterm_is_not_swallowed_by_a_broad_except(handlers_restored):
+    """Code that catches Exception (a fallback to an older checkpoint, say) still lets SIGTERM through."""
+    StageSignals().install()
+    with pytest.raises(Terminated):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except Exception:
+            pass

@@ -53,22 +53,26 @@ def escape_text(text: str) -> str:
 
 
 def make_dataset(out: Path, *, clips: int = len(SENTENCES), voice: str = "en-us",
-                 sentences: list[str] | None = None) -> list[str]:
-    """Write ``out/wavs/uttNNNNN.wav`` and ``out/metadata.csv``; returns the texts."""
+                 sentences: list[str] | None = None, texts: list[str] | None = None) -> list[str]:
+    """Write ``out/wavs/uttNNNNN.wav`` and ``out/metadata.csv``; returns the texts.
+
+    ``texts``, when given, replace the spoken sentences in metadata.csv (a dataset whose texts are wrong).
+    """
     espeak = shutil.which("espeak-ng")
     if espeak is None:
         raise RuntimeError("espeak-ng is not installed (apt-get install espeak-ng)")
-    texts = (sentences or SENTENCES)[:clips]
+    spoken = (sentences or SENTENCES)[:clips]
+    written = texts if texts is not None else spoken
     (out / "wavs").mkdir(parents=True, exist_ok=True)
     rows = []
-    for index, text in enumerate(texts):
+    for index, (sentence, text) in enumerate(zip(spoken, written, strict=True)):
         uid = f"utt{index:05d}"
-        subprocess.run([espeak, "-v", voice, "-s", "150", "-w", str(out / "wavs" / f"{uid}.wav"), text],
+        subprocess.run([espeak, "-v", voice, "-s", "150", "-w", str(out / "wavs" / f"{uid}.wav"), sentence],
                        check=True, timeout=60)
         escaped = escape_text(text)
         rows.append(f"{uid}|{escaped}|{escaped}\n")
     (out / "metadata.csv").write_text("".join(rows), encoding="utf-8")
-    return texts
+    return list(written)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ def list_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write through a temp file in the same directory, fsync, rename, fsync the directory.
 
     A kill at any moment leaves either the old file or the new one, never half of one.

@@ -57,7 +57,7 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     print(f"VITS: {parameter_count(model) / 1e6:.1f} M parameters on {device}, {len(samples)} clips", flush=True)
     optimizers = model.get_optimizer()
     schedulers = model.get_scheduler(optimizers)
-    criteria = model.get_criterion()
+    criteria = [criterion.to(device) for criterion in model.get_criterion()]
     step = restore(args.checkpoints, fingerprint, model, optimizers, schedulers, torch)
     if step >= profile.total_steps:
         print(f"already at step {step} of {profile.total_steps}", flush=True)
@@ -69,12 +69,13 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
 
 
 def usable_samples(dataset_dir: Path, clips: list[Any], tokenizer: Any) -> list[dict[str, Any]]:
-    """Coqui samples of the clips whose text gives at least one phoneme token."""
+    """Coqui samples of the clips whose text gives at least one phoneme (punctuation and blanks do not count)."""
+    characters = tokenizer.characters
+    not_spoken = set(characters.punctuations) | {" "}
     samples = []
     for clip in clips:
-        ids = tokenizer.text_to_ids(clip.text)
-        special = {tokenizer.characters.blank_id, tokenizer.characters.pad_id}
-        if not [i for i in ids if i not in special]:
+        symbols = [characters.id_to_char(i) for i in tokenizer.text_to_ids(clip.text)]
+        if not [s for s in symbols if len(s) == 1 and s not in not_spoken]:
             print(f"left out {clip.uid}: its text phonemises to nothing", flush=True)
             continue
         samples.append({

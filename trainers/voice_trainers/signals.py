@@ -9,8 +9,11 @@ from types import FrameType
 EXIT_TERMINATED = 143
 
 
-class Terminated(Exception):
-    """Raised in the main thread by the SIGTERM handler: the stop grace is shorter than one training step."""
+class Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM handler: the stop grace is shorter than one training step.
+
+    A BaseException, like KeyboardInterrupt, so no ``except Exception`` (ours or a library's) swallows it.
+    """
 
 
 class StageSignals:

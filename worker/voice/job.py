@@ -56,7 +56,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -81,6 +81,7 @@ from worker.core.errors import (
     UnknownJob,
     WorkerError,
 )
+from worker.core.events import CANCELLED, COMPLETED, DEAD_LETTERED, FAILED, Events, NoEvents
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease
 from worker.core.loop import spend_retry
@@ -95,6 +96,7 @@ from worker.core.metrics import (
     Metrics,
 )
 from worker.core.queue import Message
+from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
 from worker.voice.artifacts import (
     ArtifactUploader,
@@ -316,10 +318,15 @@ class VoiceJobHandler:
                  s3_prefix: str, worker_id: str, lease_s: float, crash_points: CrashPoints = NEVER,
                  metrics: Metrics = NULL_METRICS, policy: InputPolicy = DEFAULT_POLICY,
                  keep_work_files: bool = False, models_root: Path | None = None,
-                 max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS):
+                 max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS,
+                 forget_remote_work: Callable[[Path], None] | None = None,
+                 events: Events | None = None):
         self._store = store
         # Recorded retryable failures after which the job's message is dead-lettered (MAX_FAILED_ATTEMPTS).
         self._max_failed_attempts = max_failed_attempts
+        # After the commit: the job's mirror in S3 (pipeline.remote_work), when attempts mirror their work.
+        self._forget_remote_work = forget_remote_work
+        self._events = events or NoEvents()
         # The default policy refuses every s3:// recording: a handler is never more open than asked.
         self._policy = policy
         self._keep_work_files = keep_work_files
@@ -404,6 +411,7 @@ class VoiceJobHandler:
             store_lease.end()
             attempt.cancel()
             log.info("job.cancelled", when="at claim")
+            self._announce(CANCELLED, job, claim.job, attempt)
             return Handled.CANCELLED
         committed: tuple[dict[str, str], list[str]] | None = None
         try:
@@ -414,7 +422,7 @@ class VoiceJobHandler:
             committed = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
         except Stopped as exc:
             store_lease.end()
-            return self._stopped(attempt, exc)
+            return self._stopped(job, claim.job, attempt, exc)
         except LeaseLost:
             raise  # not ours any more: write nothing
         except StaleWrite:
@@ -425,17 +433,18 @@ class VoiceJobHandler:
             raise
         except WorkerError as exc:
             store_lease.end()
-            settled = self._failed(attempt, claim.job, exc)
+            settled = self._failed(job, attempt, claim.job, exc)
             if settled is exc:
                 raise
             raise settled from exc
         except Exception as exc:
             store_lease.end()
-            raise self._failed(attempt, claim.job, unexpected(exc)) from exc
+            raise self._failed(job, attempt, claim.job, unexpected(exc)) from exc
         finally:
             if committed is None:  # whatever ended the attempt short of its commit: time bought nothing
                 self._metrics.seconds(WASTED_GPU_SECONDS, attempt.trainer_clock.seconds(), jobId=job.job_id)
         self._report_cost(claim.job, attempt, job.job_id)
+        self._announce(COMPLETED, job, claim.job, attempt, s3Paths=committed[0])
         self._clean_up_after_commit(job, *committed)
         log.info("job.completed")
         return Handled.COMPLETED
@@ -630,6 +639,11 @@ class VoiceJobHandler:
         self._remove_unreferenced_objects(job, s3_paths)
         self._remove_unpublished(job, model_paths)
         self._remove_work_files(job)
+        if self._forget_remote_work is not None:
+            try:
+                self._forget_remote_work(work_dir_for(self._work_root, job))
+            except Exception as exc:  # noqa: BLE001 - the job is committed: nothing here may fail it
+                log.warning("job.remote_work_not_removed", error=f"{type(exc).__name__}: {exc}")
 
     def _remove_unpublished(self, job: Job, model_paths: Iterable[str]) -> None:
         try:
@@ -656,17 +670,19 @@ class VoiceJobHandler:
         if lease.lost:
             raise Stopped(Stopped.LEASE_LOST, lease.lost_reason or "")
 
-    def _stopped(self, attempt: Attempt, exc: Stopped) -> str:
+    def _stopped(self, job: Job, claimed: dict | None, attempt: Attempt, exc: Stopped) -> str:
         if exc.reason == Stopped.CANCELLED:
             attempt.cancel()
             log.info("job.cancelled", when="during work")
+            self._announce(CANCELLED, job, claimed, attempt)
             return Handled.CANCELLED
         if exc.reason == Stopped.SHUTDOWN:
             self._release(attempt)  # on failure the lease lapses; the message is released anyway
             raise exc
         if exc.reason == Stopped.TIME_LIMIT:
             limit = TimeLimitExceeded(f"job ran past its time limit ({exc})")
-            self._record_error(attempt, limit)
+            if self._record_error(attempt, limit):
+                self._announce(DEAD_LETTERED, job, claimed, attempt, error=limit)
             raise limit from exc
         # Lease lost: no commit. Clearing our store lease (fenced: only if still ours) lets the next
         # delivery claim at once instead of waiting for it to expire.
@@ -681,7 +697,7 @@ class VoiceJobHandler:
         except WorkerError as release_exc:
             log.warning("job.release_failed", error=str(release_exc))
 
-    def _failed(self, attempt: Attempt, claimed: dict | None, exc: WorkerError) -> WorkerError:
+    def _failed(self, job: Job, attempt: Attempt, claimed: dict | None, exc: WorkerError) -> WorkerError:
         """Record the attempt's failure; the error to end with: ``exc``, or ``RetriesExhausted`` once this
         recorded failure spent the job's last retry. An unrecorded failure spends none."""
         if not self._record_error(attempt, exc):
@@ -692,7 +708,22 @@ class VoiceJobHandler:
         if settled is not exc:
             log.warning("job.retries_exhausted", failed_attempts=failed, error_type=exc.error_type,
                         note="dead-lettered by the worker: MAX_FAILED_ATTEMPTS reached")
+        self._announce(FAILED if settled.retryable else DEAD_LETTERED, job, claimed, attempt, error=settled,
+                       failedAttempts=failed)
         return settled
+
+    def _announce(self, event_type: str, job: Job, claimed: dict | None, attempt: Attempt, *,
+                  error: WorkerError | None = None, **extra: object) -> None:
+        """One state-change event (worker.core.events), after the record it describes was written."""
+        cost = usage(claimed)
+        detail: dict[str, object] = {
+            "jobId": job.job_id, "profileId": job.profile_id, "environment": job.environment,
+            "at": utc_now().isoformat(), "attempts": cost["attempts"],
+            "gpuSeconds": round(cost["gpuSeconds"] + attempt.trainer_clock.seconds(), 3), **extra}
+        if error is not None:
+            detail["error"] = {"type": error.error_type, "retryable": error.retryable,
+                               "message": redact_text(str(error))[:ERROR_MESSAGE_MAX_CHARS]}
+        self._events.publish(event_type, detail)
 
     @staticmethod
     def _record_error(attempt: Attempt, exc: WorkerError) -> bool:
