@@ -172,7 +172,8 @@ def test_a_killed_worker_s_training_resumes_on_a_second_worker_at_the_requested_
     assert outcome.stage_processes, "no stage process was running at the kill"
     assert "train_full" not in outcome.verified_at_kill
     assert "message.deleted" not in first.event_names(), "the killed worker must not have acknowledged"
-    assert job.record()["status"] == "completed" and s3_problems(job) == []
+    record = job.record()
+    assert record["status"] == "completed" and record["attempts"] == 2 and s3_problems(job) == []
 
     # embed had finished before the kill: its verified output was reused, not recomputed.
     assert len(job.stage_logs("embed")) == 1
