@@ -48,10 +48,12 @@ USER 10001:10001
 STOPSIGNAL SIGTERM
 
 # Healthy while the loop and the heartbeat keep touching LIVENESS_FILE (first touched once the
-# worker is ready). The start period covers the store's connect retries: by default up to 7 pings
-# of 5 s each with 21 s of delays between them.
+# worker is ready, with its age limit written in it). The start period covers the store's connect
+# retries: by default up to 7 pings of 5 s each with 21 s of delays between them. The check imports
+# nothing of the worker (worker/core/healthcheck.py): `python -m worker health` would load the whole
+# command line every 30 s.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=90s --retries=3 \
-    CMD ["python", "-m", "worker", "health"]
+    CMD ["python", "-m", "worker.core.healthcheck"]
 
 ENTRYPOINT ["python", "-m", "worker"]
 CMD ["run"]

@@ -41,6 +41,7 @@ import os
 import queue
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -229,6 +230,7 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
                   manifests: ManifestWriter | None = None,
                   beside: Callable[[], AbstractContextManager[object]] | None = None) -> StageResult:
     argv = render_argv(stage.argv, ctx.placeholder_values(stage))
+    started_s = time.monotonic()
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
     with log_file, (beside() if beside is not None else nullcontext()):
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
@@ -252,7 +254,8 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
         write_manifest(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
     else:
         manifests.submit(stage, ctx, manifest)
-    log.info("stage.completed", stage=stage.name, log=log_path.name)
+    log.info("stage.completed", stage=stage.name, log=log_path.name,
+             duration_s=round(time.monotonic() - started_s, 3))
     return StageResult(stage.name, skipped=False, log_path=log_path)
 
 
@@ -543,12 +546,12 @@ def _supervise(
                 checkpoint_asked = True
                 _ask_checkpoint(stage, lifeline, log_file)
             if stop.is_set():
-                end_tree(proc, tree, grace_s)
+                _stop_stage(stage, proc, tree, grace_s, str(stop.reason))
                 _log_line(log_file, f"stage {stage.name} stopped: {stop.reason}")
                 stop.raise_if_set()
             remaining_s = None if deadline is None else deadline - clock()
             if remaining_s is not None and remaining_s <= 0:
-                end_tree(proc, tree, grace_s)
+                _stop_stage(stage, proc, tree, grace_s, "timeout")
                 _log_line(log_file, f"stage {stage.name} ran past its timeout")
                 raise TimeLimitExceeded(
                     f"stage {stage.name} ran past its timeout of {stage.timeout_s:g} s"
@@ -569,6 +572,16 @@ def _supervise(
             log.warning("stage.output_still_open", stage=stage.name)
     _report(stage.name, updates, progress, last_reported)
     return proc.returncode
+
+
+def _stop_stage(stage: StageSpec, proc: subprocess.Popen, tree: StageTree, grace_s: float, why: str) -> None:
+    """End the stage's processes, saying so: SIGTERM, then SIGKILL to what outlives the grace."""
+    log.info("stage.stopping", stage=stage.name, why=why, grace_s=grace_s)
+    # Killed by us, or by its keeper (which got our SIGTERM too and ends the stage on the same grace,
+    # then exits as the stage did: by SIGKILL).
+    if end_tree(proc, tree, grace_s) or proc.returncode == -signal.SIGKILL:
+        log.warning("stage.killed", stage=stage.name, why=why,
+                    note=f"processes outlived the {grace_s:g} s grace after SIGTERM: SIGKILL")
 
 
 def _ask_checkpoint(stage: StageSpec, lifeline: socket.socket, log_file: IO[bytes]) -> None:

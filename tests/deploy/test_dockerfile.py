@@ -130,10 +130,11 @@ def test_entrypoint_runs_the_worker_module_with_run_by_default(instructions):
 
 
 def test_healthcheck_runs_the_health_command_with_bounded_timings(instructions):
-    """HEALTHCHECK runs python -m worker health (exec form), its start period past the store retries."""
+    """HEALTHCHECK runs the import-free check python -m worker.core.healthcheck (exec form), its start
+    period past the store retries."""
     args = _only(instructions, "HEALTHCHECK")
     options, _, command = args.partition(" CMD ")
-    assert json.loads(command) == ["python", "-m", "worker", "health"]
+    assert json.loads(command) == ["python", "-m", "worker.core.healthcheck"]
     timings = dict(re.findall(r"--([a-z-]+)=(\d+)s", options))
     assert {"interval", "timeout", "start-period"} <= set(timings)
     assert int(timings["timeout"]) < int(timings["interval"])

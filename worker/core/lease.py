@@ -185,7 +185,9 @@ class Lease:
                 return
             now = self._clock()
             if shutdown_at is not None and now >= shutdown_at:
-                self.stop.set(Stopped.SHUTDOWN, "shutdown grace period over")
+                if self.stop.set(Stopped.SHUTDOWN, "shutdown grace period over"):
+                    log.warning("worker.grace_over", message_id=self.message.message_id, grace_s=self._grace_s,
+                                note="the job is stopped and its message handed back")
             if now >= self._time_limit_at:
                 self.stop.set(Stopped.TIME_LIMIT, "JOB_TIME_LIMIT_SECONDS reached")
             if now >= self._deadline:
