@@ -146,7 +146,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     if settings.spot_interruption_check_s > 0:
         def reclaimed() -> None:  # as SIGTERM does (worker.core.daemon): systemd hears it at once
             pulse.stopping()
-            worker.stop()
+            worker.stop(notice=True)  # the agent's SIGTERM that may follow must not end the grace
 
         spot_watch = SpotWatch(InstanceMetadata(settings.imds_endpoint), settings.spot_interruption_check_s,
                                on_notice=reclaimed)

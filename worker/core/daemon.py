@@ -100,16 +100,15 @@ def install_signal_handlers(worker: Worker, pulse: Pulse | None = None, *, json_
     (``worker.stacks``) from the relay, so the log stays JSON; otherwise as faulthandler's text,
     which it writes from the signal handler itself and so also for a process whose threads are all
     stuck in C code holding the GIL (for that case in JSON mode: ``py-spy dump --pid``)."""
-    if pulse is None:
-        stop, drain = worker.stop, worker.drain
-    else:
-        def stop() -> None:
+    def stop() -> None:
+        if pulse is not None:
             pulse.stopping()
-            worker.stop()
+        worker.stop()
 
-        def drain() -> None:
+    def drain() -> None:
+        if pulse is not None:
             pulse.draining()
-            worker.drain()
+        worker.drain()
 
     relay = SignalRelay(stop, drain, stacks=log_stacks if json_stacks else None)
     relay.install()

@@ -208,14 +208,15 @@ class Worker:
         log.info("worker.stopped",
                  reason=stop_reason(self.shutdown.requested.is_set(), self.draining.is_set()))
 
-    def stop(self) -> None:
+    def stop(self, *, notice: bool = False) -> None:
         """Request a shutdown (a second request skips the grace); from any thread, never from a signal
-        handler: it takes locks (see ``worker.core.daemon`` for how signals get here)."""
-        hurried = self.shutdown.requested.is_set()
-        self.shutdown.request()
-        log.info("worker.shutdown_requested", in_flight=self._in_flight, hurried=hurried,
+        handler: it takes locks (see ``worker.core.daemon`` for how signals get here). ``notice``: the
+        request of a notice, not a signal (``Shutdown.request``): never the first of two."""
+        self.shutdown.request(notice=notice)
+        hurried = self.shutdown.hurried.is_set()
+        log.info("worker.shutdown_requested", in_flight=self._in_flight, hurried=hurried, notice=notice,
                  grace_s=0.0 if hurried else self._config.lease.shutdown_grace_s,
-                 note="a second request ends the grace at once" if not hurried else "the grace is over")
+                 note="the grace is over" if hurried else "a second signal ends the grace at once")
 
     def drain(self) -> None:
         """Stop receiving; the job in flight runs on (up to its time limit) and is settled as usual, then
