@@ -276,6 +276,9 @@ class ManifestWriter:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-manifest")
+        # Tasks that follow a manifest (mirroring the stage's outputs to S3): a thread of their own, so
+        # an upload never holds up a manifest, nor a stop that waits for the manifests.
+        self._after = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-after-manifest")
         self._pending: list[tuple[Future, StageSpec, StageContext]] = []
 
     def submit(self, stage: StageSpec, ctx: StageContext, manifest: Path) -> None:
@@ -284,8 +287,16 @@ class ManifestWriter:
         self._pending.append((future, stage, ctx))
 
     def then(self, task: Callable[[], None]) -> None:
-        """Run ``task`` on the manifest thread after the writes submitted so far (it must not raise)."""
-        self._pool.submit(task)
+        """Run ``task`` once the manifest submitted last is written (not if it failed); best effort:
+        ``close`` does not wait for it. It must not raise."""
+        last = self._pending[-1][0] if self._pending else None
+
+        def after_manifest() -> None:
+            if last is not None and last.exception() is not None:
+                return
+            task()
+
+        self._after.submit(after_manifest)
 
     def check(self) -> None:
         """Raise the error of a manifest write that already failed; never waits."""
@@ -296,8 +307,11 @@ class ManifestWriter:
         self._settle(only_done=False)
 
     def close(self) -> None:
-        """Let a write in progress finish (the job's files may be removed next); errors are not raised."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Let every manifest write finish (a bounded hash each: a finished stage keeps its manifest for
+        the retry); cancel the tasks that follow them and do not wait for one under way. Errors are not
+        raised here (``wait`` raises them)."""
+        self._pool.shutdown(wait=True)
+        self._after.shutdown(wait=False, cancel_futures=True)
 
     def _settle(self, *, only_done: bool) -> None:
         while self._pending:

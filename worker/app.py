@@ -11,7 +11,7 @@ import structlog
 
 from pipeline.config import load_pipeline_config
 from pipeline.stage_env import stage_env_problems, stage_environment
-from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
+from worker.core.aws import LazyClient, lease_client_config, make_client, new_session, notice_client_config
 from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
 from worker.core.events import Events, NoEvents, Publisher, target_service
@@ -103,7 +103,8 @@ def build_app(settings: Settings, *, session=None) -> App:
     events: Events = NoEvents()
     if settings.events_target:
         service = target_service(settings.events_target)
-        events = Publisher(settings.events_target, LazyClient(lambda: make_client(service, aws, session)).made)
+        events = Publisher(settings.events_target, LazyClient(
+            lambda: make_client(service, aws, session, config=notice_client_config(aws))).made)
     limits, policy = settings.job_limits(), settings.input_policy()
 
     def job_handler() -> VoiceJobHandler:
