@@ -47,7 +47,8 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     for stale in args.checkpoints.glob("phonemes-*"):
         if stale != cache:
             shutil.rmtree(stale, ignore_errors=True)
-    torch.manual_seed(int(fingerprint[:8], 16))
+    seed = int(fingerprint[:8], 16)
+    torch.manual_seed(seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Vits builds its audio processor and tokenizer from the config (and fills in the vocabulary).
     model = Vits(build_config(profile, voice, phoneme_cache=cache)).to(device)
@@ -59,6 +60,8 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     schedulers = model.get_scheduler(optimizers)
     criteria = [criterion.to(device) for criterion in model.get_criterion()]
     step = restore(args.checkpoints, fingerprint, model, optimizers, schedulers, torch)
+    # A resumed run draws other noise than the first steps did, not the same again.
+    torch.manual_seed(seed + step)
     if step >= profile.total_steps:
         print(f"already at step {step} of {profile.total_steps}", flush=True)
     else:
