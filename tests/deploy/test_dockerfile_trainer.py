@@ -121,3 +121,18 @@ def test_the_real_pipeline_runs_every_stage_with_the_trainer_interpreter():
     """Every stage of config/pipeline.real.toml starts with {trainer_python}: none runs in the worker's interpreter."""
     config = load_pipeline_config(REPO / "config" / "pipeline.real.toml", trainer_python=sys.executable)
     assert config.stages and all(stage.argv[0] == "{trainer_python}" for stage in config.stages)
+
+
+def test_labels_say_the_version_and_revision_like_the_worker_image(instructions, worker_image):
+    """The trainer image takes the worker image's VERSION and REVISION build args and labels itself with
+    them, under a title of its own."""
+    assert _all(instructions, "ARG") == _all(worker_image, "ARG")
+    labels = " ".join(_all(instructions, "LABEL"))
+    assert 'org.opencontainers.image.version="${VERSION}"' in labels
+    assert 'org.opencontainers.image.revision="${REVISION}"' in labels
+    assert 'org.opencontainers.image.title="voice-worker-trainer"' in labels
+
+
+def test_the_trainer_image_leaves_the_demo_clips_out(instructions):
+    """samples/ (the demos' recordings) is not copied, as in the worker image."""
+    assert "samples" not in _copied(instructions)
