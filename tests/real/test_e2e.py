@@ -5,7 +5,8 @@
 the trainer virtualenv's interpreter and commits. One clean job is checked with the libraries that
 will use its five artifacts (tests/real/check_artifacts.py, run by the trainer interpreter); a second
 job has its worker killed with SIGKILL after the first checkpoint and is finished by a second worker,
-resumed from that checkpoint at exactly the requested global step.
+resumed from that checkpoint at exactly the requested global step; and the demo's second act (`make
+demo-real`) runs as a person would run it.
 
 Not part of `make test` (minutes of CPU training): `make test-real` runs it, after building
 trainers/.venv.
