@@ -317,6 +317,13 @@ def _run_command(func, command: str, args) -> int:
         return _fail(exc.problems)
     configure_logging(settings.log_level, settings.log_format,
                       fields={"worker_id": settings.worker_id, "version": __version__})
+    if settings.tracing_enabled:
+        from worker.core import tracing  # OpenTelemetry only when asked for
+
+        try:
+            tracing.enable()
+        except ConfigError as exc:
+            return _fail(exc.problems)
     if command == "run":
         return func(settings, args)  # the daemon reports its own failures
     try:

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from worker.core import tracing
 from worker.core.errors import InvalidMessage, QueueError, WorkerError
 from worker.core.queue import Queue
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
@@ -68,7 +69,9 @@ def submit_prepared(store: Store, sqs, queue_url: str,
     try:
         # On a FIFO queue the job is its own group, and a second send of it within SQS's five
         # minutes (a retried submit with the same jobId) is dropped as a duplicate.
-        Queue(sqs, queue_url).send(record["messageBody"], group_id=job_id, dedup_id=job_id)
+        with tracing.span("submit", **{"job.id": job_id}):  # the job's trace starts here and goes with it
+            Queue(sqs, queue_url).send(record["messageBody"], group_id=job_id, dedup_id=job_id,
+                                       attributes=tracing.message_attributes())
     except QueueError as exc:
         # The record stays pending; `reconcile` re-enqueues pending jobs whose message never arrived.
         raise QueueError(f"job {job_id} recorded but not enqueued: {exc}") from exc
