@@ -129,7 +129,7 @@ def test_redrive_falls_back_where_the_move_task_is_not_implemented(queues, clien
     result = dlq.redrive()
 
     assert result.method == RECEIVE_SEND_DELETE and result.moved == 3 and result.error is None
-    assert "not supported" in result.fallback_reason
+    assert "has no StartMessageMoveTask" in result.fallback_reason
     back = source_messages(queues)
     assert sorted(json.loads(m["Body"])["jobId"] for m in back) == sorted(job_ids)
     for m in back:

@@ -90,8 +90,8 @@ def test_redrive_on_the_moto_server_falls_back_and_prints_no_html(moto_server):
     assert cmd_dlq_redrive(dlq, max_messages=None, fallback=False, out=out, err=err) == 0
 
     text = out.getvalue() + err.getvalue()
-    assert "moved 1 message(s)" in text and "not supported by this endpoint" in text
-    assert "<" not in text and "html" not in text.lower().replace("an html error page", "")
+    assert "moved 1 message(s)" in text and "the endpoint has no StartMessageMoveTask" in text
+    assert "<" not in text and "html" not in text.lower().replace("an html page came back", "")
     [moved] = sqs.receive_message(QueueUrl=queues.url, WaitTimeSeconds=1)["Messages"]
     assert json.loads(moved["Body"])["jobId"] == "a" * 24
 

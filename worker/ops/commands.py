@@ -223,7 +223,7 @@ def render_status(doc: dict) -> str:
         lines += _path_lines(files["modelPaths"]) + _path_lines(files["s3Paths"])
     elif profile.get("modelPaths") or profile.get("s3Paths"):
         # The profile's paths are another job's (a later claim, or the one before a cancelled or failed job).
-        lines += fitted("files", "none committed by this job", f"(the profile's are job {o(profile.get('jobId'))}'s)")
+        lines += fitted("files", "none committed by this job", "(the profile's paths are another job's)")
     return "\n".join(lines)
 
 
@@ -443,7 +443,7 @@ def cmd_dlq_list(dlq: DeadLetterQueue, *, as_json: bool, max_messages: int = 100
     if as_json:
         print(json.dumps(summaries), file=out)
     elif not summaries:
-        print(f"the dead-letter queue is empty ({dlq.url})", file=out)
+        print(f"the dead-letter queue is empty:\n  {dlq.url}", file=out)
     else:
         head = f"{len(summaries)} message(s), oldest first, in"
         print(f"{head} {dlq.url}:" if len(head) + len(dlq.url) < WIDTH else f"{head}\n  {dlq.url}:", file=out)
@@ -503,9 +503,10 @@ def cmd_dlq_redrive(dlq: DeadLetterQueue, *, max_messages: int | None, fallback:
               f"go back to {dlq.source_url} in the background; `dlq list` shows what is left", file=out)
         return EXIT_OK
     if result.method == RECEIVE_SEND_DELETE:
-        print(f"moved {result.moved} message(s) back to {dlq.source_url} by receive, send, delete "
-              f"({result.fallback_reason}); ~{'?' if result.expected is None else result.expected} "
-              "were in the dead-letter queue at the start", file=out)
+        print(f"moved {result.moved} message(s) back by receive, send, delete to\n  {dlq.source_url}\n"
+              f"  because: {result.fallback_reason}\n"
+              f"  ~{'?' if result.expected is None else result.expected} were in the dead-letter queue "
+              "at the start", file=out)
     if result.came_back:
         print(f"  {result.came_back} message(s) this run had moved came back to the dead-letter queue "
               "(dead-lettered again): left there, not moved twice; see `dlq list`", file=out)

@@ -235,12 +235,12 @@ class DeadLetterQueue:
             try:
                 task_handle = self._queue.start_move_task(
                     self._source_queue, action="StartMessageMoveTask (try again, or use --fallback)")
-                reason = "StartMessageMoveTask is not supported by this endpoint"
+                reason = "the endpoint has no StartMessageMoveTask"
             except SQS_FAILED as exc:
                 if not move_task_missing(exc):
                     return RedriveResult(MOVE_TASK, error=str(exc))
                 task_handle = None
-                reason = "StartMessageMoveTask is not supported by this endpoint (an HTML error page, not SQS's answer)"
+                reason = "the endpoint has no StartMessageMoveTask (an HTML page came back)"
             if task_handle is not None:
                 return RedriveResult(MOVE_TASK, task_handle=task_handle)
             log.info("dlq.move_task_unsupported", fallback=RECEIVE_SEND_DELETE)
