@@ -148,7 +148,10 @@ def closed_pipe_run(argv: list[str], env: dict[str, str]) -> subprocess.Complete
 
 
 def command_env(**settings: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SQS_", "STORE_", "MONGO_", "AWS_"))}
+    # Without PYTHONUNBUFFERED, as in an operator's shell: stdout into a pipe is then block-buffered,
+    # and a reader that went away is found only when the buffer is flushed.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SQS_", "STORE_", "MONGO_", "AWS_")) and k != "PYTHONUNBUFFERED"}
     return {**env, "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t", "AWS_REGION": "us-east-1", **settings}
 
 
