@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -265,11 +266,14 @@ def _run(
 
         stop.raise_if_set()
         progress(DATASET_STEP, 0.0)
-        run_dataset_stage(
+        started_s = time.monotonic()
+        dataset = run_dataset_stage(
             [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
             dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
             child=dataset_child,
         )
+        log.info("dataset.completed", recordings=len(sources), rebuilt=dataset.rebuilt,
+                 duration_s=round(time.monotonic() - started_s, 3))
     finally:
         if dataset_child is not None:
             dataset_child.end()

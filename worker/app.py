@@ -136,7 +136,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     # until then, but a broken install (a module of the job path that does not import) would then
     # crash at a message, holding it invisible, again after every restart, instead of failing here.
     handler = job_handler()
-    pulse = Pulse(settings.liveness_file, settings.notify_socket)
+    pulse = Pulse(settings.liveness_file, settings.notify_socket, max_age_s=settings.liveness_age_limit_s)
     lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
@@ -146,7 +146,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     if settings.spot_interruption_check_s > 0:
         def reclaimed() -> None:  # as SIGTERM does (worker.core.daemon): systemd hears it at once
             pulse.stopping()
-            worker.stop()
+            worker.stop(notice=True)  # the agent's SIGTERM that may follow must not end the grace
 
         spot_watch = SpotWatch(InstanceMetadata(settings.imds_endpoint), settings.spot_interruption_check_s,
                                on_notice=reclaimed)

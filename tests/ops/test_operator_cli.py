@@ -283,7 +283,7 @@ def test_dlq_list_fits_80_columns(sqs, queues, dlq):
 
 
 def test_version_prints_the_package_version(capsys):
-    """`python -m worker --version` prints the installed package's version and exits 0."""
+    """`python -m worker --version` prints the package version (pyproject's, as worker.__version__) and exits 0."""
     from importlib.metadata import version
 
     with pytest.raises(SystemExit) as exited:

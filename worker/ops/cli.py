@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from worker import __version__
 from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
@@ -75,7 +76,7 @@ def cmd_run(settings: Settings, _args) -> int:
         log.error("worker.startup_failed", error=str(exc), error_type=exc.error_type)
         return EXIT_CRASHED
     app.start()
-    return run_worker(app.worker, close=app.close, pulse=app.pulse)
+    return run_worker(app.worker, close=app.close, pulse=app.pulse, json_stacks=settings.log_format == "json")
 
 
 def cmd_demo(_settings, _args) -> int:
@@ -287,15 +288,6 @@ COMMANDS = {
 }
 
 
-def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("voice-worker")
-    except PackageNotFoundError:  # a checkout run without installing it
-        return "unknown"
-
-
 def watch_seconds(text: str) -> float:
     """--watch SECONDS: a finite number above zero (argparse exits 2 with the message otherwise)."""
     import argparse
@@ -339,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m worker", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"voice-worker {package_version()}")
+    parser.add_argument("--version", action="version", version=f"voice-worker {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (func, needs_settings, summary, text, example) in COMMANDS.items():
         p = sub.add_parser(name, help=summary, description=f"{text}\n\nexample:\n  {example}",
@@ -398,7 +390,8 @@ def _run_command(func, command: str, args) -> int:
         settings = load_settings()
     except ConfigError as exc:
         return _fail(exc.problems)
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format,
+                      fields={"worker_id": settings.worker_id, "version": __version__})
     if command == "run":
         return func(settings, args)  # the daemon reports its own failures
     try:
