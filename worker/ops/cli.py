@@ -199,7 +199,8 @@ def _exits(specific: str, store_file: bool = False, usage: str = "") -> str:
     """The exit-code paragraph of an operator command's help: its own codes, then the shared ones."""
     settings = f"2 settings{usage}, one line each on stderr" + (
         " (also a STORE_URL file that does not exist)" if store_file else "")
-    return textwrap.fill(f"exit codes: {specific}; {settings}; 130 Ctrl-C", 96)
+    return textwrap.fill(f"exit codes: {specific}; {settings}; 130 Ctrl-C; 141 quietly, when the reader of "
+                         "stdout went away (`| head`)", 96)
 
 COMMANDS = {
     "run": (cmd_run, True, "run the worker daemon (the default)",
