@@ -81,7 +81,7 @@ def cmd_submit(open_store: Callable[[], AbstractContextManager[Store]], sqs, que
         print(f"submit refused: {one_line(exc)}", file=err)
         return EXIT_MISMATCH
     except WorkerError as exc:
-        print(f"submit failed: {one_line(exc)}", file=err)
+        print(f"submit failed: {error_line(exc)}", file=err)
         return EXIT_FAILED
     if unverified:
         print(f"note: job {job_id} was recorded before submissions were hashed: this submission was not "
