@@ -1,4 +1,4 @@
-"""MongoDB-only behaviour: the connect check, ownership of the client, ids, indexes and races."""
+"""MongoDB-only behaviour: the connect check, ownership of the client, ids, indexes and races (mongomock and a real server)."""
 
 from __future__ import annotations
 
@@ -60,12 +60,17 @@ class Factory:
         return self.client
 
 
-@pytest.fixture
-def mongo(clock):
-    client = mongomock.MongoClient()
-    store = MongoStore(client["voice"], clock=clock, client=client)
+@pytest.fixture(params=["mongomock", "mongo"])
+def mongo(request, clock):
+    """A store and its database, on mongomock and on the real server (tests/mongo_server.py)."""
+    if request.param == "mongo":
+        db, client = request.getfixturevalue("mongo_db"), None
+    else:
+        client = mongomock.MongoClient()
+        db = client["voice"]
+    store = MongoStore(db, clock=clock, client=client)
     store.ensure_indexes()
-    yield store, client["voice"]
+    yield store, db
     store.close()
 
 
