@@ -21,7 +21,15 @@ from tests.voice.records.conftest import (
     submit,
 )
 from worker.core.errors import ConfigError, StaleWrite, StoreError
-from worker.voice.records.mongo import MongoStore, ServerClock, connect_mongo, server_local_time
+from worker.voice.records.mongo import (
+    _CAS_ATTEMPTS,
+    _REV,
+    MongoStore,
+    ServerClock,
+    cas_backoff_s,
+    connect_mongo,
+    server_local_time,
+)
 from worker.voice.records.rules import is_complete
 
 
@@ -354,8 +362,37 @@ def test_profile_that_keeps_changing_is_store_error(mongo, clock):
         return doc
 
     store._profiles.find_one = find_one_then_someone_writes
+    waits: list[float] = []
+    store._sleep = waits.append
     with pytest.raises(StoreError):
         store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    assert len(waits) == _CAS_ATTEMPTS - 1
+
+
+def test_a_swap_that_lost_to_other_writers_waits_a_growing_random_while_before_each_new_read(mongo, clock):
+    """Each lost swap is followed by a jittered wait within a doubling, capped span; then the swap lands."""
+    store, db = mongo
+    submit(store)
+    jobs, waits = store._jobs, []
+    real_swap, losses = jobs.find_one_and_update, iter(range(3))
+
+    def a_rival_writes_then_swap(*args, **kwargs):
+        if next(losses, None) is not None:  # another writer's change lands between the read and the swap
+            jobs.update_one({"_id": ObjectId(JOB_ID)}, {"$inc": {_REV: 1}})
+        return real_swap(*args, **kwargs)
+
+    jobs.find_one_and_update = a_rival_writes_then_swap
+    store._sleep = waits.append
+    assert store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S).outcome == "claimed"
+    assert len(waits) == 3
+    assert all(0 <= wait <= 0.001 * 2 ** n for n, wait in enumerate(waits))
+
+
+def test_the_wait_after_a_lost_swap_doubles_up_to_its_cap_and_is_drawn_below_it():
+    """The span after the k-th loss is 1 ms doubled k-1 times, capped at 50 ms; the wait is drawn from [0, span]."""
+    spans = [cas_backoff_s(lost, rng=lambda low, high: high) for lost in range(1, 10)]
+    assert spans == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05]
+    assert cas_backoff_s(3, rng=lambda low, high: low) == 0.0
 
 
 def test_fields_the_worker_does_not_change_are_left_as_the_backend_wrote_them(mongo, clock):
