@@ -550,3 +550,41 @@ def test_on_server_time_a_skewed_worker_is_held_and_a_dead_lease_ends_on_time(mo
     server.mono_s += 9  # the skewed holder died: its lease ends 10 s of server time after its claim
     assert holder.claim(JOB_ID, owner="w2", token="t2", lease_s=10).outcome == "claimed"
     assert holder.clock_offset_s() == pytest.approx(-skew_s, abs=0.001)
+
+
+# ---------------------------------------------------------------- what only a real server judges
+
+def test_ensure_indexes_again_over_jobs_without_a_key_succeeds_on_the_server(mongo_db, clock):
+    """A restart's ensure_indexes over key-less jobs keeps the partial unique index (mongomock raises E11000 here)."""
+    store = MongoStore(mongo_db, clock=clock)
+    store.ensure_indexes()
+    submit(store)
+    submit(store, OTHER_JOB)
+    MongoStore(mongo_db, clock=clock).ensure_indexes()
+    index = mongo_db["voiceclonings"].index_information()["idempotencyKey_unique"]
+    assert index["unique"] is True and index["partialFilterExpression"] == {"idempotencyKey": {"$type": "string"}}
+    assert submit(store, "c" * 24, key="k") == ("c" * 24, True)
+    assert submit(store, "d" * 24, key="k") == ("c" * 24, False)
+
+
+def test_a_fence_field_another_writer_stored_in_another_field_order_still_matches(mongo, clock):
+    """The swap's filter is what was read, in the stored field order: a reordered lease (a real server compares the order) still renews."""
+    store, db = mongo
+    submit(store)
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    jobs = db["voiceclonings"]
+    lease = jobs.find_one({"_id": ObjectId(JOB_ID)})["lease"]
+    jobs.update_one({"_id": ObjectId(JOB_ID)}, {"$set": {"lease": dict(reversed(list(lease.items())))}})
+    clock.advance(10)
+    store.renew_lease(JOB_ID, "t1", LEASE_S)  # StaleWrite if its filter missed the reordered lease
+    renewed = store.get_job(JOB_ID)["lease"]
+    assert renewed["token"] == "t1" and renewed["expiresAt"] == clock.now + timedelta(seconds=LEASE_S)
+
+
+def test_on_the_server_the_stores_clock_is_the_servers(mongo_db):
+    """The real server answers hello with its localTime, so a store without a clock uses it, without the fallback warning."""
+    reported = server_local_time(mongo_db)
+    assert reported is not None and reported.tzinfo is not None and reported.microsecond % 1000 == 0
+    with capture_logs() as logs:
+        MongoStore(mongo_db).now()
+    assert [entry for entry in logs if entry["event"] == "store.server_clock_unavailable"] == []
