@@ -23,6 +23,15 @@ TEST_URI_ENV = "MONGO_TEST_URI"
 _databases = itertools.count()
 
 
+def database_uri(server_uri: str, database: str) -> str:
+    """``server_uri`` naming ``database`` as its default database, its options (a query) kept."""
+    scheme, _, rest = server_uri.partition("://")
+    hosts, _, path = rest.partition("/")
+    query = path.partition("?")[2] or (rest.partition("?")[2] if "/" not in rest else "")
+    hosts = hosts.partition("?")[0]
+    return f"{scheme}://{hosts}/{database}" + (f"?{query}" if query else "")
+
+
 @pytest.fixture(scope="session")
 def mongo_server_uri(worker_id: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The URI of a real MongoDB server: ``MONGO_TEST_URI``, or a local server started for this worker."""

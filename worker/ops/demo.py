@@ -10,6 +10,7 @@ The demo keeps the job's work files (KEEP_WORK_FILES), so the local files it lis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -126,15 +127,19 @@ def provision(session, endpoint: str) -> str:
     return queue_url
 
 
-def local_stack_env(endpoint: str, queue_url: str, state_dir: Path) -> dict[str, str]:
-    """The settings of a worker on the local stack: what the demo and the dev stack share."""
+def local_stack_env(endpoint: str, queue_url: str, state_dir: Path, mongo_uri: str | None = None) -> dict[str, str]:
+    """The settings of a worker on the local stack: what the demo and the dev stack share.
+
+    The records are in ``state_dir/records.db``, or on the MongoDB server at ``mongo_uri``; the other
+    store's setting is empty (unset), so a shell that sourced the other kind of env.sh is not left with both."""
     return {
         "SQS_QUEUE_URL": queue_url,
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_REGION": "us-east-1",
         "SQS_VISIBILITY_TIMEOUT_SECONDS": "60",
         "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "5000",
-        "STORE_URL": f"sqlite:///{state_dir / 'records.db'}",
+        "STORE_URL": "" if mongo_uri else f"sqlite:///{state_dir / 'records.db'}",
+        "MONGO_URI": mongo_uri or "",
         "S3_BUCKET": BUCKET,
         "S3_PREFIX": "models",
         "RECORDINGS_S3_BUCKET": RECORDINGS_BUCKET,
@@ -146,8 +151,8 @@ def local_stack_env(endpoint: str, queue_url: str, state_dir: Path) -> dict[str,
     }
 
 
-def demo_settings(endpoint: str, queue_url: str, run_dir: Path) -> Settings:
-    return load_settings({**local_stack_env(endpoint, queue_url, run_dir),
+def demo_settings(endpoint: str, queue_url: str, run_dir: Path, mongo_uri: str | None = None) -> Settings:
+    return load_settings({**local_stack_env(endpoint, queue_url, run_dir, mongo_uri),
                           "SQS_WAIT_TIME_SECONDS": "1", "LOG_LEVEL": "WARNING", "WORKER_ID": "demo-worker"})
 
 
@@ -198,21 +203,27 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
             last = (stage, percent)
 
 
-def run_demo(out=None) -> int:
+def run_demo(out=None, store: str = "sqlite") -> int:
+    """``store="mongo"``: the records on a local MongoDB server (worker.ops.localmongo), the production store."""
     out = out or sys.stdout
     from worker.app import build_app
     from worker.core.logs import configure_logging
+    from worker.ops.localmongo import LocalMongo
     from worker.voice.submit import submit
 
     run_dir = REPO / "var" / "demo" / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    print("voice-worker demo: local SQS/S3 (moto), SQLite records, reference trainer "
+    records = "MongoDB records (a local SecantusDB server)" if store == "mongo" else "SQLite records"
+    print(f"voice-worker demo: local SQS/S3 (moto), {records}, reference trainer "
           "(the local stand-in for GPU training)", file=out, flush=True)
-    with LocalAws() as aws:
+    with LocalAws() as aws, contextlib.ExitStack() as servers:
+        mongo_uri = None
+        if store == "mongo":
+            mongo_uri = servers.enter_context(LocalMongo(log_path=run_dir / "mongo.log")).uri + "voice"
         session = dev_session()
         queue_url = provision(session, aws.url)
-        settings = demo_settings(aws.url, queue_url, run_dir)
+        settings = demo_settings(aws.url, queue_url, run_dir, mongo_uri)
         configure_logging(settings.log_level, settings.log_format)
         app = build_app(settings, session=session)
         try:

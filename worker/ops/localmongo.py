@@ -88,7 +88,7 @@ class LocalMongo:
                 probe.bind(("127.0.0.1", self.port))
             except OSError:
                 raise RuntimeError(f"port {self.port} on 127.0.0.1 is in use: is a local MongoDB server "
-                                   "already running? (choose another with --mongo-port)") from None
+                                   "already running there?") from None
 
     def _start(self) -> bool:
         """Start the process and wait for its ping; False (the process gone) if it never answered."""
