@@ -29,6 +29,23 @@ run: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
+# The real trainers (config/pipeline.real.toml) in a virtualenv of their own, built on first use
+# (torch, Coqui TTS, Resemblyzer: about 2 GB); never the worker's interpreter.
+TRAINER_VENV  := trainers/.venv
+TRAINER_STAMP := $(TRAINER_VENV)/.installed
+
+.PHONY: trainers test-trainers
+
+trainers: $(TRAINER_STAMP)
+
+$(TRAINER_STAMP): trainers/pyproject.toml trainers/constraints.txt scripts/install-trainers.sh
+	scripts/install-trainers.sh $(PYTHON) $(TRAINER_VENV) dev
+	touch $(TRAINER_STAMP)
+
+# The three real stages by hand on an espeak-ng dataset, in the ci profile (a few CPU-minutes).
+test-trainers: $(TRAINER_STAMP)
+	cd trainers && .venv/bin/python -m pytest -q tests
+
 # Benchmarks (not part of `make test`): ratios against baselines measured side by side in one run.
 .PHONY: bench
 bench: $(STAMP)

@@ -9,6 +9,7 @@ reference trainer's checkpoints.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -26,8 +27,10 @@ from pipeline.files import (
     OutputRefused,
     fsync_dir,
     open_output,
+    open_real_dir,
     open_regular,
     output_digest,
+    real_directory,
     sha256_and_size_of,
 )
 
@@ -112,7 +115,14 @@ def manifest_path(output_dir: Path, stage_name: str) -> Path:
 def write_manifest(
     path: Path, output_dir: Path, stage_name: str, fingerprint: str, outputs: Sequence[str]
 ) -> dict:
-    """Record the stage's outputs as they are now; returns the manifest written."""
+    """Record the stage's outputs as they are now; returns the manifest written.
+
+    It may run while the next stage runs (``pipeline.stages.ManifestWriter``), and that stage can
+    replace ``.manifests`` or plant links in it: the directory is reached without a link and the file
+    written into it by descriptor, under a fresh temp name that no link can stand in for.
+    """
+    if path.parent != output_dir / MANIFEST_DIR_NAME:
+        raise ValueError(f"a manifest belongs in {output_dir / MANIFEST_DIR_NAME}, not {path.parent}")
     described = describe_outputs(output_dir, outputs)
     manifest = {
         "version": MANIFEST_VERSION,
@@ -121,9 +131,39 @@ def write_manifest(
         "outputs": described,
         "seal": _seal(described),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+    real_directory(output_dir, MANIFEST_DIR_NAME)  # a link there is removed, never followed
+    try:
+        dir_fd = open_real_dir(output_dir, MANIFEST_DIR_NAME)
+    except OutputRefused as exc:  # replaced by a link since: the write fails, the manifest is not written
+        raise OSError(errno.ELOOP, f"{MANIFEST_DIR_NAME}: {exc}", str(path.parent)) from None
+    try:
+        atomic_write_at(dir_fd, path.name, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+    finally:
+        os.close(dir_fd)
     return manifest
+
+
+def atomic_write_at(dir_fd: int, name: str, data: bytes) -> None:
+    """Write ``data`` as ``name`` in the directory open as ``dir_fd``: the old content or all of the new.
+
+    The temp file is created anew with O_EXCL|O_NOFOLLOW under a random name, so nothing planted in the
+    directory (a link to a file elsewhere) is written through; the rename and the directory's sync go
+    by descriptor too."""
+    temp = f".{name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(6)}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(temp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    os.fsync(dir_fd)
 
 
 def manifest_problem(

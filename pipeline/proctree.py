@@ -93,19 +93,24 @@ class StageTree:
             return False
 
 
-def end_tree(proc: subprocess.Popen, tree: StageTree, grace_s: float) -> None:
-    """SIGTERM every process of the stage, SIGKILL what is left after the grace; reap the main one."""
+def end_tree(proc: subprocess.Popen, tree: StageTree, grace_s: float) -> bool:
+    """SIGTERM every process of the stage, SIGKILL what is left after the grace; reap the main one.
+
+    Returns whether SIGKILL was needed (something outlived the grace)."""
     tree.signal(signal.SIGTERM)
     deadline = time.monotonic() + max(0.0, grace_s)
     while time.monotonic() < deadline:
         if proc.poll() is not None and not tree.members():
-            return
+            return False
         time.sleep(_POLL_S)
+    killed = False
     for _ in range(_KILL_ROUNDS):
         if not tree.signal(signal.SIGKILL):
             break
+        killed = True
         time.sleep(_POLL_S)
     proc.wait()
+    return killed
 
 
 def _environ(proc_root: Path, pid: int) -> list[bytes]:

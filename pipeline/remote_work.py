@@ -35,20 +35,24 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
+import shutil
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 
-from pipeline.config import StageSpec
-from pipeline.files import OutputRefused, fsync_dir, open_regular, output_parts, real_directory
-from pipeline.manifest import TEMP_MARKER, atomic_write_bytes, manifest_from_bytes, manifest_path
+from pipeline.config import MANIFEST_DIR_NAME, StageSpec
+from pipeline.files import OutputRefused, open_real_dir, open_regular, output_parts, real_directory
+from pipeline.manifest import TEMP_MARKER, atomic_write_at, manifest_from_bytes, manifest_path
 from pipeline.reuse import attempt_order
+from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +60,13 @@ WORK_KEY_DIR = ".work"
 LISTING_VERSION = 1
 SHARED_FILE_SYSTEMS = frozenset({"nfs", "nfs4", "efs", "lustre", "cifs", "smb3", "glusterfs", "ceph", "9p"})
 _CHUNK = 1024 * 1024
-_S3_ERRORS = (BotoCoreError, ClientError, OSError)
+# Once a shutdown is announced: how often the checkpoint directory is mirrored, so the checkpoint
+# written on the checkpoint signal gets out within the grace.
+NOTICE_SYNC_INTERVAL_S = 5.0
+# The push after a stage stopped or failed: what it has not sent by then, the next attempt redoes,
+# rather than the message being released after the orchestrator's kill.
+FINAL_PUSH_BUDGET_S = 10.0
+_WAKE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -116,11 +126,12 @@ class RemoteWork:
 
     # ------------------------------------------------------------------ checkpoints
     def push_checkpoints(self, stage: str, directory: Path) -> int:
-        """Mirror the checkpoint directory as it is now; returns the files sent. Never raises."""
+        """Mirror the checkpoint directory as it is now; returns the files sent. Never raises: a mirror
+        that fails is a head start lost, never a failure of the job."""
         with self._lock:
             try:
                 return self._push_checkpoints(stage, directory)
-            except _S3_ERRORS as exc:
+            except Exception as exc:  # noqa: BLE001 - best effort by design (s3transfer raises its own types)
                 log.warning("remote_work.push_failed", stage=stage, what="checkpoints", error=_short(exc))
                 return 0
 
@@ -129,13 +140,9 @@ class RemoteWork:
         sent = self._sent.setdefault(stage, set())
         blob_prefix = f"{self._mine}/checkpoints/{stage}/"
         files: dict[str, dict] = {}
-        uploaded = 0
-        for rel in _regular_files(directory):
-            try:
-                fd = open_regular(directory, rel)
-            except OutputRefused:
-                continue
-            with os.fdopen(fd, "rb") as handle:
+        uploaded, complete = 0, True
+        for rel, handle in _checkpoint_files(directory):
+            with handle:
                 before = _identity(os.fstat(handle.fileno()))
                 cached = known.get(rel)
                 if cached is not None and cached[0] == before:
@@ -143,7 +150,8 @@ class RemoteWork:
                 else:
                     digest, _size = _sha256(handle)
                     if _identity(os.fstat(handle.fileno())) != before:
-                        continue  # being written: the next round takes it
+                        complete = False  # being written: the next round takes it
+                        continue
                     known[rel] = (before, digest)
                 if digest not in sent:
                     # A descriptor of its own: s3transfer closes the file object it was given, and
@@ -154,10 +162,16 @@ class RemoteWork:
                     if _identity(os.fstat(handle.fileno())) != before:
                         # Rewritten while sent: the blob's name may not match its bytes, so it goes.
                         self._s3.delete_object(Bucket=self._bucket, Key=blob_prefix + digest)
+                        complete = False
                         continue
                     sent.add(digest)
                     uploaded += 1
             files[rel] = {"sha256": digest, "size": before[1]}
+        if not complete or not files:
+            # A set with a file left out would be a torn checkpoint, and an empty one would replace a
+            # host's own checkpoints with nothing: the mirror keeps naming the last whole set (its
+            # blobs stay), and the next round tries again.
+            return uploaded
         listing = {"version": LISTING_VERSION, "stage": stage, "attempt": self._attempt, "files": files}
         self._s3.put_object(Bucket=self._bucket, Key=f"{self._mine}/checkpoints/{stage}.json",
                             Body=json.dumps(listing, sort_keys=True).encode())
@@ -170,39 +184,65 @@ class RemoteWork:
         return uploaded
 
     @contextlib.contextmanager
-    def syncing(self, stage: str, directory: Path) -> Iterator[None]:
-        """Mirror ``directory`` every interval while the block runs, and once more when it ends."""
+    def syncing(self, stage: str, directory: Path, stop: StopSignal | None = None) -> Iterator[None]:
+        """Mirror ``directory`` every interval while the block runs; once the shutdown is announced
+        (``stop.forewarned()``), every ``NOTICE_SYNC_INTERVAL_S``, so the checkpoint the stage writes on
+        its checkpoint signal is mirrored within the grace. A block that ends in an exception (a stop,
+        a failure) gets one more push, bounded by ``FINAL_PUSH_BUDGET_S`` so a shutdown still releases
+        its message in time; a stage that succeeded needs none (its outputs are mirrored instead)."""
         done = threading.Event()
 
         def loop() -> None:
-            while not done.wait(self.sync_interval_s):
-                self.push_checkpoints(stage, directory)
+            # Woken every slice, so a shutdown announced during a long interval is seen at once.
+            last_s = time.monotonic()
+            while not done.wait(min(self._interval_s(stop), _WAKE_S)):
+                if time.monotonic() - last_s >= self._interval_s(stop):
+                    self.push_checkpoints(stage, directory)
+                    last_s = time.monotonic()
 
         thread = threading.Thread(target=loop, name=f"checkpoint-sync-{stage}", daemon=True)
         thread.start()
         try:
             yield
+        except BaseException:
+            done.set()
+            thread.join()
+            last = threading.Thread(target=self.push_checkpoints, args=(stage, directory),
+                                    name=f"checkpoint-final-{stage}", daemon=True)
+            last.start()
+            last.join(FINAL_PUSH_BUDGET_S)
+            if last.is_alive():  # it goes on in the background; what it has not sent, the next attempt redoes
+                log.warning("remote_work.final_push_cut", stage=stage, budget_s=FINAL_PUSH_BUDGET_S)
+            raise
         finally:
             done.set()
             thread.join()
-            self.push_checkpoints(stage, directory)
+
+    def _interval_s(self, stop: StopSignal | None) -> float:
+        if stop is not None and stop.forewarned():
+            return min(self.sync_interval_s, NOTICE_SYNC_INTERVAL_S)
+        return self.sync_interval_s
 
     def pull_checkpoints(self, stage: str, directory: Path, newer_than: str | None = None) -> str | None:
-        """Fill ``directory`` (emptied first) with the newest other attempt's mirrored checkpoints, if that
-        attempt is newer than ``newer_than`` (a local attempt's name); returns the attempt or None."""
+        """Replace ``directory`` with the newest other attempt's mirrored checkpoints, if that attempt
+        is newer than ``newer_than`` (a local attempt's name); returns the attempt or None. Downloaded
+        and verified beside it first: a restore that fails leaves the directory as it was."""
+        staging = directory.with_name(f".restore-{directory.name}")
         for attempt in self._other_attempts(newer_than):
             try:
                 listing = self._get_json(f"{self._root}/attempts/{attempt}/checkpoints/{stage}.json")
                 if listing is None or not _is_listing(listing, stage):
                     continue
-                _empty(directory)
+                _empty(staging)
                 for rel, entry in sorted(listing["files"].items()):
                     self._download(f"{self._root}/attempts/{attempt}/checkpoints/{stage}/{entry['sha256']}",
-                                   directory, rel, entry["size"], entry["sha256"])
-            except (RestoreMismatch, ValueError, *_S3_ERRORS) as exc:
+                                   staging, rel, entry["size"], entry["sha256"])
+                _remove_real_dir(directory)
+                os.rename(staging, directory)
+            except Exception as exc:  # noqa: BLE001 - a restore that fails is a stage that starts without it
                 log.warning("remote_work.restore_failed", stage=stage, what="checkpoints", attempt=attempt,
                             error=_short(exc))
-                _empty(directory)
+                _remove_real_dir(staging)
                 continue
             log.info("remote_work.checkpoints_restored", stage=stage, attempt=attempt, files=len(listing["files"]))
             return attempt
@@ -219,7 +259,7 @@ class RemoteWork:
                 manifest = manifest_path(output_dir, stage.name)
                 self._s3.put_object(Bucket=self._bucket, Key=f"{self._mine}/output/.manifests/{manifest.name}",
                                     Body=manifest.read_bytes())
-            except (OutputRefused, *_S3_ERRORS) as exc:
+            except Exception as exc:  # noqa: BLE001 - best effort by design
                 log.warning("remote_work.push_failed", stage=stage.name, what="outputs", error=_short(exc))
                 return
         log.info("remote_work.outputs_pushed", stage=stage.name, files=len(stage.outputs))
@@ -237,10 +277,8 @@ class RemoteWork:
                 for rel in stage.outputs:
                     entry = manifest["outputs"][rel]
                     self._download(f"{base}/{rel}", output_dir, rel, entry["size"], entry["sha256"])
-                path = manifest_path(output_dir, stage.name)
-                real_directory(output_dir, path.parent.name)
-                atomic_write_bytes(path, raw)
-            except (RestoreMismatch, ValueError, KeyError, TypeError, *_S3_ERRORS) as exc:
+                _write_in_real_dir(output_dir, MANIFEST_DIR_NAME, f"{stage.name}.json", raw)
+            except Exception as exc:  # noqa: BLE001 - a restore that fails is a stage that runs
                 log.warning("remote_work.restore_failed", stage=stage.name, what="outputs", attempt=attempt,
                             error=_short(exc))
                 continue
@@ -259,7 +297,7 @@ class RemoteWork:
                 if keys:
                     self._s3.delete_objects(Bucket=self._bucket, Delete={"Objects": keys, "Quiet": True})
                     deleted += len(keys)
-        except _S3_ERRORS as exc:
+        except Exception as exc:  # noqa: BLE001 - the job is committed: its mirror is the lifecycle rule's then
             log.warning("remote_work.forget_failed", error=_short(exc))
         return deleted
 
@@ -272,7 +310,7 @@ class RemoteWork:
                      for page in paginator.paginate(Bucket=self._bucket, Prefix=f"{self._root}/attempts/",
                                                     Delimiter="/")
                      for prefix in page.get("CommonPrefixes", [])]
-        except _S3_ERRORS as exc:
+        except Exception as exc:  # noqa: BLE001 - no mirror to restore from
             log.warning("remote_work.list_failed", error=_short(exc))
             return []
         floor = attempt_order(newer_than) if newer_than else None
@@ -293,29 +331,39 @@ class RemoteWork:
         return None if raw is None else json.loads(raw)
 
     def _download(self, key: str, root: Path, rel: str, size: int, sha256_hex: str) -> None:
-        """``root/rel`` from ``key``, checked against ``size`` and ``sha256_hex`` before it takes its name."""
+        """``root/rel`` from ``key``, checked against ``size`` and ``sha256_hex`` before it takes its name;
+        written by descriptor into real directories under a fresh temp name (no link followed)."""
         parts = output_parts(rel)
-        target_dir = real_directory(root.parent, "/".join([root.name, *parts[:-1]]))
-        target = target_dir / parts[-1]
-        temp = target.with_name(f".{target.name}{TEMP_MARKER}{os.getpid()}")
+        real_directory(root.parent, "/".join([root.name, *parts[:-1]]))
+        dir_fd = open_real_dir(root.parent, "/".join([root.name, *parts[:-1]]))
         try:
-            digest = hashlib.sha256()
-            with open(temp, "wb") as out:
-                writer = _Hashing(out, digest)
-                self._s3.download_fileobj(self._bucket, key, writer)
-                out.flush()
-                os.fsync(out.fileno())
-            if (writer.size, digest.hexdigest()) != (size, sha256_hex):
-                raise RestoreMismatch(f"{rel}: what was downloaded is not what was recorded")
-            os.replace(temp, target)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        fsync_dir(target_dir)
+            temp = f".{parts[-1]}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(6)}"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                         dir_fd=dir_fd)
+            try:
+                digest = hashlib.sha256()
+                with os.fdopen(fd, "wb") as out:
+                    writer = _Hashing(out, digest)
+                    self._s3.download_fileobj(self._bucket, key, writer)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if (writer.size, digest.hexdigest()) != (size, sha256_hex):
+                    raise RestoreMismatch(f"{rel}: what was downloaded is not what was recorded")
+                os.replace(temp, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                try:
+                    os.unlink(temp, dir_fd=dir_fd)
+                except OSError:
+                    pass
+                raise
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 class _Hashing:
-    """A file object that hashes what is written to it in order (downloads run with use_threads=False)."""
+    """A file object that hashes what is written to it. It has no seek, so s3transfer writes a
+    download's parts in order (its non-seekable path) and the digest is the file's."""
 
     def __init__(self, out, digest):
         self._out, self._digest, self.size = out, digest, 0
@@ -338,23 +386,57 @@ def _is_listing(listing: Any, stage: str) -> bool:
     if not isinstance(listing, dict) or listing.get("version") != LISTING_VERSION or listing.get("stage") != stage:
         return False
     files = listing.get("files")
-    return isinstance(files, dict) and all(
+    return isinstance(files, dict) and bool(files) and all(
         isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
         and all(c in "0123456789abcdef" for c in entry["sha256"])
         and isinstance(entry.get("size"), int) for entry in files.values())
 
 
-def _regular_files(directory: Path) -> list[str]:
-    """Paths of the regular files below ``directory``, relative to it; links and temp files left out."""
-    found = []
-    for current, dirs, files in os.walk(directory, followlinks=False):
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(current, d))]
-        for name in files:
-            path = os.path.join(current, name)
-            if TEMP_MARKER in name or not stat.S_ISREG(os.lstat(path).st_mode):
-                continue
-            found.append(os.path.relpath(path, directory))
-    return sorted(found)
+def _checkpoint_files(directory: Path) -> Iterator[tuple[str, Any]]:
+    """(path relative to ``directory``, open file) of each regular file below it, reached without a
+    link (from the attempt directory down: a stage may have made ``checkpoints/`` a link); links,
+    temp files and anything else are left out. The caller closes each file."""
+    try:
+        top = open_real_dir(directory.parent.parent, f"{directory.parent.name}/{directory.name}")
+    except OutputRefused:
+        return
+    try:
+        for current, _dirs, names, current_fd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            for name in sorted(names):
+                if TEMP_MARKER in name:
+                    continue
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=current_fd)
+                except OSError:
+                    continue  # a link (ELOOP), a fifo, or gone
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    continue
+                os.set_blocking(fd, True)
+                yield os.path.normpath(os.path.join(current, name)), os.fdopen(fd, "rb")
+    finally:
+        os.close(top)
+
+
+def _write_in_real_dir(root: Path, directory: str, name: str, data: bytes) -> None:
+    real_directory(root, directory)
+    dir_fd = open_real_dir(root, directory)
+    try:
+        atomic_write_at(dir_fd, name, data)
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_real_dir(path: Path) -> None:
+    """Remove ``path`` if it is there: a real directory with rmtree (which follows no link), else unlink."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def _identity(st: os.stat_result) -> tuple:

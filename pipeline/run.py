@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -265,11 +266,14 @@ def _run(
 
         stop.raise_if_set()
         progress(DATASET_STEP, 0.0)
-        run_dataset_stage(
+        started_s = time.monotonic()
+        dataset = run_dataset_stage(
             [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
             dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
             child=dataset_child,
         )
+        log.info("dataset.completed", recordings=len(sources), rebuilt=dataset.rebuilt,
+                 duration_s=round(time.monotonic() - started_s, 3))
     finally:
         if dataset_child is not None:
             dataset_child.end()
@@ -290,10 +294,11 @@ def _run(
         for index, stage in enumerate(config.stages):
             manifests.check()
             stop.raise_if_set()
-            progress(stage.name, 0.0)
             _adopt_earlier_work(stage, ctx, earlier, remote)
+            # After the copies and restores: the stage's time (its GPU-seconds) starts with its run.
+            progress(stage.name, 0.0)
             outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s, manifests=manifests,
-                                beside=_mirroring(stage, ctx, remote))
+                                beside=_mirroring(stage, ctx, remote, stop))
             if remote is not None and not outcome.skipped and index < len(config.stages) - 1:
                 # Behind its manifest, on the same thread. Not the last stage's: the commit sends those.
                 manifests.then(functools.partial(remote.push_outputs, stage, ctx.output_dir))
@@ -328,11 +333,11 @@ def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remot
             remote.pull_checkpoints(stage.name, ctx.checkpoint_dir(stage), newer_than=local.name if local else None)
 
 
-def _mirroring(stage, ctx: StageContext, remote: RemoteWork | None):
+def _mirroring(stage, ctx: StageContext, remote: RemoteWork | None, stop: StopSignal):
     """While a resumable stage runs, its checkpoints are mirrored to S3 (when the job mirrors)."""
     if remote is None or not stage.resumable:
         return None
-    return functools.partial(remote.syncing, stage.name, ctx.checkpoint_dir(stage))
+    return functools.partial(remote.syncing, stage.name, ctx.checkpoint_dir(stage), stop)
 
 
 def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:

@@ -41,6 +41,7 @@ import os
 import queue
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -74,7 +75,7 @@ from pipeline.proctree import (
 from pipeline.reuse import attempt_order
 from pipeline.stage_env import stage_environment
 from pipeline.stage_keeper import FAILED, SIGNAL, STARTED, keeper_argv
-from worker.core.errors import StageFailed, StageFailedPermanently, TimeLimitExceeded, WorkerError
+from worker.core.errors import StageFailed, StageFailedPermanently, Stopped, TimeLimitExceeded, WorkerError
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
 
@@ -229,6 +230,7 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
                   manifests: ManifestWriter | None = None,
                   beside: Callable[[], AbstractContextManager[object]] | None = None) -> StageResult:
     argv = render_argv(stage.argv, ctx.placeholder_values(stage))
+    started_s = time.monotonic()
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
     with log_file, (beside() if beside is not None else nullcontext()):
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
@@ -252,7 +254,8 @@ def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: Sto
         write_manifest(manifest, ctx.output_dir, stage.name, stage.fingerprint, stage.outputs)
     else:
         manifests.submit(stage, ctx, manifest)
-    log.info("stage.completed", stage=stage.name, log=log_path.name)
+    log.info("stage.completed", stage=stage.name, log=log_path.name,
+             duration_s=round(time.monotonic() - started_s, 3))
     return StageResult(stage.name, skipped=False, log_path=log_path)
 
 
@@ -273,6 +276,9 @@ class ManifestWriter:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-manifest")
+        # Tasks that follow a manifest (mirroring the stage's outputs to S3): a thread of their own, so
+        # an upload never holds up a manifest, nor a stop that waits for the manifests.
+        self._after = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-after-manifest")
         self._pending: list[tuple[Future, StageSpec, StageContext]] = []
 
     def submit(self, stage: StageSpec, ctx: StageContext, manifest: Path) -> None:
@@ -281,8 +287,16 @@ class ManifestWriter:
         self._pending.append((future, stage, ctx))
 
     def then(self, task: Callable[[], None]) -> None:
-        """Run ``task`` on the manifest thread after the writes submitted so far (it must not raise)."""
-        self._pool.submit(task)
+        """Run ``task`` once the manifest submitted last is written (not if it failed); best effort:
+        ``close`` does not wait for it. It must not raise."""
+        last = self._pending[-1][0] if self._pending else None
+
+        def after_manifest() -> None:
+            if last is not None and last.exception() is not None:
+                return
+            task()
+
+        self._after.submit(after_manifest)
 
     def check(self) -> None:
         """Raise the error of a manifest write that already failed; never waits."""
@@ -293,8 +307,11 @@ class ManifestWriter:
         self._settle(only_done=False)
 
     def close(self) -> None:
-        """Let a write in progress finish (the job's files may be removed next); errors are not raised."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Let every manifest write finish (a bounded hash each: a finished stage keeps its manifest for
+        the retry); cancel the tasks that follow them and do not wait for one under way. Errors are not
+        raised here (``wait`` raises them)."""
+        self._pool.shutdown(wait=True)
+        self._after.shutdown(wait=False, cancel_futures=True)
 
     def _settle(self, *, only_done: bool) -> None:
         while self._pending:
@@ -534,21 +551,24 @@ def _supervise(
     last_reported: list[float | None] = [None]
     deadline = clock() + stage.timeout_s if stage.timeout_s is not None else None
     finished = False
-    checkpoint_asked = stage.checkpoint_signal is None
+    # A stage started once the shutdown was announced has done nothing worth a checkpoint yet, and
+    # may not have its handler in place: it is not signalled (the grace's end stops it as any stage).
+    checkpoint_asked = stage.checkpoint_signal is None or stop.forewarned()
+    checkpoint_sent = False
     exited = _exit_fd(proc)
     try:
         while proc.poll() is None:
             _report(stage.name, updates, progress, last_reported)
             if not checkpoint_asked and stop.forewarned() and not stop.is_set():
                 checkpoint_asked = True
-                _ask_checkpoint(stage, lifeline, log_file)
+                checkpoint_sent = _ask_checkpoint(stage, lifeline, log_file)
             if stop.is_set():
-                end_tree(proc, tree, grace_s)
+                _stop_stage(stage, proc, tree, grace_s, str(stop.reason))
                 _log_line(log_file, f"stage {stage.name} stopped: {stop.reason}")
                 stop.raise_if_set()
             remaining_s = None if deadline is None else deadline - clock()
             if remaining_s is not None and remaining_s <= 0:
-                end_tree(proc, tree, grace_s)
+                _stop_stage(stage, proc, tree, grace_s, "timeout")
                 _log_line(log_file, f"stage {stage.name} ran past its timeout")
                 raise TimeLimitExceeded(
                     f"stage {stage.name} ran past its timeout of {stage.timeout_s:g} s"
@@ -568,19 +588,39 @@ def _supervise(
         if not reader.finish(_READER_DRAIN_S):
             log.warning("stage.output_still_open", stage=stage.name)
     _report(stage.name, updates, progress, last_reported)
+    if checkpoint_sent and stage.checkpoint_signal is not None and proc.returncode == -stage.checkpoint_signal:
+        # Killed by the signal meant to save its work (no handler yet, or a launcher that does not pass
+        # it on): the shutdown ended this attempt, not a fault of the job, so no retry is spent.
+        log.warning("stage.killed_by_checkpoint_signal", stage=stage.name, signal=stage.checkpoint_signal.name,
+                    note="install the handler first thing in the trainer, and have launchers pass the signal on")
+        _log_line(log_file, f"stage {stage.name} was killed by its checkpoint signal "
+                            f"{stage.checkpoint_signal.name}: it does not handle it")
+        raise Stopped(Stopped.SHUTDOWN, f"stage {stage.name} was killed by its checkpoint signal")
     return proc.returncode
 
 
-def _ask_checkpoint(stage: StageSpec, lifeline: socket.socket, log_file: IO[bytes]) -> None:
-    """Have the keeper send the stage's own process its checkpoint signal (a shutdown has begun)."""
+def _stop_stage(stage: StageSpec, proc: subprocess.Popen, tree: StageTree, grace_s: float, why: str) -> None:
+    """End the stage's processes, saying so: SIGTERM, then SIGKILL to what outlives the grace."""
+    log.info("stage.stopping", stage=stage.name, why=why, grace_s=grace_s)
+    # Killed by us, or by its keeper (which got our SIGTERM too and ends the stage on the same grace,
+    # then exits as the stage did: by SIGKILL).
+    if end_tree(proc, tree, grace_s) or proc.returncode == -signal.SIGKILL:
+        log.warning("stage.killed", stage=stage.name, why=why,
+                    note=f"processes outlived the {grace_s:g} s grace after SIGTERM: SIGKILL")
+
+
+def _ask_checkpoint(stage: StageSpec, lifeline: socket.socket, log_file: IO[bytes]) -> bool:
+    """Have the keeper send the stage's own process its checkpoint signal (a shutdown has begun);
+    whether the request went out."""
     assert stage.checkpoint_signal is not None
     name = stage.checkpoint_signal.name
     try:
         lifeline.sendall(SIGNAL + str(int(stage.checkpoint_signal)).encode() + b"\n")
     except OSError:
-        return  # the keeper has exited: the stage has ended, and its exit is what counts
+        return False  # the keeper has exited: the stage has ended, and its exit is what counts
     _log_line(log_file, f"stage {stage.name} asked to checkpoint ({name}): a shutdown has begun")
     log.info("stage.checkpoint_requested", stage=stage.name, signal=name)
+    return True
 
 
 def _exit_fd(proc: subprocess.Popen) -> int | None:

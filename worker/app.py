@@ -11,7 +11,7 @@ import structlog
 
 from pipeline.config import load_pipeline_config
 from pipeline.stage_env import stage_env_problems, stage_environment
-from worker.core.aws import LazyClient, lease_client_config, make_client, new_session
+from worker.core.aws import LazyClient, lease_client_config, make_client, new_session, notice_client_config
 from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
 from worker.core.events import Events, NoEvents, Publisher, target_service
@@ -103,7 +103,8 @@ def build_app(settings: Settings, *, session=None) -> App:
     events: Events = NoEvents()
     if settings.events_target:
         service = target_service(settings.events_target)
-        events = Publisher(settings.events_target, LazyClient(lambda: make_client(service, aws, session)).made)
+        events = Publisher(settings.events_target, LazyClient(
+            lambda: make_client(service, aws, session, config=notice_client_config(aws))).made)
     limits, policy = settings.job_limits(), settings.input_policy()
 
     def job_handler() -> VoiceJobHandler:
@@ -136,7 +137,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     # until then, but a broken install (a module of the job path that does not import) would then
     # crash at a message, holding it invisible, again after every restart, instead of failing here.
     handler = job_handler()
-    pulse = Pulse(settings.liveness_file, settings.notify_socket)
+    pulse = Pulse(settings.liveness_file, settings.notify_socket, max_age_s=settings.liveness_age_limit_s)
     lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
@@ -146,7 +147,7 @@ def build_app(settings: Settings, *, session=None) -> App:
     if settings.spot_interruption_check_s > 0:
         def reclaimed() -> None:  # as SIGTERM does (worker.core.daemon): systemd hears it at once
             pulse.stopping()
-            worker.stop()
+            worker.stop(notice=True)  # the agent's SIGTERM that may follow must not end the grace
 
         spot_watch = SpotWatch(InstanceMetadata(settings.imds_endpoint), settings.spot_interruption_check_s,
                                on_notice=reclaimed)

@@ -74,3 +74,17 @@ def test_a_publish_that_fails_is_a_warning_not_an_error(aws):
         Publisher(BUS, Refusing).publish("JobCompleted", {"jobId": "j"})
     assert [e["event"] for e in logs] == ["events.publish_failed", "events.publish_failed"]
     assert "AccessDenied" in logs[1]["error"]
+
+
+def test_a_fifo_topic_gets_the_job_as_group_and_the_event_as_deduplication_id():
+    """On a FIFO topic, events of one job share a group and each has its own deduplication id."""
+    calls = []
+
+    class Sns:
+        def publish(self, **kwargs):
+            calls.append(kwargs)
+
+    Publisher(TOPIC + ".fifo", Sns).publish("JobCompleted", {"jobId": JOB_ID, "at": "2026-12-01T00:00:00"})
+    Publisher(TOPIC + ".fifo", Sns).publish("JobFailed", {"jobId": JOB_ID, "at": "2026-12-01T00:00:00"})
+    assert [c["MessageGroupId"] for c in calls] == [JOB_ID, JOB_ID]
+    assert calls[0]["MessageDeduplicationId"] != calls[1]["MessageDeduplicationId"]

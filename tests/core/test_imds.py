@@ -140,6 +140,8 @@ def test_the_app_watches_for_spot_notices_only_when_asked(queues, tmp_path, imds
         imds.notice = NOTICE
         assert app.spot_watch.check()
         assert app.worker.shutdown.requested.is_set()
+        app.worker.stop()  # the SIGTERM the ECS agent sends after the notice: the grace stays
+        assert not app.worker.shutdown.hurried.is_set()
     finally:
         app.close()
 

@@ -108,3 +108,16 @@ def test_a_shutdown_request_announces_the_stop_before_the_grace_ends(memory_queu
     memory_queue.send()
     assert worker.run_once() == "ack"
     assert seen == {"stopped": False}
+
+
+def test_a_notice_then_a_signal_keeps_the_grace_and_two_signals_end_it():
+    """A spot notice starts the shutdown but is never the first of two: the SIGTERM after it keeps the
+    grace; a second SIGTERM still ends it."""
+    from worker.core.lease import Shutdown
+
+    shutdown = Shutdown()
+    shutdown.request(notice=True)
+    shutdown.request()
+    assert shutdown.requested.is_set() and not shutdown.hurried.is_set()
+    shutdown.request()
+    assert shutdown.hurried.is_set()

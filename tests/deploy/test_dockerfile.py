@@ -80,11 +80,66 @@ def test_everything_the_install_reads_is_copied(instructions):
         copied |= {s.rstrip("/") for s in sources if not s.startswith("--")}
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
-    needed = {"pyproject.toml", "constraints.txt", "scripts", pyproject["project"]["readme"],
+    needed = {"pyproject.toml", "constraints.txt", "requirements", "scripts", pyproject["project"]["readme"],
               "config", *packages}
     assert needed <= copied
     missing = sorted(s for s in copied if not (REPO / s).exists())
     assert not missing, f"COPY sources missing from the repository: {missing}"
+
+
+def test_the_production_image_leaves_the_demo_clips_out(instructions):
+    """samples/ (the demo's recordings) is not copied into the image."""
+    sources = {src.rstrip("/") for i in instructions if i.keyword == "COPY" for src in i.args.split()[:-1]}
+    assert "samples" not in sources
+
+
+def test_the_image_says_its_version_and_revision(instructions):
+    """OCI labels name the image's version (pyproject's by default) and its source revision (a build arg)."""
+    args = dict(arg.partition("=")[::2] for arg in (i.args for i in instructions if i.keyword == "ARG"))
+    labels = " ".join(i.args for i in instructions if i.keyword == "LABEL")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert args["VERSION"] == version and "REVISION" in args
+    assert 'org.opencontainers.image.version="${VERSION}"' in labels
+    assert 'org.opencontainers.image.revision="${REVISION}"' in labels
+
+
+def _lock() -> dict[str, tuple[str, list[str]]]:
+    """requirements/image.lock as name -> (version, hashes)."""
+    entries: dict[str, tuple[str, list[str]]] = {}
+    text = (REPO / "requirements" / "image.lock").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if not line or line.startswith(("#", " ")):
+            continue
+        requirement, *rest = line.split()
+        name, _, version = requirement.partition("==")
+        entries[name.lower()] = (version, [h.split(":", 1)[1] for h in rest if h.startswith("--hash=sha256:")])
+    return entries
+
+
+def test_the_image_lock_pins_and_hashes_every_runtime_dependency_at_the_tested_versions():
+    """Every entry of image.lock is pinned with at least one SHA-256, at constraints.txt's version; it
+    holds each of pyproject's runtime dependencies, and pip and setuptools, and no dev tool."""
+    lock = _lock()
+    assert all(version and hashes for version, hashes in lock.values()), lock
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        if version:
+            pins[name.lower()] = version
+    assert {name: lock[name][0] for name in lock if name in pins} == {name: pins[name] for name in lock if name in pins}
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = {re.split(r"[<>=\[ ;]", dep)[0].lower() for dep in pyproject["dependencies"]}
+    assert runtime | {"pip", "setuptools"} <= set(lock)
+    dev = {re.split(r"[<>=\[ ;]", dep)[0].lower() for dep in pyproject["optional-dependencies"]["dev"]}
+    assert not dev & set(lock)
+
+
+def test_the_prod_install_requires_the_hashes_and_resolves_nothing():
+    """scripts/install.sh prod installs image.lock with --require-hashes, then the project with --no-deps."""
+    script = (REPO / "scripts" / "install.sh").read_text()
+    prod = script[script.index("else"):]
+    assert "--require-hashes --no-deps -r requirements/image.lock" in prod
+    assert "--no-deps --no-build-isolation ." in prod and "-c constraints.txt" not in prod
 
 
 def test_runs_as_the_fixed_non_root_user_after_installing(instructions):
@@ -130,10 +185,11 @@ def test_entrypoint_runs_the_worker_module_with_run_by_default(instructions):
 
 
 def test_healthcheck_runs_the_health_command_with_bounded_timings(instructions):
-    """HEALTHCHECK runs python -m worker health (exec form), its start period past the store retries."""
+    """HEALTHCHECK runs the import-free check python -m worker.core.healthcheck (exec form), its start
+    period past the store retries."""
     args = _only(instructions, "HEALTHCHECK")
     options, _, command = args.partition(" CMD ")
-    assert json.loads(command) == ["python", "-m", "worker", "health"]
+    assert json.loads(command) == ["python", "-m", "worker.core.healthcheck"]
     timings = dict(re.findall(r"--([a-z-]+)=(\d+)s", options))
     assert {"interval", "timeout", "start-period"} <= set(timings)
     assert int(timings["timeout"]) < int(timings["interval"])

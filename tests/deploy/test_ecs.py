@@ -75,10 +75,10 @@ def test_runs_as_the_images_user_with_an_init(container):
 
 
 def test_health_check_runs_the_health_command(container):
-    """The container health check runs python -m worker health, like the image's HEALTHCHECK, with a
-    start period past the store's connect retries."""
+    """The container health check runs python -m worker.core.healthcheck, like the image's HEALTHCHECK,
+    with a start period past the store's connect retries."""
     check = container["healthCheck"]
-    assert check["command"] == ["CMD", "python", "-m", "worker", "health"]
+    assert check["command"] == ["CMD", "python", "-m", "worker.core.healthcheck"]
     assert check["timeout"] < check["interval"]
     assert check["startPeriod"] > store_connect_worst_s(load_settings({}))
 

@@ -78,3 +78,24 @@ def test_no_checkpoint_signal_without_a_shutdown(tmp_path, ctx):
     """A stage that declared a checkpoint signal runs undisturbed while no shutdown is announced."""
     run_stage(stage(tmp_path, signal.SIGUSR1, 1.0), ctx, StopSignal(), lambda *_: None)
     assert (ctx.output_dir / "n").read_text() == "0"
+
+
+def test_a_stage_started_after_the_notice_is_not_signalled(tmp_path, ctx):
+    """A stage that starts once the shutdown was announced has nothing to checkpoint: no signal."""
+    stop = StopSignal()
+    stop.forewarn()
+    run_stage(stage(tmp_path, signal.SIGUSR1, 1.0), ctx, stop, lambda *_: None)
+    assert (ctx.output_dir / "n").read_text() == "0"
+
+
+def test_a_stage_killed_by_its_checkpoint_signal_ends_as_a_shutdown_not_a_failure(tmp_path, ctx):
+    """A trainer without the handler (yet) dies of the signal: the attempt is stopped for the shutdown,
+    so it is released without spending a retry, not recorded as a failed stage."""
+    from worker.core.errors import Stopped
+
+    unhandled = StageSpec(name="train", argv=("{python}", "-c", "import time; print('PROGRESS 1', flush=True); "
+                                              "time.sleep(60)"), outputs=("n",), checkpoint_signal=signal.SIGUSR1)
+    stop = StopSignal()
+    with pytest.raises(Stopped) as caught:
+        run_stage(unhandled, ctx, stop, forewarning(stop))
+    assert caught.value.reason == "shutdown" and "killed by its checkpoint signal" in str(caught.value)

@@ -91,3 +91,51 @@ def test_check_never_waits_on_a_write_in_progress(ctx, held_hashing):
         release.set()
         manifests.close()
     assert started == ["first"]
+
+
+def test_a_manifest_written_behind_the_next_stage_never_lands_outside_the_job(ctx, held_hashing, tmp_path):
+    """A .manifests swapped for a link out of the job while a manifest is being hashed (as the next
+    stage could) is replaced, never followed: the manifest lands in the output directory, none outside."""
+    import shutil
+
+    release, started = held_hashing
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    manifests = ManifestWriter()
+    try:
+        run_stage(writer("first", "a/one.bin"), ctx, StopSignal(), lambda *_: None, manifests=manifests)
+        shutil.rmtree(ctx.output_dir / ".manifests")
+        (ctx.output_dir / ".manifests").symlink_to(outside)
+        release.set()
+        manifests.wait()
+    finally:
+        release.set()
+        manifests.close()
+    assert started == ["first"]
+    assert list(outside.iterdir()) == []
+    assert not (ctx.output_dir / ".manifests").is_symlink()
+    assert manifest_path(ctx.output_dir, "first").is_file()
+
+
+def test_a_slow_task_after_a_manifest_neither_delays_the_next_manifest_nor_the_close(ctx):
+    """A mirror upload after stage one's manifest runs on its own thread: stage two's manifest is
+    written meanwhile, and close() returns without waiting for the upload."""
+    import threading
+
+    release, finished = threading.Event(), threading.Event()
+
+    def slow_upload():
+        release.wait(20)
+        finished.set()
+
+    manifests = ManifestWriter()
+    try:
+        run_stage(writer("first", "a/one.bin"), ctx, StopSignal(), lambda *_: None, manifests=manifests)
+        manifests.then(slow_upload)
+        run_stage(writer("second", "b/two.bin"), ctx, StopSignal(), lambda *_: None, manifests=manifests)
+        manifests.wait()
+        assert manifest_path(ctx.output_dir, "second").is_file()
+        manifests.close()
+        assert not finished.is_set()  # neither the wait nor the close waited for the upload
+    finally:
+        release.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import boto3
@@ -91,6 +92,67 @@ def test_the_newest_attempt_wins_and_a_tampered_one_is_passed_over(s3, tmp_path)
     assert tree(target) == {"c.pth": b"one"}
 
 
+def test_a_restore_that_fails_leaves_the_local_checkpoints_in_place(s3, tmp_path):
+    """A newer mirror whose blob is missing does not cost the checkpoints this host already had."""
+    mirror(s3, "3-cccc").push_checkpoints("train_full", write(tmp_path / "c", {"c.pth": b"three"}))
+    base = f"voice/.work/{JOB}/attempts/3-cccc/checkpoints/train_full"
+    [blob] = keys(s3, base + "/")
+    s3.delete_object(Bucket=BUCKET, Key=blob)
+    target = write(tmp_path / "local", {"c.pth": b"local two"})
+    assert mirror(s3, "4-dddd").pull_checkpoints("train_full", target, newer_than="2-bbbb") is None
+    assert tree(target) == {"c.pth": b"local two"}
+    assert not (tmp_path / ".restore-local").exists()
+
+
+def test_a_file_that_changes_while_it_is_mirrored_keeps_the_last_whole_set(s3, tmp_path, monkeypatch):
+    """A round that could not take every file consistently names nothing new: the mirror keeps the
+    previous complete set, blobs included."""
+    import pipeline.remote_work as remote_work_module
+
+    source = write(tmp_path / "ckpt", {"model.pt": b"m1", "step.json": b"1"})
+    ours = mirror(s3, "1-aaaa")
+    ours.push_checkpoints("train_full", source)
+    write(source, {"model.pt": b"m2", "step.json": b"2"})
+    real = remote_work_module._sha256
+
+    def busy_writer(handle):
+        digest = real(handle)
+        os.utime(handle.fileno(), ns=(1, 1))  # the trainer touched it while it was read
+        return digest
+
+    monkeypatch.setattr(remote_work_module, "_sha256", busy_writer)
+    ours.push_checkpoints("train_full", source)
+    monkeypatch.undo()
+    restored = tmp_path / "restored"
+    mirror(s3, "2-bbbb").pull_checkpoints("train_full", restored)
+    assert tree(restored) == {"model.pt": b"m1", "step.json": b"1"}
+
+
+def test_a_checkpoints_link_out_of_the_job_mirrors_nothing_from_outside(s3, tmp_path):
+    """A stage that made checkpoints/ a link elsewhere gets nothing from there mirrored."""
+    outside = write(tmp_path / "outside" / "train_full", {"secret.pth": b"another job's"})
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    (attempt / "checkpoints").symlink_to(tmp_path / "outside")
+    assert mirror(s3, "1-aaaa").push_checkpoints("train_full", attempt / "checkpoints" / "train_full") == 0
+    assert keys(s3) == [] and tree(outside) == {"secret.pth": b"another job's"}
+
+
+def test_odd_failures_on_the_way_are_warnings_too(s3, tmp_path, monkeypatch):
+    """An error that is not botocore's (s3transfer's own) or a file name the output rules refuse never
+    escapes a push or a restore."""
+    mirror(s3, "1-aaaa").push_checkpoints("train_full", write(tmp_path / "a", {"c.pth": b"one"}))
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("RetriesExceededError: Max Retries Exceeded")
+
+    other = mirror(s3, "2-bbbb")
+    monkeypatch.setattr(s3, "download_fileobj", broken)
+    assert other.pull_checkpoints("train_full", tmp_path / "r") is None
+    monkeypatch.setattr(s3, "upload_fileobj", broken)
+    assert other.push_checkpoints("train_full", write(tmp_path / "b", {"back\\slash.pth": b"x"})) == 0
+
+
 def test_a_local_attempt_as_new_as_the_mirror_keeps_its_checkpoints(s3, tmp_path):
     """Only an attempt newer than the local one replaces what the host already had."""
     mirror(s3, "1-aaaa").push_checkpoints("train_full", write(tmp_path / "a", {"c.pth": b"one"}))
@@ -149,14 +211,39 @@ def test_a_stale_attempt_writes_only_below_its_own_prefix(s3, tmp_path):
     assert mirror(s3, "3-cccc").pull_checkpoints("train_full", tmp_path / "restored") == "2-bbbb"
 
 
-def test_syncing_mirrors_once_more_when_the_stage_ends(s3, tmp_path):
-    """The checkpoint written last (on the checkpoint signal, say) is mirrored when the stage ends."""
-    source = tmp_path / "ckpt"
-    source.mkdir()
+def test_a_stopped_stage_mirrors_its_last_checkpoint_on_the_way_out(s3, tmp_path):
+    """The checkpoint written at the stop (on the checkpoint signal, say) is mirrored as the block ends."""
+    source = tmp_path / "attempt" / "checkpoints" / "train_full"
+    source.mkdir(parents=True)
     ours = mirror(s3, "1-aaaa")
-    with ours.syncing("train_full", source):
+    with pytest.raises(RuntimeError), ours.syncing("train_full", source):
         write(source, {"last.pth": b"written at the stop"})
+        raise RuntimeError("stopped")
     assert mirror(s3, "2-bbbb").pull_checkpoints("train_full", tmp_path / "restored") == "1-aaaa"
+
+
+def test_once_the_shutdown_is_announced_the_mirror_follows_within_seconds(s3, tmp_path, monkeypatch):
+    """With a sync interval of an hour, a forewarned stop still gets the new checkpoint mirrored at
+    the notice's pace, while the stage runs."""
+    import threading
+
+    import pipeline.remote_work as remote_work_module
+    from worker.core.stop import StopSignal
+
+    monkeypatch.setattr(remote_work_module, "NOTICE_SYNC_INTERVAL_S", 0.05)
+    source = tmp_path / "attempt" / "checkpoints" / "train_full"
+    source.mkdir(parents=True)
+    stop, ours, other = StopSignal(), mirror(s3, "1-aaaa"), mirror(s3, "2-bbbb")
+    with ours.syncing("train_full", source, stop):
+        write(source, {"on-signal.pth": b"saved"})
+        stop.forewarn()
+        seen = threading.Event()
+        for _ in range(400):
+            if other.pull_checkpoints("train_full", tmp_path / f"r{_}") == "1-aaaa":
+                seen.set()
+                break
+            threading.Event().wait(0.05)
+        assert seen.is_set()
 
 
 def test_s3_failures_are_warnings_never_errors(tmp_path, aws):

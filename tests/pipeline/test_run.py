@@ -374,3 +374,15 @@ def test_a_stage_manifest_that_cannot_be_written_fails_the_run(tmp_path, job_and
         run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
                      progress=lambda s, p: None)
     assert not (tmp_path / "work" / "output" / "light" / "model.onnx").exists()
+
+
+def test_the_dataset_step_logs_its_completion_with_its_duration(tmp_path, job_and_fetch, default_config):
+    """dataset.completed says how many recordings, whether it was rebuilt, and how long it took."""
+    from structlog.testing import capture_logs
+
+    job, fetch = job_and_fetch
+    with capture_logs() as logs:
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                     progress=lambda s, p: None)
+    [done] = [e for e in logs if e["event"] == "dataset.completed"]
+    assert done["recordings"] == len(job.recordings) and done["rebuilt"] is True and done["duration_s"] >= 0

@@ -35,6 +35,12 @@ def lease_client_config(aws: AwsConfig) -> Config:
     )
 
 
+def notice_client_config(aws: AwsConfig) -> Config:
+    """For best-effort notices on the job's thread (state-change events): a few seconds at most."""
+    return Config(region_name=aws.region, retries={"mode": "standard", "max_attempts": 2},
+                  connect_timeout=3.0, read_timeout=5.0)
+
+
 NO_REGION = "AWS_REGION is not set and cannot be derived from SQS_QUEUE_URL: set AWS_REGION"
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -32,6 +34,8 @@ EXIT_OK, EXIT_CRASHED, EXIT_CONFIG = 0, 1, 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Finish the job in flight, however long it takes (up to its time limit), take no other, exit 0.
 DRAIN_SIGNAL = signal.SIGUSR2
+# Print every thread's stack, the worker running on.
+STACKS_SIGNAL = signal.SIGUSR1
 # What signal.signal returns and takes back: a callable, SIG_DFL/SIG_IGN, or None (set outside Python).
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -40,10 +44,13 @@ class SignalRelay:
     """SIGTERM and SIGINT in, one ``stop()`` call per signal out, from a thread of its own; with
     ``drain``, SIGUSR2 in, one ``drain()`` call out."""
 
-    def __init__(self, stop: Callable[[], None], drain: Callable[[], None] | None = None):
+    def __init__(self, stop: Callable[[], None], drain: Callable[[], None] | None = None,
+                 stacks: Callable[[], None] | None = None):
         self._calls: dict[int, Callable[[], None]] = dict.fromkeys(STOP_SIGNALS, stop)
         if drain is not None:
             self._calls[DRAIN_SIGNAL] = drain
+        if stacks is not None:
+            self._calls[STACKS_SIGNAL] = stacks
         self._read_fd, self._write_fd = os.pipe()
         # A full pipe must not block the handler: 64 KiB of unread signals already mean "hurry".
         os.set_blocking(self._write_fd, False)
@@ -75,6 +82,7 @@ class SignalRelay:
     def _relay(self) -> None:
         while chunk := os.read(self._read_fd, 64):  # b"" once uninstall closed the write end
             for signum in chunk:
+                log.info("worker.signal", signal=signal.Signals(signum).name)
                 try:
                     self._calls[signum]()
                 except Exception as exc:  # the relay must outlive a failing call, or later signals go unheard
@@ -82,30 +90,45 @@ class SignalRelay:
                               error=f"{type(exc).__name__}: {exc}")
 
 
-def install_signal_handlers(worker: Worker, pulse: Pulse | None = None) -> SignalRelay:
+def install_signal_handlers(worker: Worker, pulse: Pulse | None = None, *, json_stacks: bool = False) -> SignalRelay:
     """Route SIGTERM/SIGINT to ``worker.stop`` and SIGUSR2 to ``worker.drain`` through a relay;
     ``uninstall()`` it when the worker is done. With a ``pulse``, systemd hears STOPPING=1 (or the
-    drain's STATUS) the moment the signal arrives, not when the loop ends minutes later."""
-    if pulse is None:
-        relay = SignalRelay(worker.stop, worker.drain)
-    else:
-        def stop() -> None:
+    drain's STATUS) the moment the signal arrives, not when the loop ends minutes later.
+
+    `kill -USR1 <pid>` prints every thread's stack to stderr: the way to see where a worker that does
+    not stop is stuck, without stopping it. With ``json_stacks`` (LOG_FORMAT=json) as one log line
+    (``worker.stacks``) from the relay, so the log stays JSON; otherwise as faulthandler's text,
+    which it writes from the signal handler itself and so also for a process whose threads are all
+    stuck in C code holding the GIL (for that case in JSON mode: ``py-spy dump --pid``)."""
+    def stop() -> None:
+        if pulse is not None:
             pulse.stopping()
-            worker.stop()
+        worker.stop()
 
-        def drain() -> None:
+    def drain() -> None:
+        if pulse is not None:
             pulse.draining()
-            worker.drain()
+        worker.drain()
 
-        relay = SignalRelay(stop, drain)
+    relay = SignalRelay(stop, drain, stacks=log_stacks if json_stacks else None)
     relay.install()
-    # `kill -USR1 <pid>` prints every thread's stack to stderr: the way to see where a worker that
-    # does not stop is stuck, without stopping it.
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    if not json_stacks:
+        faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
     return relay
 
 
-def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Pulse | None = None) -> int:
+def log_stacks() -> None:
+    """Every thread's stack as one ``worker.stacks`` log line (innermost frame last, as in a traceback)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    threads = [{"thread": names.get(ident, str(ident)),
+                "stack": [f"{frame.filename}:{frame.lineno} in {frame.name}"
+                          for frame in traceback.extract_stack(top)]}
+               for ident, top in sys._current_frames().items()]
+    log.warning("worker.stacks", threads=threads)
+
+
+def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Pulse | None = None, *,
+               json_stacks: bool = False) -> int:
     """Run until shutdown, then leave in this order:
     1. the loop has settled its last message (``run`` returned: deleted, released or left to SQS;
        after a drain, the job in flight ran to its end first);
@@ -115,7 +138,7 @@ def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: P
     5. return the exit code: 0 for a requested stop or a drain, 1 for anything else."""
     pulse = pulse or Pulse()
     code = EXIT_OK
-    relay = install_signal_handlers(worker, pulse)
+    relay = install_signal_handlers(worker, pulse, json_stacks=json_stacks)
     try:
         pulse.ready()
         log.info("worker.started")

@@ -10,8 +10,9 @@ entry's ``Detail``, with ``Source`` ``voice-worker`` and the type as ``DetailTyp
 
 Events are best effort and come after the record they describe: the job record stays the source of
 truth. A publish that fails is one warning, never a failure of the job; a redelivered message that
-needs no work publishes nothing again. Each call waits at most a few seconds (the client's timeouts),
-on the job's thread.
+needs no work publishes nothing again. Each call waits at most a few seconds (the client is made
+with ``worker.core.aws.notice_client_config``: 3 s to connect, 5 s to read, two attempts), on the
+job's thread.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class Publisher:
                 self._client().publish(
                     TopicArn=self._target, Message=body,
                     MessageAttributes={"eventType": {"DataType": "String", "StringValue": event_type}},
-                    **({"MessageGroupId": str(detail.get("jobId", "job"))} if self._target.endswith(".fifo") else {}))
+                    **(self._fifo(event_type, detail) if self._target.endswith(".fifo") else {}))
             else:
                 answer = self._client().put_events(Entries=[{
                     "Source": SOURCE, "DetailType": event_type, "Detail": body, "EventBusName": self._target}])
@@ -80,6 +81,14 @@ class Publisher:
                         error=f"{type(exc).__name__}: {exc}"[:300])
             return
         log.info("events.published", event_type=event_type)
+
+
+    @staticmethod
+    def _fifo(event_type: str, detail: Mapping[str, Any]) -> dict[str, str]:
+        """A FIFO topic's group (the job: its events stay in order) and deduplication id (the event
+        itself), so a topic without content-based deduplication takes it too."""
+        job = str(detail.get("jobId", "job"))
+        return {"MessageGroupId": job, "MessageDeduplicationId": f"{job}-{event_type}-{detail.get('at', '')}"[:128]}
 
 
 class _Refused(Exception):

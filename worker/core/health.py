@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from worker.core.healthcheck import LIMIT_KEY, problem
+
 if TYPE_CHECKING:  # `worker health` imports this module and needs none of the loop's
     from worker.core.loop import Activity
 
@@ -41,8 +43,10 @@ def notify(socket_path: str | None, state: str) -> bool:
 
 class Pulse:
     def __init__(self, liveness_file: str | None = None, notify_socket: str | None = None,
-                 min_interval_s: float = 1.0, clock=time.monotonic):
+                 min_interval_s: float = 1.0, clock=time.monotonic, max_age_s: float | None = None):
         self._file = Path(liveness_file) if liveness_file else None
+        # Written into the file at start, so the container's check needs no settings (worker.core.healthcheck).
+        self._max_age_s = max_age_s
         self._socket = notify_socket
         self._min_interval_s = min_interval_s
         self._clock = clock
@@ -63,9 +67,21 @@ class Pulse:
         notify(self._socket, "WATCHDOG=1")
 
     def ready(self) -> None:
+        self._write_limit()
         notify(self._socket, "READY=1")
         self.status("idle")
         self.beat()
+
+    def _write_limit(self) -> None:
+        if self._file is None or self._max_age_s is None:
+            return
+        temp = self._file.with_name(f".{self._file.name}.tmp-{os.getpid()}")
+        try:
+            temp.write_text(f"{LIMIT_KEY}{self._max_age_s:g}\n", encoding="utf-8")
+            os.replace(temp, self._file)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            log.warning("health.liveness_write_failed", path=str(self._file), error=str(exc))
 
     def status(self, text: str) -> None:
         """The one-line state ``systemctl status`` shows (one line: systemd keeps what follows a newline
@@ -110,13 +126,4 @@ class _Announcing:
 
 def liveness_problem(path: str | None, max_age_s: float, now_s: float | None = None) -> str | None:
     """Why the worker does not look alive, or None when the liveness file is fresh enough."""
-    if not path:
-        return "LIVENESS_FILE is not set: nothing to check"
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError:
-        return f"liveness file {path} does not exist (yet)"
-    age_s = (time.time() if now_s is None else now_s) - mtime
-    if age_s > max_age_s:
-        return f"liveness file {path} is {age_s:.0f} s old (limit {max_age_s:.0f} s)"
-    return None
+    return problem(path, max_age_s, now_s)

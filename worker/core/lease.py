@@ -50,11 +50,17 @@ class Shutdown:
         self.hurried = threading.Event()
         self._lock = threading.Lock()
         self._listeners: list[threading.Event] = []
+        self._signalled = False  # a request that was not a notice came already
 
-    def request(self) -> None:
+    def request(self, *, notice: bool = False) -> None:
+        """Start the shutdown; a second request ends the grace. ``notice``: a request that no one sent
+        twice on purpose (the spot watch's): it starts the grace but is never the first of two, so the
+        SIGTERM that follows a spot notice still gets the whole grace."""
         with self._lock:
-            if self.requested.is_set():
-                self.hurried.set()
+            if not notice:
+                if self._signalled:
+                    self.hurried.set()
+                self._signalled = True
             self.requested.set()
             listeners = tuple(self._listeners)
         for wake in listeners:
@@ -185,7 +191,9 @@ class Lease:
                 return
             now = self._clock()
             if shutdown_at is not None and now >= shutdown_at:
-                self.stop.set(Stopped.SHUTDOWN, "shutdown grace period over")
+                if self.stop.set(Stopped.SHUTDOWN, "shutdown grace period over"):
+                    log.warning("worker.grace_over", message_id=self.message.message_id, grace_s=self._grace_s,
+                                note="the job is stopped and its message handed back")
             if now >= self._time_limit_at:
                 self.stop.set(Stopped.TIME_LIMIT, "JOB_TIME_LIMIT_SECONDS reached")
             if now >= self._deadline:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -50,7 +51,21 @@ def _scrub_event(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> E
     return event_dict
 
 
-def configure_logging(level: str = "INFO", fmt: str = "json", stream=None) -> None:
+class AddFields:
+    """Adds fixed fields to every line (``worker_id``, ``version``), unless the line sets them itself."""
+
+    def __init__(self, fields: Mapping[str, str]):
+        self._fields = dict(fields)
+
+    def __call__(self, _logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+        for key, value in self._fields.items():
+            event_dict.setdefault(key, value)
+        return event_dict
+
+
+def configure_logging(level: str = "INFO", fmt: str = "json", stream=None,
+                      fields: Mapping[str, str] | None = None) -> None:
+    """Structured logging for the process; ``fields`` go on every line (which worker, which release)."""
     stream = stream or sys.stderr
     renderer = (
         structlog.dev.ConsoleRenderer(colors=False)
@@ -60,6 +75,7 @@ def configure_logging(level: str = "INFO", fmt: str = "json", stream=None) -> No
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            AddFields(fields or {}),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -196,6 +196,7 @@ class Worker:
         self._crash = crash_points.reached
         self._activity = activity or NoActivity()
         self.shutdown = Shutdown()
+        self._in_flight: str | None = None  # the message being worked on, for the shutdown's log line
         # Set once by drain(): no more receives, while the job in flight keeps its own clocks.
         self.draining = threading.Event()
 
@@ -207,10 +208,15 @@ class Worker:
         log.info("worker.stopped",
                  reason=stop_reason(self.shutdown.requested.is_set(), self.draining.is_set()))
 
-    def stop(self) -> None:
+    def stop(self, *, notice: bool = False) -> None:
         """Request a shutdown (a second request skips the grace); from any thread, never from a signal
-        handler: it takes locks (see ``worker.core.daemon`` for how signals get here)."""
-        self.shutdown.request()
+        handler: it takes locks (see ``worker.core.daemon`` for how signals get here). ``notice``: the
+        request of a notice, not a signal (``Shutdown.request``): never the first of two."""
+        self.shutdown.request(notice=notice)
+        hurried = self.shutdown.hurried.is_set()
+        log.info("worker.shutdown_requested", in_flight=self._in_flight, hurried=hurried, notice=notice,
+                 grace_s=0.0 if hurried else self._config.lease.shutdown_grace_s,
+                 note="the grace is over" if hurried else "a second signal ends the grace at once")
 
     def drain(self) -> None:
         """Stop receiving; the job in flight runs on (up to its time limit) and is settled as usual, then
@@ -262,6 +268,7 @@ class Worker:
         outcome: WorkerError | None = None
         label = None
         lease.start()
+        self._in_flight = message.message_id
         self._activity.busy(busy_for_s(self._config.lease))
         self._crash("after_receive")
         try:
@@ -284,10 +291,14 @@ class Worker:
             renewals=lease.renewals,
             duration_s=round(self._clock() - started_s, 3),
         )
-        self._settle(message, decision, lease_lost=lease.lost)
-        self._count_outcome(message, decision.action, label, self._clock() - started_s)
-        # Only now: until its message is deleted or handed back, the job is not over.
-        self._activity.idle()
+        try:
+            self._settle(message, decision, lease_lost=lease.lost)
+            self._count_outcome(message, decision.action, label, self._clock() - started_s)
+        finally:
+            # Only now: until its message is deleted or handed back, the job is not over. In a finally:
+            # a settle that raised ends the loop, and the task must not stay protected after it.
+            self._in_flight = None
+            self._activity.idle()
         return decision.action
 
     def _count_outcome(self, message: Message, action: Action, label: str | None, duration_s: float) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from worker import __version__
 from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
@@ -75,7 +76,7 @@ def cmd_run(settings: Settings, _args) -> int:
         log.error("worker.startup_failed", error=str(exc), error_type=exc.error_type)
         return EXIT_CRASHED
     app.start()
-    return run_worker(app.worker, close=app.close, pulse=app.pulse)
+    return run_worker(app.worker, close=app.close, pulse=app.pulse, json_stacks=settings.log_format == "json")
 
 
 def cmd_demo(_settings, args) -> int:
@@ -317,7 +318,8 @@ def _run_command(func, command: str, args) -> int:
         settings = load_settings()
     except ConfigError as exc:
         return _fail(exc.problems)
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format,
+                      fields={"worker_id": settings.worker_id, "version": __version__})
     if command == "run":
         return func(settings, args)  # the daemon reports its own failures
     try:

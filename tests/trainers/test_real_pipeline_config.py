@@ -1,0 +1,48 @@
+"""config/pipeline.real.toml: a valid pipeline whose argv the trainer package accepts."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from voice_trainers.cli import parse_args
+
+from pipeline.config import load_pipeline_config
+
+REAL = Path(__file__).resolve().parents[2] / "config" / "pipeline.real.toml"
+PLACEHOLDERS = {"{dataset_dir}": "/w/job/dataset", "{output_dir}": "/w/job/output",
+                "{checkpoint_dir}": "/w/job/checkpoints/s", "{language}": "pt-BR"}
+
+
+def test_the_real_pipeline_runs_the_three_trainer_stages():
+    """embed, train_full, train_light through {trainer_python} -m voice_trainers, 65 permanent, the five artifacts."""
+    config = load_pipeline_config(REAL, trainer_python=sys.executable)
+    assert [s.name for s in config.stages] == ["embed", "train_full", "train_light"]
+    for stage, mode in zip(config.stages, ["embed", "full", "light"], strict=True):
+        assert list(stage.argv[:4]) == ["{trainer_python}", "-m", "voice_trainers", mode]
+        assert list(stage.permanent_exit_codes) == [65]
+    outputs = [o for s in config.stages for o in s.outputs]
+    assert sorted(outputs) == ["full/config.json", "full/model.pth", "full/speakers.pth", "light/model.onnx",
+                               "light/model.onnx.json"]
+
+
+def test_only_train_full_resumes_and_takes_the_checkpoint_signal():
+    """train_full keeps its checkpoints and gets SIGUSR1 on shutdown; the one-pass stages do neither."""
+    stages = {s.name: s for s in load_pipeline_config(REAL, trainer_python=sys.executable).stages}
+    assert stages["train_full"].resumable and stages["train_full"].checkpoint_signal == signal.SIGUSR1
+    assert not stages["embed"].resumable and stages["embed"].checkpoint_signal is None
+    assert not stages["train_light"].resumable and stages["train_light"].checkpoint_signal is None
+
+
+def test_each_stage_argv_parses_in_the_trainer():
+    """After substitution every stage's argv is a valid voice_trainers command line, in the production profile."""
+    for stage in load_pipeline_config(REAL, trainer_python=sys.executable).stages:
+        argv = []
+        for arg in stage.argv[3:]:
+            for placeholder, value in PLACEHOLDERS.items():
+                arg = arg.replace(placeholder, value)
+            argv.append(arg)
+        args = parse_args(argv)
+        assert args.profile == "production" and args.language == "pt-BR"
+        assert str(args.out).startswith("/w/job/output/")

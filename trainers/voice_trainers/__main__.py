@@ -1,0 +1,5 @@
+import sys
+
+from voice_trainers.cli import main
+
+sys.exit(main())

@@ -1,0 +1,93 @@
+"""Coqui VITS set-up shared by the full and light stages (imports torch and Coqui: call only from a stage)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from voice_trainers.dataset import SAMPLE_RATE_HZ
+from voice_trainers.profiles import Profile
+
+# Coqui's model keys the exported full model keeps; the discriminator only matters for training.
+DISCRIMINATOR_PREFIX = "disc."
+
+
+def import_torch() -> Any:
+    """torch, with its intra-op threads taken from OMP_NUM_THREADS."""
+    import torch
+
+    from voice_trainers.cli import torch_threads
+
+    threads = torch_threads(os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch
+
+
+def patch_audio_loader() -> None:
+    """Read WAVs with soundfile: Coqui's torchaudio.load goes through torchcodec, which needs CUDA's libnvrtc.
+
+    The worker always writes 22,050 Hz mono 16-bit PCM, so no resampling or mixing is needed.
+    """
+    import soundfile
+    import torch
+    from TTS.tts.models import vits
+
+    def load_audio(file_path: str) -> tuple[Any, int]:
+        samples, rate_hz = soundfile.read(file_path, dtype="float32", always_2d=True)
+        return torch.from_numpy(samples.T.copy()), rate_hz
+
+    vits.load_audio = load_audio
+
+
+def build_config(profile: Profile, voice: str, *, phoneme_cache: Path | None) -> Any:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from TTS.config.shared_configs import BaseAudioConfig
+    from TTS.tts.configs.vits_config import VitsArgs, VitsConfig
+
+    audio = BaseAudioConfig(sample_rate=SAMPLE_RATE_HZ, fft_size=1024, win_length=1024, hop_length=256,
+                            num_mels=80, mel_fmin=0.0, mel_fmax=None)
+    return VitsConfig(
+        model_args=VitsArgs(**profile.model_args),
+        audio=audio,
+        run_name="voice",
+        batch_size=profile.batch_size,
+        eval_batch_size=profile.batch_size,
+        batch_group_size=0,
+        num_loader_workers=0,
+        num_eval_loader_workers=0,
+        run_eval=False,
+        test_delay_epochs=-1,
+        mixed_precision=False,
+        text_cleaner="multilingual_phoneme_cleaners",
+        use_phonemes=True,
+        phonemizer="espeak",
+        phoneme_language=voice,
+        compute_input_seq_cache=True,
+        phoneme_cache_path=str(phoneme_cache) if phoneme_cache is not None else None,
+        min_audio_len=1,
+        max_audio_len=int(profile.max_clip_s * SAMPLE_RATE_HZ) + 1,
+        min_text_len=1,
+        max_text_len=10_000,
+        output_path="",
+        datasets=[],
+        test_sentences=[],
+        print_step=1,
+        save_step=profile.checkpoint_every_steps,
+        epochs=1,
+    )
+
+
+def portable_config(config: Any) -> dict[str, Any]:
+    """The config as a dict with no path of this job in it: config.json travels with the model."""
+    data = config.to_dict()
+    data["output_path"] = ""
+    data["phoneme_cache_path"] = None
+    data["datasets"] = []
+    return data
+
+
+def parameter_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())

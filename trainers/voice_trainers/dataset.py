@@ -1,0 +1,142 @@
+"""The LJSpeech folder the worker writes (docs/trainer.md, "The dataset a stage receives"), read without torch."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import soundfile
+
+METADATA_NAME = "metadata.csv"
+WAVS_DIR_NAME = "wavs"
+SAMPLE_RATE_HZ = 22050
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class UnusableData(Exception):
+    """The dataset cannot be trained on; a retry would see the same data (exit 65)."""
+
+
+@dataclass(frozen=True)
+class Clip:
+    uid: str
+    text: str
+    wav_path: Path
+    duration_s: float
+
+
+def split_metadata_line(line: str) -> list[str]:
+    """Split one metadata row on unescaped ``|`` and undo the worker's escaping in each field.
+
+    The rules mirror ``pipeline.dataset.escape_text``: ``\\\\`` ``\\|`` ``\\n`` ``\\r`` and ``\\uXXXX``.
+    """
+    fields: list[str] = []
+    current: list[str] = []
+    i = 0
+    while i < len(line):
+        ch = line[i]
+        if ch == "|":
+            fields.append("".join(current))
+            current = []
+            i += 1
+            continue
+        if ch == "\\":
+            nxt = line[i + 1 : i + 2]
+            if nxt in ("\\", "|"):
+                current.append(nxt)
+                i += 2
+                continue
+            if nxt in ("n", "r"):
+                current.append("\n" if nxt == "n" else "\r")
+                i += 2
+                continue
+            digits = line[i + 2 : i + 6]
+            if nxt == "u" and len(digits) == 4 and all(c in "0123456789abcdefABCDEF" for c in digits):
+                current.append(chr(int(digits, 16)))
+                i += 6
+                continue
+            raise ValueError(f"bad escape at column {i}")
+        current.append(ch)
+        i += 1
+    fields.append("".join(current))
+    return fields
+
+
+def read_metadata(dataset_dir: Path) -> list[tuple[str, str]]:
+    """(id, text) per row of metadata.csv; any malformed row makes the whole dataset unusable."""
+    path = dataset_dir / METADATA_NAME
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UnusableData(f"cannot read {METADATA_NAME}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnusableData(f"{METADATA_NAME} is not UTF-8 (byte {exc.start})") from None
+    rows: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line == "":
+            continue
+        try:
+            fields = split_metadata_line(line)
+        except ValueError as exc:
+            raise UnusableData(f"{METADATA_NAME} line {number}: {exc}") from None
+        if len(fields) != 3:
+            raise UnusableData(f"{METADATA_NAME} line {number}: {len(fields)} fields, expected 3")
+        uid = fields[0]
+        if not _SAFE_ID.match(uid) or uid in seen:
+            raise UnusableData(f"{METADATA_NAME} line {number}: bad or repeated id {uid[:40]!r}")
+        seen.add(uid)
+        rows.append((uid, fields[2]))
+    if not rows:
+        raise UnusableData(f"{METADATA_NAME} has no rows")
+    return rows
+
+
+def load_clips(dataset_dir: Path, *, min_clip_s: float, max_clip_s: float, min_clips: int) -> list[Clip]:
+    """The clips a trainer can use; fewer than ``min_clips`` of them is unusable data.
+
+    A WAV that is missing or not mono 22,050 Hz 16-bit PCM breaks the contract, so it fails the whole
+    dataset; a clip that is merely too short, too long or has a blank text is left out.
+    """
+    clips: list[Clip] = []
+    skipped: list[str] = []
+    for uid, text in read_metadata(dataset_dir):
+        wav_path = dataset_dir / WAVS_DIR_NAME / f"{uid}.wav"
+        try:
+            info = soundfile.info(str(wav_path))
+        except (OSError, RuntimeError) as exc:
+            raise UnusableData(f"{uid}.wav: cannot be read ({type(exc).__name__})") from None
+        if (info.samplerate, info.channels, info.subtype) != (SAMPLE_RATE_HZ, 1, "PCM_16"):
+            raise UnusableData(
+                f"{uid}.wav: {info.samplerate} Hz, {info.channels} channel(s), {info.subtype};"
+                f" expected {SAMPLE_RATE_HZ} Hz mono PCM_16"
+            )
+        duration_s = info.frames / info.samplerate
+        if not text.strip() or not min_clip_s <= duration_s <= max_clip_s:
+            skipped.append(uid)
+            continue
+        clips.append(Clip(uid=uid, text=text, wav_path=wav_path, duration_s=duration_s))
+    if skipped:
+        print(f"left out {len(skipped)} clip(s) (blank text or not {min_clip_s}-{max_clip_s} s): "
+              + " ".join(skipped[:10]), flush=True)
+    require_enough(len(clips), min_clips, "usable clips")
+    return clips
+
+
+def require_enough(count: int, minimum: int, what: str) -> None:
+    if count < minimum:
+        raise UnusableData(f"{count} {what}, at least {minimum} needed")
+
+
+def dataset_fingerprint(dataset_dir: Path, clips: list[Clip]) -> str:
+    """SHA-256 over metadata.csv and every used WAV's bytes: a changed recording changes it."""
+    digest = hashlib.sha256()
+    digest.update(hashlib.sha256((dataset_dir / METADATA_NAME).read_bytes()).digest())
+    for clip in clips:
+        with open(clip.wav_path, "rb") as handle:
+            digest.update(clip.uid.encode() + b"\0" + hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()

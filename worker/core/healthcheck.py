@@ -1,0 +1,67 @@
+"""The container health check: ``python -m worker.core.healthcheck``, exit 0 when the worker is alive.
+
+Run by the orchestrator every 30 s, so it imports nothing of the worker (no settings, no boto3,
+no CLI): ``python -m worker health`` costs ~2 s of CPU and ~38 MiB each time; this reads one file.
+The worker is alive while its liveness file (``LIVENESS_FILE``) is fresh: the loop and the heartbeat
+touch it. How fresh it must be comes from ``LIVENESS_MAX_AGE_SECONDS`` when set, otherwise from
+the file itself: the worker writes its limit into it when it starts (``worker.core.health.Pulse``),
+computed from its own settings, so the check needs none of them.
+
+Exit codes: 0 healthy, 1 unhealthy (with the reason on stdout, which Docker keeps in its health log).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# When neither the environment nor the file says (a file written by an older release).
+FALLBACK_MAX_AGE_S = 120.0
+LIMIT_KEY = "max_age_s="
+
+
+def written_limit_s(content: str) -> float | None:
+    """The limit the worker wrote into its liveness file, or None."""
+    for line in content.splitlines():
+        if line.startswith(LIMIT_KEY):
+            try:
+                value = float(line[len(LIMIT_KEY):])
+            except ValueError:
+                return None
+            return value if value > 0 else None
+    return None
+
+
+def problem(path: str | None, max_age_s: float | None, now_s: float | None = None) -> str | None:
+    """Why the worker does not look alive, or None. ``max_age_s`` None: the file's own limit."""
+    if not path:
+        return "LIVENESS_FILE is not set: nothing to check"
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            mtime = os.fstat(handle.fileno()).st_mtime
+            content = handle.read(256)
+    except OSError:
+        return f"liveness file {path} does not exist (yet)"
+    limit_s = max_age_s if max_age_s is not None else (written_limit_s(content) or FALLBACK_MAX_AGE_S)
+    age_s = (time.time() if now_s is None else now_s) - mtime
+    if age_s > limit_s:
+        return f"liveness file {path} is {age_s:.0f} s old (limit {limit_s:.0f} s)"
+    return None
+
+
+def main(environ: dict[str, str] | None = None) -> int:
+    env = os.environ if environ is None else environ
+    raw_limit = env.get("LIVENESS_MAX_AGE_SECONDS") or None
+    try:
+        max_age_s = float(raw_limit) if raw_limit else None
+    except ValueError:
+        print(f"unhealthy: LIVENESS_MAX_AGE_SECONDS={raw_limit!r} is not a number")
+        return 1
+    why = problem(env.get("LIVENESS_FILE"), max_age_s)
+    print(f"unhealthy: {why}" if why else "healthy")
+    return 1 if why else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
