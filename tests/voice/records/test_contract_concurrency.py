@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+from datetime import timedelta
 
 import pytest
 
@@ -114,6 +115,25 @@ def test_threads_racing_claims_renewals_and_commits_commit_each_job_once(shared_
         job = shared_store.get_job(_job_id(r))
         assert job["status"] == "completed" and job["attempts"] == 1 and len(job["history"]) == 1
         assert shared_store.get_profile(_profile_id(r))["s3Paths"] == S3_PATHS
+
+
+def test_a_heartbeat_thread_renewing_and_the_main_thread_reporting_progress_both_land(shared_store, clock):
+    """Renewals from one thread and progress from another on one job interleave without a refused or lost write."""
+    submit(shared_store, _job_id(0), _profile_id(0))
+    shared_store.claim(_job_id(0), owner="w1", token="t1", lease_s=LEASE_S)
+    clock.advance(1)  # so the renewals move the lease; each is a swap (a new revision) racing the progress
+
+    def heartbeat_or_progress(n: int) -> None:
+        for step in range(50):
+            if n == 0:
+                shared_store.renew_lease(_job_id(0), "t1", LEASE_S)
+            else:
+                shared_store.set_progress(_job_id(0), "t1", "train_full", step)
+
+    _in_threads(2, heartbeat_or_progress)
+    job = shared_store.get_job(_job_id(0))
+    assert job["progress"]["percent"] == 49 and job["lease"]["token"] == "t1"
+    assert job["lease"]["expiresAt"] == clock.now + timedelta(seconds=LEASE_S)
 
 
 # ---------------------------------------------------------------- processes on the real server
