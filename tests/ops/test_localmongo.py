@@ -44,6 +44,20 @@ def test_a_port_in_use_is_refused_before_anything_starts():
             LocalMongo(port=port).__enter__()
 
 
+def test_a_port_whose_last_connection_lingers_in_time_wait_is_free_for_a_restart():
+    """A port its previous server closed (its accepted connection in TIME_WAIT) is not refused as in use."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the server's side closes first: its end of the connection waits in TIME_WAIT
+        client.close()
+    LocalMongo(port=port)._check_port_free()
+
+
 def test_without_the_dev_dependency_it_says_how_to_install_it(monkeypatch):
     """Where secantusdb is not installed (the production image) the error names the dev install."""
     monkeypatch.setattr(localmongo, "server_installed", lambda: False)

@@ -69,6 +69,8 @@ class LocalAws:
     def __enter__(self) -> LocalAws:
         # The readiness probe below cannot tell our server from another one already on the port.
         with socket.socket() as probe:
+            # As the server binds: a port whose last connections linger in TIME_WAIT (a restart) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", self.port))
             except OSError:

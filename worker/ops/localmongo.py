@@ -84,6 +84,8 @@ class LocalMongo:
     def _check_port_free(self) -> None:
         # The readiness probe cannot tell our server from another one already on the port.
         with socket.socket() as probe:
+            # As the server binds: a port whose last connections linger in TIME_WAIT (a restart) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", self.port))
             except OSError:
