@@ -46,6 +46,7 @@ from pipeline.stages import (
     open_step_log,
     run_stage,
 )
+from worker.core import tracing
 from worker.core.errors import BadRecording, StageFailed
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.stop import StopSignal
@@ -261,17 +262,19 @@ def _run(
                                  [download_path(dirs["downloads"], i).name for i in range(len(job.recordings))])
         if copied:
             log.info("pipeline.downloads_reused", count=len(copied))
-        sources = download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
-                               limits.max_job_download_bytes, plan)
+        with tracing.span("download", recordings=len(job.recordings), reused=len(copied)):
+            sources = download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
+                                   limits.max_job_download_bytes, plan)
 
         stop.raise_if_set()
         progress(DATASET_STEP, 0.0)
         started_s = time.monotonic()
-        dataset = run_dataset_stage(
-            [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
-            dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
-            child=dataset_child,
-        )
+        with tracing.span("dataset", recordings=len(sources)):
+            dataset = run_dataset_stage(
+                [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
+                dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
+                child=dataset_child,
+            )
         log.info("dataset.completed", recordings=len(sources), rebuilt=dataset.rebuilt,
                  duration_s=round(time.monotonic() - started_s, 3))
     finally:
@@ -297,8 +300,9 @@ def _run(
             _adopt_earlier_work(stage, ctx, earlier, remote)
             # After the copies and restores: the stage's time (its GPU-seconds) starts with its run.
             progress(stage.name, 0.0)
-            outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s, manifests=manifests,
-                                beside=_mirroring(stage, ctx, remote, stop))
+            with tracing.span(f"stage {stage.name}", stage=stage.name):
+                outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s, manifests=manifests,
+                                    beside=_mirroring(stage, ctx, remote, stop))
             if remote is not None and not outcome.skipped and index < len(config.stages) - 1:
                 # Behind its manifest, on the same thread. Not the last stage's: the commit sends those.
                 manifests.then(functools.partial(remote.push_outputs, stage, ctx.output_dir))

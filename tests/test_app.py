@@ -277,7 +277,7 @@ with mock_aws():
                       LOG_LEVEL="ERROR", METRICS_ENABLED="false")
     from worker.ops import cli
 
-    def first_message(worker, close, pulse):
+    def first_message(worker, close, pulse, **_options):
         print(sorted(m for m in MACHINERY if m in sys.modules))
         print(sorted(m for m in COMMANDS if m in sys.modules))
         boto3.client("sqs", region_name="us-east-1").send_message(QueueUrl=url, MessageBody="not a job")

@@ -165,6 +165,9 @@ class Settings(BaseModel):
     metrics_dimensions: dict[str, str] = Field(default_factory=dict, alias="METRICS_DIMENSIONS")
     # Job state-change events (worker/core/events.py): an SNS topic ARN or an EventBridge bus ARN; empty: none.
     events_target: str = Field("", alias="EVENTS_TARGET")
+    # OpenTelemetry spans for each job, its trace carried from `submit` (worker/core/tracing.py; the
+    # `tracing` extra). Off by default.
+    tracing_enabled: bool = Field(False, alias="TRACING_ENABLED")
 
     # --- testing only: kill the process at a named point (see worker/core/faults.py); unset in production
     crash_at: CrashPoint | None = Field(None, alias="VOICE_WORKER_CRASH_AT")

@@ -58,11 +58,12 @@ def test_submit_creates_records_and_enqueues_a_valid_message(store, queues):
 
 
 def test_submit_with_the_same_idempotency_key_enqueues_once(store, queues):
-    """A repeated submit with the same key returns the same job id and sends nothing new."""
+    """A repeated submit with the same key returns the same job id, says it created nothing, and sends nothing new."""
     first = submit(store, queues, {**PAYLOAD, "idempotencyKey": "order-42"})
     second = submit(store, queues, {**PAYLOAD, "idempotencyKey": "order-42"})
     assert first[0] == second[0] == 0
-    assert json.loads(first[1]) == json.loads(second[1])
+    assert json.loads(first[1])["jobId"] == json.loads(second[1])["jobId"]
+    assert (json.loads(first[1])["created"], json.loads(second[1])["created"]) == (True, False)
     assert len(queues.receive_now()) == 1
 
 
@@ -453,11 +454,12 @@ def test_status_shows_record_strings_without_control_sequences_or_forged_lines(s
     assert all(line.startswith(("job ", "profile ", "  ")) for line in text.splitlines()), text
 
 
-def test_dlq_list_prints_one_clean_line_per_message():
-    """A DLQ message's attributes cannot clear the screen or add lines to `dlq list`."""
+def test_dlq_list_prints_one_clean_block_per_message():
+    """A DLQ message's attributes cannot clear the screen or add lines of their own to `dlq list`."""
     from worker.ops.commands import render_letter
 
-    line = render_letter({"messageId": "m\x1b[2J", "jobId": "j", "receiveCount": 1, "ageSeconds": 60,
-                          "errorType": "InvalidMessage", "errorMessage": "bad\r\njob j: completed\x1b]0;x\x07"})
-    assert "\n" not in line and not any(ch in line for ch in "\x1b\x07\r")
-    assert line.endswith("InvalidMessage: bad job j: completed")
+    block = render_letter({"messageId": "m\x1b[2J", "jobId": "j", "receiveCount": 1, "ageSeconds": 60,
+                           "errorType": "InvalidMessage", "errorMessage": "bad\r\njob j: completed\x1b]0;x\x07"})
+    assert not any(ch in block for ch in "\x1b\x07\r")
+    assert block.splitlines() == ["job j  receives 1  age 1m", "  message  m",
+                                  "  error    InvalidMessage: bad job j: completed"]

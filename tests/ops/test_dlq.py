@@ -68,7 +68,8 @@ def test_list_shows_each_message_and_leaves_it_in_the_queue(queues, dlq):
 
     text = out.getvalue()
     assert "2 message(s)" in text
-    assert f"job {first}  receives 3  age 0m  BadRecording: recording 0 is not audio" in text
+    assert f"job {first}  receives 3  age 0m\n  message  " in text
+    assert "  error    BadRecording: recording 0 is not audio" in text
     assert f"job {second}  receives 5" in text
     assert "X-Amz-Signature" not in text  # URL query strings never reach the terminal
     assert queues.counts(queues.dlq_url) == (2, 0)
@@ -128,7 +129,7 @@ def test_redrive_falls_back_where_the_move_task_is_not_implemented(queues, clien
     result = dlq.redrive()
 
     assert result.method == RECEIVE_SEND_DELETE and result.moved == 3 and result.error is None
-    assert "not supported" in result.fallback_reason
+    assert "has no StartMessageMoveTask" in result.fallback_reason
     back = source_messages(queues)
     assert sorted(json.loads(m["Body"])["jobId"] for m in back) == sorted(job_ids)
     for m in back:

@@ -386,3 +386,29 @@ def test_the_dataset_step_logs_its_completion_with_its_duration(tmp_path, job_an
                      progress=lambda s, p: None)
     [done] = [e for e in logs if e["event"] == "dataset.completed"]
     assert done["recordings"] == len(job.recordings) and done["rebuilt"] is True and done["duration_s"] >= 0
+
+
+def test_a_traced_run_has_a_span_per_step_and_stage(tmp_path, job_and_fetch, default_config):
+    """With tracing on, the downloads, the dataset step and each stage are spans under the caller's."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from worker.core import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable(provider)
+    job, fetch = job_and_fetch
+    try:
+        with tracing.span("job"):
+            run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                         progress=lambda s, p: None)
+    finally:
+        tracing.disable()
+    by_name = {span.name: span for span in exporter.get_finished_spans()}
+    steps = ["download", "dataset", "stage embed", "stage train_full", "stage train_light"]
+    assert set(steps) <= set(by_name)
+    assert all(by_name[name].parent.span_id == by_name["job"].context.span_id for name in steps)
+    assert by_name["download"].attributes["recordings"] == len(job.recordings)

@@ -51,3 +51,28 @@ def test_a_failed_send_leaves_the_job_recorded_but_not_enqueued(store, sqs):
     assert "b" * 24 in str(caught.value)
     job = store.get_job("b" * 24)
     assert job["status"] == "pending" and job.get("enqueuedAt") is None
+
+
+def test_the_submission_hash_ignores_generated_ids_and_field_order():
+    """Two submissions that differ only in jobId, _doc._id or key order hash alike; any other field changes it."""
+    from worker.voice.submit import submission_hash
+
+    base = submission_hash({**PAYLOAD, "jobId": "a" * 24, "_doc": {"_id": "a" * 24}})
+    assert submission_hash({key: PAYLOAD[key] for key in reversed(list(PAYLOAD))}) == base
+    assert submission_hash({**PAYLOAD, "_doc": {"_id": "b" * 24, "note": "x"}}) != base
+    assert submission_hash({**PAYLOAD, "metadata": {**PAYLOAD["metadata"], "language": "de"}}) != base
+    assert base.startswith("sha256:") and len(base) == len("sha256:") + 64
+
+
+def test_a_known_key_with_another_body_raises_and_sends_nothing(store, sqs):
+    """submit() with a used idempotencyKey and other fields raises IdempotencyMismatch naming the job; nothing is sent."""
+    from worker.voice.submit import IdempotencyMismatch
+
+    queues = create_queues(sqs, with_dlq=False)
+    job_id, created = submit(store, sqs, queues.url, {**PAYLOAD, "idempotencyKey": "order-9"})
+    assert created and store.get_job(job_id)["submissionHash"].startswith("sha256:")
+
+    with pytest.raises(IdempotencyMismatch, match=job_id):
+        submit(store, sqs, queues.url, {**PAYLOAD, "environment": "production", "idempotencyKey": "order-9"})
+
+    assert len(queues.receive_now()) == 1

@@ -106,6 +106,15 @@ def cmd_submit(settings: Settings, args) -> int:
                       policy=settings.input_policy())
 
 
+def cmd_jobs(settings: Settings, args) -> int:
+    from worker.ops.commands import cmd_jobs as jobs
+
+    if problems := missing(settings, "store"):
+        return _fail(problems)
+    with _store(settings, "read") as store:
+        return jobs(store, status=args.status, since=args.since, limit=args.limit, as_json=args.json)
+
+
 def cmd_status(settings: Settings, args) -> int:
     from worker.ops.commands import cmd_status as status
 
@@ -180,7 +189,9 @@ def cmd_dlq(settings: Settings, args) -> int:
     except ConfigError:
         raise  # a settings problem: main prints its line and exits 2
     except WorkerError as exc:
-        print(f"dlq {args.action} failed: {exc}", file=sys.stderr)
+        from worker.ops.commands import error_line
+
+        print(f"dlq {args.action} failed: {error_line(exc)}", file=sys.stderr)
         return 1
 
 
@@ -188,7 +199,8 @@ def _exits(specific: str, store_file: bool = False, usage: str = "") -> str:
     """The exit-code paragraph of an operator command's help: its own codes, then the shared ones."""
     settings = f"2 settings{usage}, one line each on stderr" + (
         " (also a STORE_URL file that does not exist)" if store_file else "")
-    return textwrap.fill(f"exit codes: {specific}; {settings}; 130 Ctrl-C", 96)
+    return textwrap.fill(f"exit codes: {specific}; {settings}; 130 Ctrl-C; 141 quietly, when the reader of "
+                         "stdout went away (`| head`)", 96)
 
 COMMANDS = {
     "run": (cmd_run, True, "run the worker daemon (the default)",
@@ -214,15 +226,30 @@ COMMANDS = {
     "submit": (cmd_submit, True, "create a job's records and enqueue it",
                "FILE (or - for stdin) holds a JSON object with the message's fields. jobId and _doc are\n"
                "generated when absent; an optional idempotencyKey makes a repeated submit return the\n"
-               "same job id without enqueuing again. Prints the job id. Creates a missing STORE_URL file\n"
-               "(never for a refused submission).\n\n"
-               + _exits("0 submitted (or already submitted with this key); 1 store, queue or file failure",
+               "same job id without enqueuing again, and refuses (exit 6) one whose other fields differ.\n"
+               "Prints the job id; --json prints {\"jobId\": \"...\", \"created\": true|false}. Creates a\n"
+               "missing STORE_URL file (never for a refused submission).\n\n"
+               + _exits("0 submitted (or already submitted with this key); 1 store, queue or file failure; "
+                        "6 the idempotencyKey was used for a different submission (nothing created or sent)",
                         usage=" or a submission that is not valid JSON or not a valid job"),
                "python -m worker submit job.json\n  echo '{...}' | python -m worker submit - --json"),
-    "status": (cmd_status, True, "show a job: status, attempts, progress, error, paths",
-               "Print the job and profile records; --json prints {\"job\": {...}, \"profile\": {...}}.\n"
-               "Opens a STORE_URL file read-only and never creates one.\n\n"
-               + _exits("0 shown; 1 store failure; 3 no such job", store_file=True),
+    "jobs": (cmd_jobs, True, "list jobs, newest first: status, created, attempts, progress or error",
+             "List up to --limit jobs (default 50), newest first, optionally only those in --status and\n"
+             "those created since --since (ISO 8601, e.g. 2026-12-01T09:00Z, or a duration back from now:\n"
+             "90s, 30m, 2h, 7d). --json prints a JSON array of the job records. Opens a STORE_URL file\n"
+             "read-only and never creates one.\n\n"
+             + _exits("0 listed (also none); 1 store failure", store_file=True,
+                      usage=", or an unknown --status, a bad --since or --limit"),
+             "python -m worker jobs --status processing --since 2h"),
+    "status": (cmd_status, True, "show a job: status, attempts, progress, error, its files",
+               "Print the job and profile records, and the files the job committed (a job that did not\n"
+               "complete has none: the profile's belong to another job); --json prints {\"job\": {...},\n"
+               "\"profile\": {...}, \"cost\": {...}, \"files\": {...} or null}. --watch polls until the job\n"
+               "ends: on a terminal the block is redrawn in place, elsewhere printed again only when it\n"
+               "changed, with the time since the watch began. Opens a STORE_URL file read-only and never\n"
+               "creates one.\n\n"
+               + _exits("0 shown; 1 store failure; 3 no such job", store_file=True,
+                        usage=" or a --watch that is not a positive number"),
                "python -m worker status 665f1c2e9b1e8a0012ab34cd\n"
                "  python -m worker status 665f1c2e9b1e8a0012ab34cd --watch 2"),
     "cancel": (cmd_cancel, True, "request a job's cancellation",
@@ -262,11 +289,50 @@ COMMANDS = {
 }
 
 
+def watch_seconds(text: str) -> float:
+    """--watch SECONDS: a finite number above zero (argparse exits 2 with the message otherwise)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
+
+
+def positive_count(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def since_argument(text: str):
+    """--since: an ISO 8601 time (UTC when it names no offset) or a duration back from now (30m, 2h)."""
+    import argparse
+
+    from worker.ops.commands import parse_since
+
+    try:
+        return parse_since(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m worker", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"voice-worker {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (func, needs_settings, summary, text, example) in COMMANDS.items():
         p = sub.add_parser(name, help=summary, description=f"{text}\n\nexample:\n  {example}",
@@ -283,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="where the records live: a SQLite file (default) or a local MongoDB server")
         if name == "submit":
             p.add_argument("file", help="JSON file with the message's fields, or - for stdin")
-            p.add_argument("--json", action="store_true", help='print {"jobId": "..."}')
+            p.add_argument("--json", action="store_true", help='print {"jobId": "...", "created": true|false}')
         elif name in ("status", "cancel"):
             p.add_argument("job_id")
         if name == "dlq":
@@ -295,8 +361,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="redrive: receive -> send -> delete even where StartMessageMoveTask exists")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
-            p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+            p.add_argument("--watch", type=watch_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",
                            help="repeat every SECONDS (default 2) until the job ends")
+        if name == "jobs":
+            from worker.voice.records.rules import CANCELLED, COMPLETED, ERROR, PENDING, PROCESSING
+
+            p.add_argument("--status", choices=(PENDING, PROCESSING, ERROR, COMPLETED, CANCELLED), default=None,
+                           help="only jobs in this status")
+            p.add_argument("--since", type=since_argument, default=None, metavar="TIME",
+                           help="only jobs created at or after TIME: ISO 8601, or a duration back (2h, 30m)")
+            p.add_argument("--limit", type=positive_count, default=50, metavar="N",
+                           help="at most N jobs (default 50)")
+            p.add_argument("--json", action="store_true", help="print a JSON array of the job records")
     return parser
 
 
@@ -320,10 +396,21 @@ def _run_command(func, command: str, args) -> int:
         return _fail(exc.problems)
     configure_logging(settings.log_level, settings.log_format,
                       fields={"worker_id": settings.worker_id, "version": __version__})
+    if settings.tracing_enabled:
+        from worker.core import tracing  # OpenTelemetry only when asked for
+
+        try:
+            tracing.enable()
+        except ConfigError as exc:
+            return _fail(exc.problems)
     if command == "run":
         return func(settings, args)  # the daemon reports its own failures
     try:
-        return func(settings, args)
+        code = func(settings, args)
+        sys.stdout.flush()  # a reader that has gone is found here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except ConfigError as exc:
         return _fail(exc.problems)
     except KeyboardInterrupt:
@@ -332,6 +419,25 @@ def _run_command(func, command: str, args) -> int:
         print(f"{command} interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (WorkerError, OSError) as exc:
+        from worker.ops.commands import error_line
+
         # An operator command: one readable line, not a traceback.
-        print(f"{command} failed: {exc}", file=sys.stderr)
+        print(f"{command} failed: {error_line(exc)}", file=sys.stderr)
         return EXIT_CRASHED
+
+
+# What a shell reports for a command killed by SIGPIPE (128 + 13), as for `git log | head`.
+EXIT_READER_GONE = 141
+
+
+def _reader_gone() -> int:
+    """stdout's reader (``head``, ``less``) has gone: stop quietly, as git does, exit 141."""
+    # What is still buffered for stdout would fail again at exit, with a message: stdout goes to
+    # /dev/null from here on.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass  # no file descriptor behind sys.stdout (a wrapper): nothing is flushed to a pipe at exit
+    return EXIT_READER_GONE

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
 from worker.core.errors import InvalidMessage, WorkerError
@@ -25,6 +28,7 @@ from worker.settings import Settings
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.records import Store
 from worker.voice.records.rules import (
+    COMPLETED,
     ERROR,
     FINAL_STATUSES,
     PENDING,
@@ -34,9 +38,11 @@ from worker.voice.records.rules import (
     lease_live,
     usage,
 )
-from worker.voice.submit import prepare, submit_prepared
+from worker.voice.submit import SUBMISSION_HASH, IdempotencyMismatch, prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5
+# submit: the idempotencyKey is known, with a different submission (nothing created or sent).
+EXIT_MISMATCH = 6
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
@@ -65,18 +71,34 @@ def cmd_submit(open_store: Callable[[], AbstractContextManager[Store]], sqs, que
         prepared = prepare(payload, policy)
         with open_store() as store:
             job_id, created = submit_prepared(store, sqs, queue_url, prepared)
+            unverified = (not created and prepared[2] is not None
+                          and (store.get_job(job_id) or {}).get(SUBMISSION_HASH) is None)
     except InvalidMessage as exc:
         for line in exc.problems:
             print(line, file=err)
         return EXIT_USAGE
+    except IdempotencyMismatch as exc:
+        print(f"submit refused: {one_line(exc)}", file=err)
+        return EXIT_MISMATCH
     except WorkerError as exc:
-        print(f"submit failed: {exc}", file=err)
+        print(f"submit failed: {error_line(exc)}", file=err)
         return EXIT_FAILED
+    if unverified:
+        print(f"note: job {job_id} was recorded before submissions were hashed: this submission was not "
+              "compared with it", file=err)
     if as_json:
-        print(json.dumps({"jobId": job_id}), file=out)
+        print(json.dumps({"jobId": job_id, "created": created}), file=out)
     else:
         print(job_id if created else f"{job_id} (already submitted with this idempotency key)", file=out)
     return EXIT_OK
+
+
+def job_files(job: dict, profile: dict | None) -> tuple[dict, dict] | None:
+    """(modelPaths, s3Paths) that this job committed, or None: the profile's paths are its latest
+    committed job's, so they are this job's only when it completed and no later job claimed the profile."""
+    if not profile or job.get("status") != COMPLETED or str(profile.get("jobId")) != str(job.get("_id")):
+        return None
+    return dict(profile.get("modelPaths") or {}), dict(profile.get("s3Paths") or {})
 
 
 def status_document(store: Store, job_id: str) -> dict | None:
@@ -86,7 +108,21 @@ def status_document(store: Store, job_id: str) -> dict | None:
     profile = store.get_profile(job["profileId"]) if job.get("profileId") else None
     # What the job cost so far (GPU-seconds of its trainer stages), summed from its attempts.
     cost = {**usage(job), "failedAttempts": failed_attempts(job)}
-    return {"job": _jsonable(job), "profile": _jsonable(profile), "cost": cost}
+    files = job_files(job, profile)
+    return {"job": _jsonable(job), "profile": _jsonable(profile), "cost": cost,
+            "files": None if files is None else {"modelPaths": files[0], "s3Paths": files[1]}}
+
+
+def error_line(value: Any) -> str:
+    """An error's text for one line on a terminal: its first line only, and an HTML page (what a
+    proxy or an emulator may answer) never shown, only named."""
+    text = strip_control(str(value))
+    lower = text.lower()
+    cut = min((i for i in (lower.find("<!doctype html"), lower.find("<html")) if i >= 0), default=-1)
+    if cut >= 0:
+        return one_line(text[:cut]).rstrip() + f" (an HTML page of {len(text) - cut} characters, not shown)"
+    first, *rest = text.strip().split("\n") or [""]
+    return one_line(first) + (f" (and {len(rest)} more line{'s' if len(rest) > 1 else ''}, not shown)" if rest else "")
 
 
 def one_line(value: Any) -> str:
@@ -100,58 +136,216 @@ def indented_lines(value: Any, indent: str) -> str:
     return f"\n{indent}".join(strip_control(str(value)).split("\n"))
 
 
+# The human layouts fit a terminal of this many columns for the usual values (24-character ids,
+# short worker ids); a long value (an error, a path) goes on its own indented line instead.
+WIDTH = 80
+LABEL = 10  # "  label      value": values start in column 13
+VALUE_INDENT = " " * (LABEL + 3)
+
+
+def fitted(label: str, text: str, *tails: str) -> list[str]:
+    """``  label      text``, then each of ``tails`` on the same line while it fits in WIDTH, else on
+    a line of its own under the value."""
+    lines = [f"  {label:<{LABEL}} {text}".rstrip()]
+    for tail in tails:
+        if len(lines[-1]) + 2 + len(tail) <= WIDTH:
+            lines[-1] += "  " + tail
+        else:
+            lines.append(VALUE_INDENT + tail)
+    return lines
+
+
+def wrapped(text: Any, indent: str) -> list[str]:
+    """A record's free text (an error message, a log tail), each of its lines wrapped to WIDTH under
+    ``indent``: no line of it starts where ours do."""
+    width = max(20, WIDTH - len(indent))
+    lines: list[str] = []
+    for line in strip_control(str(text)).split("\n"):
+        lines += [indent + part for part in textwrap.wrap(line, width, break_on_hyphens=False)] or [indent.rstrip()]
+    return lines
+
+
+def moment(value: Any, same_day_as: Any = None) -> str:
+    """A record's time as ``YYYY-MM-DD HH:MM:SSZ`` (UTC), only ``HH:MM:SSZ`` when on the day of
+    ``same_day_as``; a value that is no time is shown as it is."""
+    try:
+        when = datetime.fromisoformat(str(value)).astimezone(UTC)
+    except ValueError:
+        return one_line(value)
+    try:
+        day = datetime.fromisoformat(str(same_day_as)).astimezone(UTC).date() if same_day_as else None
+    except ValueError:
+        day = None
+    return when.strftime("%H:%M:%SZ" if when.date() == day else "%Y-%m-%d %H:%M:%SZ")
+
+
+def _path_lines(paths: dict) -> list[str]:
+    o, lines = one_line, []
+    for key, path in paths.items():
+        line = f"    {o(key):<18} {o(path)}"
+        lines += [line] if len(line) <= WIDTH else [f"    {o(key)}", f"      {o(path)}"]
+    return lines
+
+
 def render_status(doc: dict) -> str:
     job, profile = doc["job"], doc["profile"] or {}
     o = one_line
     lines = [f"job {o(job['_id'])}: {o(job.get('status'))}  (attempts: {o(job.get('attempts', 0))})"]
     if job.get("progress"):
         p = job["progress"]
-        lines.append(f"  progress   {o(p.get('stage'))} {p.get('percent', 0):.0f} %  "
-                     f"(at {o(p.get('updatedAt'))})")
+        lines += fitted("progress", f"{o(p.get('stage'))} {p.get('percent', 0):.0f} %",
+                        f"at {moment(p.get('updatedAt'))}")
     if job.get("lease"):
         held = job["lease"]
-        lines.append(f"  lease      held by {o(held.get('owner'))} until {o(held.get('expiresAt'))}")
+        lines += fitted("lease", f"until {moment(held.get('expiresAt'))}", f"held by {o(held.get('owner'))}")
     if cost := doc.get("cost"):
-        lines.append(f"  cost       {cost['gpuSeconds']:.0f} GPU-s, of which {cost['wastedGpuSeconds']:.0f} wasted "
-                     f"by attempts that did not commit; {cost['failedAttempts']} failed attempts")
+        lines += fitted("cost", f"{cost['gpuSeconds']:.0f} GPU-s, of which {cost['wastedGpuSeconds']:.0f} wasted",
+                        f"failed attempts: {cost['failedAttempts']}")
     if job.get("cancelRequested") and job.get("status") != "cancelled":
-        lines.append("  cancel     requested")
+        lines += fitted("cancel", "requested")
     if job.get("error"):
         e = job["error"]
         kind = "retryable" if e.get("retryable") else "permanent"
-        message = indented_lines(e.get("message"), " " * 13 + "| ")
-        lines.append(f"  error      {o(e.get('type'))} ({kind}): {message}")
-    for h in job.get("history") or []:
-        gpu = f"  {float(h['gpuSeconds']):.0f} GPU-s" if isinstance(h.get("gpuSeconds"), int | float) else ""
-        lines.append(f"  attempt    {o(h.get('start'))} -> {o(h.get('end') or '…')}  {o(h.get('outcome'))}  "
-                     f"on {o(h.get('worker'))}{gpu}")
+        lines += fitted("error", f"{o(e.get('type'))} ({kind})")
+        lines += wrapped(e.get("message"), VALUE_INDENT + "| ")
+    for number, h in enumerate(job.get("history") or [], 1):
+        gpu = f"{float(h['gpuSeconds']):.0f} GPU-s" if isinstance(h.get("gpuSeconds"), int | float) else ""
+        end = moment(h["end"], same_day_as=h.get("start")) if h.get("end") else "…"
+        lines += fitted(f"attempt {number}", f"{moment(h.get('start'))} -> {end}  {o(h.get('outcome'))}",
+                        *filter(None, [gpu, f"on {o(h.get('worker'))}"]))
     if job.get("completedAt"):
-        lines.append(f"  completed  {o(job['completedAt'])}")
+        lines += fitted("completed", moment(job["completedAt"]))
     profile_id, profile_status = profile.get("_id", job.get("profileId")), profile.get("status", "missing")
     lines.append(f"profile {o(profile_id)}: {o(profile_status)}")
-    for key, path in (profile.get("modelPaths") or {}).items():
-        lines.append(f"  {o(key):<18} {o(path)}")
-    for key, uri in (profile.get("s3Paths") or {}).items():
-        lines.append(f"  {o(key):<18} {o(uri)}")
+    files = doc.get("files")
+    if files and (files["modelPaths"] or files["s3Paths"]):
+        lines += fitted("files", "committed by this job:")
+        lines += _path_lines(files["modelPaths"]) + _path_lines(files["s3Paths"])
+    elif profile.get("modelPaths") or profile.get("s3Paths"):
+        # The profile's paths are another job's (a later claim, or the one before a cancelled or failed job).
+        lines += fitted("files", "none committed by this job", "(the profile's paths are another job's)")
     return "\n".join(lines)
 
 
+def format_elapsed(elapsed_s: float) -> str:
+    minutes, seconds = divmod(int(elapsed_s), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{seconds:02d}s"
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+class Watch:
+    """How ``status --watch`` shows each poll: on a terminal it redraws the block in place (cursor up,
+    clear to the end of the screen) under a line with the time since the watch began; elsewhere (a
+    pipe, a file) it prints a block only when it changed, headed by that time."""
+
+    def __init__(self, out: TextIO, every_s: float, *, tty: bool, clock: Callable[[], float] = time.monotonic,
+                 columns: Callable[[], int] = lambda: shutil.get_terminal_size().columns):
+        self._out, self._every_s, self._tty, self._clock, self._columns = out, every_s, tty, clock, columns
+        self._started_s = clock()
+        self._last: str | None = None
+        self._drawn_rows = 0
+
+    def show(self, block: str) -> None:
+        elapsed = format_elapsed(self._clock() - self._started_s)
+        if self._tty:
+            header = f"every {self._every_s:g} s, {elapsed} since the watch began (Ctrl-C stops)"
+            text = f"{header}\n{block}"
+            # Back over what the last draw took (a line longer than the terminal took several rows).
+            up = f"\x1b[{self._drawn_rows}F\x1b[J" if self._drawn_rows else ""
+            width = max(1, self._columns())
+            self._drawn_rows = sum(max(1, -(-len(line) // width)) for line in text.split("\n"))
+            print(up + text, file=self._out, flush=True)
+        elif block != self._last:
+            print(block if self._last is None else f"\n[{elapsed} later]\n{block}", file=self._out, flush=True)
+        self._last = block
+
+
 def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | None = None,
-               out: TextIO | None = None, err: TextIO | None = None, sleep=time.sleep) -> int:
+               out: TextIO | None = None, err: TextIO | None = None, sleep=time.sleep,
+               clock: Callable[[], float] = time.monotonic, tty: bool | None = None) -> int:
+    """With ``watch_s``, polls until the job ends: --json prints one line per poll, the text layout
+    goes through ``Watch``."""
     out, err = out or sys.stdout, err or sys.stderr
+    watch = None
+    if watch_s and not as_json:
+        watch = Watch(out, watch_s, tty=out.isatty() if tty is None else tty, clock=clock)
     while True:
         doc = status_document(store, job_id)
         if doc is None:
             print(f"no job {job_id}", file=err)
             return EXIT_NOT_FOUND
-        print(json.dumps(doc) if as_json else render_status(doc), file=out, flush=True)
+        if as_json:
+            print(json.dumps(doc), file=out, flush=True)
+        elif watch:
+            watch.show(render_status(doc))
+        else:
+            print(render_status(doc), file=out, flush=True)
         job = doc["job"]
         permanent_error = job.get("status") == "error" and not (job.get("error") or {}).get("retryable")
         if not watch_s or job.get("status") in FINAL_STATUSES or permanent_error:
             return EXIT_OK
         sleep(watch_s)
-        if not as_json:
-            print("", file=out)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def parse_since(text: str) -> datetime | timedelta:
+    """``jobs --since``: an ISO 8601 time (UTC when it has no offset), or a duration back from now
+    (``90s``, ``30m``, ``2h``, ``7d``, ``1w``) as a timedelta, resolved on the store's clock."""
+    if match := _DURATION.fullmatch(text.strip().lower()):
+        return timedelta(seconds=float(match[1]) * _UNIT_S[match[2]])
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"must be an ISO 8601 time (2026-12-01T09:00Z) or a duration (30m, 2h, 7d), "
+                         f"got {text!r}") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def render_job_line(job: dict) -> list[str]:
+    """A job in `jobs`: id, status, created, attempts on one line; what it is doing (progress) or
+    why it stopped (error) on an indented second line."""
+    o = one_line
+    lines = [f"{o(job.get('_id')):<24}  {o(job.get('status')):<10}  "
+             f"created {moment(job.get('createdAt')) if job.get('createdAt') else '?':<20}  "
+             f"attempts {o(job.get('attempts', 0))}"]
+    if job.get("status") == PROCESSING and job.get("progress"):
+        p, lease = job["progress"], job.get("lease") or {}
+        lines += [f"  {o(p.get('stage'))} {p.get('percent', 0):.0f} % at {moment(p.get('updatedAt'))}"
+                  + (f", lease until {moment(lease.get('expiresAt'))}" if lease else ", no lease")]
+    elif job.get("error") and job.get("status") == ERROR:
+        e = job["error"]
+        first = (strip_control(str(e.get("message") or "")).split("\n") or [""])[0]
+        text = f"  {o(e.get('type'))} ({'retryable' if e.get('retryable') else 'permanent'}): {first}"
+        lines += [text if len(text) <= WIDTH else text[:WIDTH - 1] + "…"]
+    if job.get("cancelRequested") and job.get("status") not in FINAL_STATUSES:
+        lines += ["  cancel requested"]
+    return lines
+
+
+def cmd_jobs(store: Store, *, status: str | None = None, since: datetime | timedelta | None = None,
+             limit: int = 50, as_json: bool = False, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    if isinstance(since, timedelta):
+        since = store.now() - since  # "2h" is two hours on the store's clock, which stamped createdAt
+    jobs = store.list_jobs(status=status, since=since, limit=limit)
+    if as_json:
+        print(json.dumps([_jsonable(job) for job in jobs]), file=out)
+        return EXIT_OK
+    which = " ".join(filter(None, [status, f"created since {moment(since.isoformat())}" if since else None]))
+    if not jobs:
+        print(f"no {which + ' ' if which else ''}jobs", file=out)
+        return EXIT_OK
+    more = f" (the newest {limit}: --limit N for more)" if len(jobs) == limit else ""
+    print(f"{len(jobs)} {which + ' ' if which else ''}job(s), newest first{more}:", file=out)
+    for job in jobs:
+        for line in render_job_line(job):
+            print(line, file=out)
+    return EXIT_OK
 
 
 def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[int, str]:
@@ -226,12 +420,16 @@ def format_age(age_s: float | None) -> str:
 
 
 def render_letter(summary: dict) -> str:
-    # One line per message, whatever the attributes hold: anyone who can send to the queue set them.
+    """One message as a block: job, receives and age on its first line, the message id and the error
+    on indented lines below, whatever the attributes hold (anyone who can send to the queue set them)."""
     o = one_line
     error = (f"{o(summary['errorType'])}: {o(summary['errorMessage'] or '-')}" if summary["errorType"]
              else "(moved by SQS's redrive policy: no error attributes)")
-    return (f"{o(summary['messageId'])}  job {o(summary['jobId'] or '-')}  "
-            f"receives {o(summary['receiveCount'])}  age {format_age(summary['ageSeconds'])}  {error}")
+    lines = [f"job {o(summary['jobId'] or '-')}  receives {o(summary['receiveCount'])}  "
+             f"age {format_age(summary['ageSeconds'])}",
+             f"  message  {o(summary['messageId'])}"]
+    first, *rest = textwrap.wrap(error, WIDTH - 11, break_on_hyphens=False) or ["-"]
+    return "\n".join([*lines, f"  error    {first}", *(" " * 11 + part for part in rest)])
 
 
 def cmd_dlq_list(dlq: DeadLetterQueue, *, as_json: bool, max_messages: int = 1000,
@@ -245,9 +443,10 @@ def cmd_dlq_list(dlq: DeadLetterQueue, *, as_json: bool, max_messages: int = 100
     if as_json:
         print(json.dumps(summaries), file=out)
     elif not summaries:
-        print(f"the dead-letter queue is empty ({dlq.url})", file=out)
+        print(f"the dead-letter queue is empty:\n  {dlq.url}", file=out)
     else:
-        print(f"{len(summaries)} message(s) in {dlq.url}, oldest first:", file=out)
+        head = f"{len(summaries)} message(s), oldest first, in"
+        print(f"{head} {dlq.url}:" if len(head) + len(dlq.url) < WIDTH else f"{head}\n  {dlq.url}:", file=out)
         for summary in summaries:
             print(render_letter(summary), file=out)
     return EXIT_OK
@@ -304,9 +503,10 @@ def cmd_dlq_redrive(dlq: DeadLetterQueue, *, max_messages: int | None, fallback:
               f"go back to {dlq.source_url} in the background; `dlq list` shows what is left", file=out)
         return EXIT_OK
     if result.method == RECEIVE_SEND_DELETE:
-        print(f"moved {result.moved} message(s) back to {dlq.source_url} by receive, send, delete "
-              f"({result.fallback_reason}); ~{'?' if result.expected is None else result.expected} "
-              "were in the dead-letter queue at the start", file=out)
+        print(f"moved {result.moved} message(s) back by receive, send, delete to\n  {dlq.source_url}\n"
+              f"  because: {result.fallback_reason}\n"
+              f"  ~{'?' if result.expected is None else result.expected} were in the dead-letter queue "
+              "at the start", file=out)
     if result.came_back:
         print(f"  {result.came_back} message(s) this run had moved came back to the dead-letter queue "
               "(dead-lettered again): left there, not moved twice; see `dlq list`", file=out)
@@ -321,6 +521,6 @@ def cmd_dlq_redrive(dlq: DeadLetterQueue, *, max_messages: int | None, fallback:
               "dead-letter queue", file=err)
         return EXIT_INTERRUPTED
     if result.error:
-        print(f"redrive stopped: {scrub(result.error)}", file=err)
+        print(f"redrive stopped: {error_line(scrub(result.error))}", file=err)
         return EXIT_FAILED
     return EXIT_OK

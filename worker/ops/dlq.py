@@ -13,10 +13,12 @@ must have no RedrivePolicy of its own.
 
 Redriving uses SQS's ``StartMessageMoveTask`` (everything, in the background) where the service
 supports it. With ``--max``, with ``--fallback``, or when the endpoint does not implement it (local
-emulators), it receives, sends to the source queue, and deletes from the DLQ only after that send
-succeeded: a failure can leave a message in both queues (the worker acknowledges the duplicate
-without work), never in neither. Such a run moves at most the ApproximateNumberOfMessages of its
-start and never the same message twice: one a worker dead-letters again during the run stays.
+emulators: in-process moto raises NotImplementedError, the moto server answers HTTP 500 with an HTML
+page; ``move_task_missing`` judges the answer, never the endpoint's address), it receives, sends to
+the source queue, and deletes from the DLQ only after that send succeeded: a failure can leave a
+message in both queues (the worker acknowledges the duplicate without work), never in neither.
+Such a run moves at most the ApproximateNumberOfMessages of its start and never the same message
+twice: one a worker dead-letters again during the run stays.
 The operator's commands over this (``dlq list``, ``dlq redrive``) are in ``worker.ops.commands``;
 every SQS call goes through the adapter, ``worker.core.queue.Queue``.
 """
@@ -30,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
+from botocore.exceptions import ClientError
 
 from worker.core.errors import LeaseLost, QueueError
 from worker.core.logs import scrub
@@ -44,6 +47,24 @@ MOVE_TASK, RECEIVE_SEND_DELETE = "move_task", "receive_send_delete"
 # What the adapter raises for a failed SQS call: a stale receipt handle is LeaseLost there, and here
 # only one more failed call.
 SQS_FAILED = (QueueError, LeaseLost)
+
+
+def move_task_missing(exc: BaseException) -> bool:
+    """True when a failed StartMessageMoveTask says the endpoint has no such operation, in whatever
+    words: an HTTP 501, or a 5xx whose body is an HTML page (the moto server's "500 Internal Server
+    Error" for an operation it lacks). An SQS implementation answers in JSON or XML, so a real 5xx of
+    the service (a JSON error with a code) stays a failure to report."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ClientError):
+        cause = cause.__cause__
+    if cause is None:
+        return False
+    meta = cause.response.get("ResponseMetadata") or {}
+    status = int(meta.get("HTTPStatusCode") or 0)
+    content_type = str((meta.get("HTTPHeaders") or {}).get("content-type", "")).lower()
+    text = str((cause.response.get("Error") or {}).get("Message", "")).lstrip().lower()
+    html = content_type.startswith("text/html") or text.startswith(("<!doctype html", "<html"))
+    return status == 501 or (status >= 500 and html)
 
 
 def _digest(body: str) -> str:
@@ -214,11 +235,14 @@ class DeadLetterQueue:
             try:
                 task_handle = self._queue.start_move_task(
                     self._source_queue, action="StartMessageMoveTask (try again, or use --fallback)")
+                reason = "the endpoint has no StartMessageMoveTask"
             except SQS_FAILED as exc:
-                return RedriveResult(MOVE_TASK, error=str(exc))
+                if not move_task_missing(exc):
+                    return RedriveResult(MOVE_TASK, error=str(exc))
+                task_handle = None
+                reason = "the endpoint has no StartMessageMoveTask (an HTML page came back)"
             if task_handle is not None:
                 return RedriveResult(MOVE_TASK, task_handle=task_handle)
-            reason = "StartMessageMoveTask is not supported by this endpoint"
             log.info("dlq.move_task_unsupported", fallback=RECEIVE_SEND_DELETE)
         result = RedriveResult(RECEIVE_SEND_DELETE, fallback_reason=reason)
         try:

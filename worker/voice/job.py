@@ -66,6 +66,7 @@ import structlog
 
 from pipeline.manifest import recorded_outputs
 from pipeline.run import OWN_STEPS
+from worker.core import tracing
 from worker.core.config import DEFAULT_MAX_FAILED_ATTEMPTS
 from worker.core.errors import (
     AlreadyFailed,
@@ -354,7 +355,11 @@ class VoiceJobHandler:
             raise
         structlog.contextvars.bind_contextvars(job_id=job.job_id)
         try:
-            return self._handle(job, message, lease)
+            # The submitter's trace goes on here (worker.core.tracing; nothing while tracing is off).
+            span_attributes: dict[str, str | int] = {"job.id": job.job_id, "messaging.message.id": message.message_id,
+                                                     "receive_count": message.receive_count}
+            with tracing.span("job", parent=tracing.extract(message.message_attributes), **span_attributes):
+                return self._handle(job, message, lease)
         except WorkerError:
             raise
         except Exception as exc:
@@ -385,8 +390,9 @@ class VoiceJobHandler:
         # A claim that fails after its job swap (the profile stamp, a lost reply) lets go of the job itself.
         # From here on only the Attempt it hands back holds the token.
         claim_sent_s = time.monotonic()
-        claim = store.claim(job.job_id, owner=self._worker_id, token=secrets.token_hex(16),
-                            lease_s=self._lease_s, message_id=message.message_id)
+        with tracing.span("claim"):
+            claim = store.claim(job.job_id, owner=self._worker_id, token=secrets.token_hex(16),
+                                lease_s=self._lease_s, message_id=message.message_id)
         if claim.outcome == ClaimOutcome.MISSING:
             raise UnknownJob(f"no job record {job.job_id} (yet)")
         if claim.outcome in (ClaimOutcome.COMPLETED, ClaimOutcome.CANCELLED):
@@ -419,7 +425,8 @@ class VoiceJobHandler:
             attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
                                           int((claim.job or {}).get("attempts") or 0), attempt.token)
             paths = self._artifacts(job, reused, lease.stop, attempt, attempt_dir)
-            committed = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
+            with tracing.span("commit"):
+                committed = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
         except Stopped as exc:
             store_lease.end()
             return self._stopped(job, claim.job, attempt, exc)
@@ -557,8 +564,9 @@ class VoiceJobHandler:
         # The digests the stage manifests recorded name the keys, and their files' identities spare
         # the uploader and the publisher a second read: each file is hashed once, by its manifest.
         recorded = recorded_outputs(base_dir)
-        s3_paths = self._uploader.upload_all(base_dir, paths, key_for, proof=proof,      # 2
-                                             part_proof=part_proof, written=written, recorded=recorded)
+        with tracing.span("upload", files=len(paths)):
+            s3_paths = self._uploader.upload_all(base_dir, paths, key_for, proof=proof,      # 2
+                                                 part_proof=part_proof, written=written, recorded=recorded)
         self._crash("after_upload")
         self._check_lease(lease)
         # Before the paths, so they never name a file that does not exist (see worker.voice.publish).

@@ -3,16 +3,24 @@
 The record keeps the exact body as ``messageBody`` and gets ``enqueuedAt`` once the send succeeded:
 a pending job without that stamp is one whose message may never have reached the queue, and the
 reconciler (worker/ops/reconcile.py) sends ``messageBody`` again, once.
+
+A submission with an ``idempotencyKey`` also stores ``submissionHash``, the SHA-256 of the canonical
+JSON of the fields that define the job (``submission_hash``), in the same write as the record. A
+later submission with that key and a different hash is refused (``IdempotencyMismatch``), as
+Powertools' idempotency payload validation does, instead of answering with a job that is not the one
+asked for. Records made before the hash existed have none: their key is honoured without a comparison.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from typing import Any
 
 import structlog
 
+from worker.core import tracing
 from worker.core.errors import InvalidMessage, QueueError, WorkerError
 from worker.core.queue import Queue
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
@@ -20,6 +28,33 @@ from worker.voice.message import Job, parse_job
 from worker.voice.records import Store
 
 log = structlog.get_logger(__name__)
+
+SUBMISSION_HASH = "submissionHash"
+# The ids a submit generates when the caller left them out: not part of what defines the job.
+_GENERATED = ("jobId", "idempotencyKey")
+
+
+class IdempotencyMismatch(WorkerError):
+    """An idempotency key already used for a submission with other fields."""
+
+    def __init__(self, job_id: str, key: str):
+        super().__init__(f"idempotencyKey {key!r} was used for job {job_id} with a different submission: "
+                         "nothing created or sent (use a new key for a new job)")
+        self.job_id, self.key = job_id, key
+
+
+def submission_hash(body: dict) -> str:
+    """``sha256:<hex>`` of the canonical JSON (sorted keys, no spaces) of what defines the job: every
+    field but ``jobId``, ``idempotencyKey`` and ``_doc._id``, which a submit may generate."""
+    fields = {name: value for name, value in body.items() if name not in _GENERATED}
+    doc = fields.pop("_doc", None)
+    if isinstance(doc, dict):
+        doc = {name: value for name, value in doc.items() if name != "_id"}
+    if doc:
+        fields["_doc"] = doc
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+
 
 def new_object_id() -> str:
     """A fresh 24-hex id, the shape of a MongoDB ObjectId."""
@@ -42,7 +77,8 @@ def prepare(payload: Any, policy: InputPolicy = SHAPE_ONLY) -> tuple[dict, Job, 
 
 def submit(store: Store, sqs, queue_url: str, payload: Any, *,
            policy: InputPolicy = SHAPE_ONLY) -> tuple[str, bool]:
-    """Create the records when absent, then enqueue; a repeated idempotency key enqueues nothing.
+    """Create the records when absent, then enqueue; a repeated idempotency key enqueues nothing
+    (and raises ``IdempotencyMismatch`` when it came with other fields).
 
     With the worker's ``policy`` (``Settings.input_policy()``) a job the worker would refuse is
     refused here, before any record exists; the default checks the shape only and leaves the rest
@@ -62,13 +98,26 @@ def submit_prepared(store: Store, sqs, queue_url: str,
         "directoryName": job.directory_name,
         "messageBody": json.dumps(body),
     }
+    if key is not None:
+        record[SUBMISSION_HASH] = submission_hash(body)
     job_id, created = store.submit(record, {"_id": job.profile_id}, idempotency_key=key)
     if not created and key is not None:
+        # The stored hash was written with the record, so a concurrent submit that lost the race
+        # to ours is judged on the body that won.
+        existing = store.get_job(job_id) or {}
+        stored = existing.get(SUBMISSION_HASH)
+        if stored is None:
+            log.info("submit.idempotency_unverified", job_id=job_id,
+                     note="the job was recorded before submissions were hashed: the body is not compared")
+        elif stored != record[SUBMISSION_HASH]:
+            raise IdempotencyMismatch(job_id, key)
         return job_id, False
     try:
         # On a FIFO queue the job is its own group, and a second send of it within SQS's five
         # minutes (a retried submit with the same jobId) is dropped as a duplicate.
-        Queue(sqs, queue_url).send(record["messageBody"], group_id=job_id, dedup_id=job_id)
+        with tracing.span("submit", **{"job.id": job_id}):  # the job's trace starts here and goes with it
+            Queue(sqs, queue_url).send(record["messageBody"], group_id=job_id, dedup_id=job_id,
+                                       attributes=tracing.message_attributes())
     except QueueError as exc:
         # The record stays pending; `reconcile` re-enqueues pending jobs whose message never arrived.
         raise QueueError(f"job {job_id} recorded but not enqueued: {exc}") from exc

@@ -277,6 +277,20 @@ class MongoStore(TransitionStore):
             raw = self._profiles.find_one({"_id": db_id(profile_id)})
         return None if raw is None else from_bson(raw)
 
+    def list_jobs(self, status: str | None = None, since: datetime | None = None,
+                  limit: int = 50) -> list[dict]:
+        # An equality on status first, then a range and the sort on createdAt: the shape a
+        # (status, createdAt) index serves; the status_lease index already serves the status part.
+        query: dict[str, Any] = {}
+        if status is not None:
+            query["status"] = status
+        if since is not None:
+            query["createdAt"] = {"$gte": to_bson(since)}
+        with translated("list_jobs"):
+            raws = list(self._jobs.find(query).sort([("createdAt", pymongo.DESCENDING), ("_id", pymongo.DESCENDING)])
+                        .limit(int(limit)))
+        return [from_bson(raw) for raw in raws]
+
     def find_stale(self, limit: int = 100) -> list[dict]:
         query = {"status": rules.PROCESSING,
                  "$or": [{"lease": None}, {"lease.expiresAt": {"$lte": to_bson(self._now())}}]}

@@ -205,6 +205,24 @@ class SqliteStore(TransitionStore):
         with self._guarded("get_profile") as conn:
             return self._read(conn, "profiles", profile_id)
 
+    def list_jobs(self, status: str | None = None, since: datetime | None = None,
+                  limit: int = 50) -> list[dict]:
+        # ``status`` is a column (the jobs_status_lease index serves it); createdAt lives only in the
+        # document, where ``_encode`` writes every time as UTC ISO text, which sorts as the time does.
+        created = "json_extract(doc, '$.createdAt.\"$date\"')"
+        where, params = [], []
+        if status is not None:
+            where.append("status = ?")
+            params.append(status)
+        if since is not None:
+            where.append(f"{created} >= ?")
+            params.append(rules.to_ms(since).isoformat())
+        sql = (f"SELECT doc FROM jobs {'WHERE ' + ' AND '.join(where) if where else ''} "
+               f"ORDER BY {created} IS NULL, {created} DESC, rowid DESC LIMIT ?")
+        with self._guarded("list_jobs") as conn:
+            rows = conn.execute(sql, (*params, int(limit))).fetchall()
+        return [_decode(row[0]) for row in rows]
+
     def find_stale(self, limit: int = 100) -> list[dict]:
         now_ms = _epoch_ms(self._now())
         with self._guarded("find_stale") as conn:

@@ -89,6 +89,12 @@ class Store(ABC):
     def submit(self, job: dict, profile: dict, idempotency_key: str | None = None) -> tuple[str, bool]: ...
 
     @abstractmethod
+    def list_jobs(self, status: str | None = None, since: datetime | None = None,
+                  limit: int = 50) -> list[dict]:
+        """Up to ``limit`` jobs, newest first by ``createdAt``: only ``status`` ones when given, only
+        those created at or after ``since`` when given (a job without ``createdAt`` then is not listed)."""
+
+    @abstractmethod
     def find_stale(self, limit: int = 100) -> list[dict]:
         """Jobs left processing with no live lease (their worker died or let go), oldest first."""
 
