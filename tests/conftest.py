@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# A real MongoDB server per xdist worker (mongo_server_uri, mongo_client, mongo_db).
+pytest_plugins = ["tests.mongo_server"]
+
 # Tests never reach real AWS: fake credentials, a fixed region, no instance-metadata lookups.
 for _name, _value in {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -30,6 +30,8 @@ NOT_SETTINGS = frozenset({
     "HF_HOME", "TORCH_HOME", "PYTORCH_CUDA_ALLOC_CONF", "HF_TOKEN", "VIRTUAL_ENV",
     "CONNECTION_STRING",
     "JOB_ID",
+    # The store tests' real MongoDB server (tests/mongo_server.py), not the worker's.
+    "MONGO_TEST_URI",
     # Kernel and AWS names in the trainer-isolation notes.
     "PR_SET_DUMPABLE", "CAP_SYS_PTRACE", "ECS_AWSVPC_BLOCK_IMDS", "ECS_ENABLE_SPOT_INSTANCE_DRAINING",
     "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",

@@ -282,7 +282,7 @@ def test_failed_store_renewals_count_as_heartbeat_failures(build_worker, memory_
 def claimed(request, tmp_path):
     """A store of either kind holding one job claimed with token "t"."""
     clock = WallClock()
-    store = make_store(request.param, tmp_path, clock)
+    store = make_store(request.param, tmp_path, clock, request)
     store.submit({"_id": "a" * 24, "profileId": "b" * 24, "environment": "production"}, {"_id": "b" * 24})
     store.claim("a" * 24, owner="w", token="t", lease_s=3600)
     yield store, clock

@@ -100,3 +100,52 @@ def test_documented_dev_loop_completes_a_job_and_cancels_another(tmp_path):
                     proc.kill()
                     proc.wait()
     assert stack.returncode == 0, stack.stdout.read()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_dev_stack_on_mongo_keeps_the_records_on_its_server_across_a_restart(tmp_path):
+    """dev-stack --store mongo serves the records from a local MongoDB server: doctor names it, and a restart keeps them."""
+    state_dir, port = tmp_path / "dev", _free_port()
+    base_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "AWS_CONFIG_FILE": "/dev/null",
+                "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    env_file = state_dir / "env.sh"
+
+    def start() -> subprocess.Popen:
+        env_file.unlink(missing_ok=True)
+        stack = subprocess.Popen([sys.executable, "-m", "worker", "dev-stack", "--store", "mongo", "--port",
+                                  str(port), "--dir", str(state_dir)], cwd=REPO, env=base_env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        wait_until(lambda: env_file.exists() or stack.poll() is not None, 90, "the dev stack's env.sh")
+        assert stack.poll() is None, stack.stdout.read() if stack.stdout else ""
+        return stack
+
+    stack = start()
+    try:
+        env = {**base_env, **_sourced(env_file)}
+        assert env["MONGO_URI"] == f"mongodb://127.0.0.1:{port + 1}/voice" and env["STORE_URL"] == ""
+        doctor = _worker(env, "doctor")
+        assert f"PASS  store reachable: MongoDB at mongodb://127.0.0.1:{port + 1}/voice" in doctor.stdout, doctor.stdout
+        submitted = _worker(env, "submit", "samples/job.json", "--json")
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = json.loads(submitted.stdout)["jobId"]
+    finally:
+        _stop(stack)
+    assert stack.returncode == 0, stack.stdout.read() if stack.stdout else ""
+
+    stack = start()
+    try:
+        shown = _worker({**base_env, **_sourced(env_file)}, "status", job_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["job"]["status"] == "pending"
+    finally:
+        _stop(stack)
+    assert stack.returncode == 0

@@ -58,7 +58,7 @@ def clock():
 
 @pytest.fixture(params=["sqlite", "mongo"])
 def store(request, tmp_path, clock):
-    real = make_store(request.param, tmp_path, clock)
+    real = make_store(request.param, tmp_path, clock, request)
     yield CountingStore(real)
     real.close()
 

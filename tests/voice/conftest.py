@@ -1,4 +1,4 @@
-"""Fixtures for the job handler: both stores, moto S3, a fake training step that writes five files."""
+"""Fixtures for the job handler: both stores (SQLite, a real MongoDB server), moto S3, a fake training step that writes five files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import boto3
-import mongomock
 import pytest
 
 from tests.support import SHIPPED_ARTIFACTS, STORE_WRITES, attempt_through
@@ -121,13 +120,14 @@ def clock():
     return OffsetClock()
 
 
+# The handler over both stores; MongoDB is the real server of tests/mongo_server.py (a database of each
+# test's own), not mongomock: the store contract (tests/voice/records) runs on mongomock as well.
 @pytest.fixture(params=["sqlite", "mongo"])
 def raw_store(request, tmp_path, clock):
     if request.param == "sqlite":
         store = SqliteStore(str(tmp_path / "records.db"), clock=clock)
     else:
-        client = mongomock.MongoClient()
-        store = MongoStore(client["voice"], clock=clock, client=client)
+        store = MongoStore(request.getfixturevalue("mongo_db"), clock=clock)
         store.ensure_indexes()
     store.submit({"_id": JOB_ID, "profileId": PROFILE_ID, "environment": "production"}, {"_id": PROFILE_ID})
     yield store

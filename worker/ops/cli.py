@@ -82,14 +82,14 @@ def cmd_run(settings: Settings, _args) -> int:
 def cmd_demo(_settings, args) -> int:
     from worker.ops.demo import run_demo
 
-    return run_demo(real=args.real)
+    return run_demo(real=args.real, store=args.store)
 
 
 def cmd_dev_stack(_settings, args) -> int:
     from worker.ops.devstack import run_dev_stack
 
     try:
-        return run_dev_stack(port=args.port, **({"state_dir": args.dir} if args.dir else {}))
+        return run_dev_stack(port=args.port, store=args.store, **({"state_dir": args.dir} if args.dir else {}))
     except RuntimeError as exc:
         print(f"dev-stack failed: {exc}", file=sys.stderr)
         return EXIT_CRASHED
@@ -346,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int, default=4566, help="loopback port (default 4566)")
             p.add_argument("--dir", type=Path, default=None,
                            help="where env.sh and records.db go (default var/dev in the checkout)")
+        if name in ("dev-stack", "demo"):
+            p.add_argument("--store", choices=("sqlite", "mongo"), default="sqlite",
+                           help="where the records live: a SQLite file (default) or a local MongoDB server")
         if name == "demo":
             p.add_argument("--real", action="store_true",
                            help="the real trainers (trainers/.venv) and a WAV spoken by the cloned voice")

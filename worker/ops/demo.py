@@ -15,6 +15,7 @@ WAV file next to the run, and the demo prints its path so a person can listen to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -95,6 +96,8 @@ class LocalAws:
     def __enter__(self) -> LocalAws:
         # The readiness probe below cannot tell our server from another one already on the port.
         with socket.socket() as probe:
+            # As the server binds: a port whose last connections linger in TIME_WAIT (a restart) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", self.port))
             except OSError:
@@ -153,15 +156,19 @@ def provision(session, endpoint: str) -> str:
     return queue_url
 
 
-def local_stack_env(endpoint: str, queue_url: str, state_dir: Path) -> dict[str, str]:
-    """The settings of a worker on the local stack: what the demo and the dev stack share."""
+def local_stack_env(endpoint: str, queue_url: str, state_dir: Path, mongo_uri: str | None = None) -> dict[str, str]:
+    """The settings of a worker on the local stack: what the demo and the dev stack share.
+
+    The records are in ``state_dir/records.db``, or on the MongoDB server at ``mongo_uri``; the other
+    store's setting is empty (unset), so a shell that sourced the other kind of env.sh is not left with both."""
     return {
         "SQS_QUEUE_URL": queue_url,
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_REGION": "us-east-1",
         "SQS_VISIBILITY_TIMEOUT_SECONDS": "60",
         "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "5000",
-        "STORE_URL": f"sqlite:///{state_dir / 'records.db'}",
+        "STORE_URL": "" if mongo_uri else f"sqlite:///{state_dir / 'records.db'}",
+        "MONGO_URI": mongo_uri or "",
         "S3_BUCKET": BUCKET,
         "S3_PREFIX": "models",
         "RECORDINGS_S3_BUCKET": RECORDINGS_BUCKET,
@@ -207,11 +214,12 @@ def _toml(value) -> str:
     raise TypeError(f"no TOML form for {type(value).__name__} in a pipeline config")
 
 
-def demo_settings(endpoint: str, queue_url: str, run_dir: Path, real: bool = False) -> Settings:
+def demo_settings(endpoint: str, queue_url: str, run_dir: Path, real: bool = False,
+                  mongo_uri: str | None = None) -> Settings:
     trainers = {} if not real else {
         "PIPELINE_CONFIG": str(pipeline_with_profile(REAL_PIPELINE, CI_PROFILE, run_dir / "pipeline.real.ci.toml")),
         "TRAINER_PYTHON": str(TRAINER_PYTHON)}
-    return load_settings({**local_stack_env(endpoint, queue_url, run_dir),
+    return load_settings({**local_stack_env(endpoint, queue_url, run_dir, mongo_uri),
                           "SQS_WAIT_TIME_SECONDS": "1", "LOG_LEVEL": "WARNING", "WORKER_ID": "demo-worker",
                           **trainers})
 
@@ -264,10 +272,13 @@ def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) ->
             last = (stage, percent)
 
 
-def run_demo(out=None, real: bool = False) -> int:
+def run_demo(out=None, real: bool = False, store: str = "sqlite") -> int:
+    """``real``: the real trainers (the second act); ``store="mongo"``: the records on a local MongoDB
+    server (worker.ops.localmongo), the production store."""
     out = out or sys.stdout
     from worker.app import build_app
     from worker.core.logs import configure_logging
+    from worker.ops.localmongo import LocalMongo
     from worker.voice.submit import submit
 
     if real and not TRAINER_PYTHON.is_file():
@@ -277,17 +288,21 @@ def run_demo(out=None, real: bool = False) -> int:
     run_dir = REPO / "var" / "demo" / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    records = "MongoDB records (a local SecantusDB server)" if store == "mongo" else "SQLite records"
     if real:
-        print("voice-worker demo, second act: local SQS/S3 (moto), SQLite records, the REAL trainers "
+        print(f"voice-worker demo, second act: local SQS/S3 (moto), {records}, the REAL trainers "
               "(Resemblyzer, Coqui VITS trained from scratch in the ci profile, ONNX for Piper): "
               "several minutes on a CPU", file=out, flush=True)
     else:
-        print("voice-worker demo: local SQS/S3 (moto), SQLite records, reference trainer "
+        print(f"voice-worker demo: local SQS/S3 (moto), {records}, reference trainer "
               "(the local stand-in for GPU training)", file=out, flush=True)
-    with LocalAws() as aws:
+    with LocalAws() as aws, contextlib.ExitStack() as servers:
+        mongo_uri = None
+        if store == "mongo":
+            mongo_uri = servers.enter_context(LocalMongo(log_path=run_dir / "mongo.log")).uri + "voice"
         session = dev_session()
         queue_url = provision(session, aws.url)
-        settings = demo_settings(aws.url, queue_url, run_dir, real=real)
+        settings = demo_settings(aws.url, queue_url, run_dir, real=real, mongo_uri=mongo_uri)
         configure_logging(settings.log_level, settings.log_format)
         app = build_app(settings, session=session)
         try:

@@ -7,11 +7,14 @@ setting the other commands need to ``<dir>/env.sh``. Then it waits until Ctrl-C 
 worker in one terminal and ``submit``/``status``/``cancel``/``dlq list`` in another share one stack.
 
 The records live in ``<dir>/records.db`` and survive a restart of the stack; the queue and buckets
-live in the server's memory and do not (a restart provisions them afresh).
+live in the server's memory and do not (a restart provisions them afresh). With ``--store mongo`` the
+records are on a local MongoDB server instead (SecantusDB, worker/ops/localmongo.py, on the port after
+moto's), the production store's code path; its data is kept in ``<dir>/mongo`` across restarts too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 import threading
@@ -19,16 +22,19 @@ from pathlib import Path
 
 from worker.core.daemon import SignalRelay
 from worker.ops.demo import REPO, LocalAws, dev_session, local_stack_env, provision
+from worker.ops.localmongo import LocalMongo
 
 DEFAULT_PORT = 4566
 DEFAULT_DIR = REPO / "var" / "dev"
 ENV_FILE = "env.sh"
+STORES = ("sqlite", "mongo")
+MONGO_DATABASE = "voice"
 
 
-def dev_environment(endpoint: str, queue_url: str, state_dir: Path) -> dict[str, str]:
+def dev_environment(endpoint: str, queue_url: str, state_dir: Path, mongo_uri: str | None = None) -> dict[str, str]:
     """Every setting a worker or an operator command needs to use the local stack, by name."""
     return {
-        **local_stack_env(endpoint, queue_url, state_dir.resolve()),
+        **local_stack_env(endpoint, queue_url, state_dir.resolve(), mongo_uri),
         # moto takes any credentials; fixed ones keep the dev loop away from a real AWS profile.
         "AWS_ACCESS_KEY_ID": "dev",
         "AWS_SECRET_ACCESS_KEY": "dev",
@@ -45,18 +51,29 @@ def env_script(env: dict[str, str], shown_path: str = "var/dev/env.sh") -> str:
 
 
 def run_dev_stack(port: int = DEFAULT_PORT, state_dir: Path = DEFAULT_DIR, out=None,
-                  until: threading.Event | None = None) -> int:
-    """Start and provision the stack, write env.sh, then wait for Ctrl-C/SIGTERM (or ``until``)."""
+                  until: threading.Event | None = None, store: str = "sqlite") -> int:
+    """Start and provision the stack, write env.sh, then wait for Ctrl-C/SIGTERM (or ``until``).
+
+    ``store="mongo"`` also starts the local MongoDB server on ``port + 1`` and points MONGO_URI at it."""
+    if store not in STORES:
+        raise ValueError(f"store must be one of {STORES}, got {store!r}")
     out = out or sys.stdout
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     stop = until or _signal_event()
-    with LocalAws(port=port) as aws:
+    with contextlib.ExitStack() as servers:
+        aws = servers.enter_context(LocalAws(port=port))
+        mongo_uri, records = None, str(state_dir / "records.db")
+        if store == "mongo":
+            mongo = servers.enter_context(LocalMongo(port=port + 1, storage_path=state_dir.resolve() / "mongo",
+                                                     log_path=state_dir / "mongo.log"))
+            mongo_uri = mongo.uri + MONGO_DATABASE
+            records = f"MongoDB (SecantusDB) at {mongo_uri}, data in {state_dir / 'mongo'}"
         queue_url = provision(dev_session(), aws.url)
-        env = dev_environment(aws.url, queue_url, state_dir)
+        env = dev_environment(aws.url, queue_url, state_dir, mongo_uri)
         env_path = state_dir / ENV_FILE
         env_path.write_text(env_script(env, _shown(env_path)))
-        print(f"local SQS/S3 (moto) on {aws.url}; records in {state_dir / 'records.db'}", file=out)
+        print(f"local SQS/S3 (moto) on {aws.url}; records in {records}", file=out)
         print(f"the environment is in {env_path}; in each other terminal:\n", file=out)
         print(f"  . {_shown(env_path)}", file=out)
         print("  .venv/bin/python -m worker run                # terminal 2: the worker", file=out)

@@ -13,6 +13,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from worker.core.errors import WorkerError
 from worker.core.queue import Queue
+from worker.core.redact import redact_url
 from worker.settings import Settings, daemon_targets
 
 
@@ -108,7 +109,7 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
             store.get_job("doctor-probe")
         finally:
             store.close()
-        checks.append(Check("store reachable", True, "MongoDB" if settings.mongo_uri else f"sqlite:///{settings.sqlite_path}"))
+        checks.append(Check("store reachable", True, store_description(settings)))
     except WorkerError as exc:
         checks.append(Check("store reachable", False, str(exc)))
 
@@ -121,6 +122,17 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
     checks.append(job_code_check())
     checks.append(metrics_dimensions_check(settings))
     return checks
+
+
+def store_description(settings: Settings) -> str:
+    """Which store the records are in, as an operator can tell it apart: never the URI's credentials."""
+    if not settings.mongo_uri:
+        return f"sqlite:///{settings.sqlite_path}"
+    # The URI's own database wins over MONGO_DATABASE, as when the store opens it.
+    path = settings.mongo_uri.partition("://")[2].partition("/")[2]
+    database = path.partition("?")[0] or settings.mongo_database
+    return (f"MongoDB at {redact_url(settings.mongo_uri).rstrip('/')}, database {database}, collections "
+            f"{settings.mongo_jobs_collection} and {settings.mongo_profiles_collection}")
 
 
 # The dimension names config/cloudwatch-alarms.yaml matches; an alarm sees one exact dimension set.

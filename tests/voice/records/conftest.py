@@ -40,18 +40,30 @@ def clock() -> WallClock:
     return WallClock()
 
 
-def make_store(kind: str, tmp_path, clock):
+# Every store the contract runs on: SQLite, MongoDB as mongomock (in process, fast) and MongoDB as a real
+# server (tests/mongo_server.py), which judges what mongomock cannot: concurrency, matching, indexes.
+STORE_KINDS = ["sqlite", "mongomock", "mongo"]
+
+
+def make_store(kind: str, tmp_path, clock, request: pytest.FixtureRequest | None = None):
+    """A store of ``kind``; a real server's (``"mongo"``) needs the test's ``request`` for its database."""
     if kind == "sqlite":
         return SqliteStore(str(tmp_path / "records.db"), clock=clock)
-    client = mongomock.MongoClient()
-    store = MongoStore(client["voice"], clock=clock, client=client)
+    if kind == "mongo":
+        if request is None:
+            raise TypeError("a store on the real MongoDB server needs the test's request")
+        # The session's client is shared by the worker's tests: the store does not own (close) it.
+        store = MongoStore(request.getfixturevalue("mongo_db"), clock=clock)
+    else:
+        client = mongomock.MongoClient()
+        store = MongoStore(client["voice"], clock=clock, client=client)
     store.ensure_indexes()
     return store
 
 
-@pytest.fixture(params=["sqlite", "mongo"])
+@pytest.fixture(params=STORE_KINDS)
 def store(request, tmp_path, clock):
-    store = make_store(request.param, tmp_path, clock)
+    store = make_store(request.param, tmp_path, clock, request)
     yield store
     store.close()
 

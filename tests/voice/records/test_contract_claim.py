@@ -1,4 +1,4 @@
-"""The Store contract, part one: submitting and claiming, run against both SQLite and MongoDB (mongomock)."""
+"""The Store contract, part one: submitting and claiming, run against SQLite and MongoDB (mongomock and a real server)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Store contract, part three: the reconciler's operations, against both SQLite and MongoDB (mongomock)."""
+"""The Store contract, part three: the reconciler's operations, against SQLite and MongoDB (mongomock and a real server)."""
 
 from __future__ import annotations
 
@@ -132,10 +132,11 @@ def test_mark_worker_lost_keeps_the_profile(store, clock):
     assert store.get_profile(PROFILE_ID) == profile
 
 
-def test_mongo_mark_worker_lost_racing_a_renewal_leaves_the_holder(clock):
+@pytest.mark.parametrize("kind", ["mongomock", "mongo"])
+def test_mongo_mark_worker_lost_racing_a_renewal_leaves_the_holder(request, clock, kind):
     """A lost-worker write that read an old lease loses if the holder renews before the write lands."""
-    client = mongomock.MongoClient()
-    store, holder = (MongoStore(client["voice"], clock=clock) for _ in range(2))
+    db = request.getfixturevalue("mongo_db") if kind == "mongo" else mongomock.MongoClient()["voice"]
+    store, holder = (MongoStore(db, clock=clock) for _ in range(2))
     submit(store)
     holder.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
     clock.advance(LEASE_S + STALE_S)

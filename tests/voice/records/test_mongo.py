@@ -1,4 +1,4 @@
-"""MongoDB-only behaviour: the connect check, ownership of the client, ids, indexes and races."""
+"""MongoDB-only behaviour: the connect check, ownership of the client, ids, indexes and races (mongomock and a real server)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,15 @@ from tests.voice.records.conftest import (
     submit,
 )
 from worker.core.errors import ConfigError, StaleWrite, StoreError
-from worker.voice.records.mongo import MongoStore, ServerClock, connect_mongo, server_local_time
+from worker.voice.records.mongo import (
+    _CAS_ATTEMPTS,
+    _REV,
+    MongoStore,
+    ServerClock,
+    cas_backoff_s,
+    connect_mongo,
+    server_local_time,
+)
 from worker.voice.records.rules import is_complete
 
 
@@ -60,12 +68,17 @@ class Factory:
         return self.client
 
 
-@pytest.fixture
-def mongo(clock):
-    client = mongomock.MongoClient()
-    store = MongoStore(client["voice"], clock=clock, client=client)
+@pytest.fixture(params=["mongomock", "mongo"])
+def mongo(request, clock):
+    """A store and its database, on mongomock and on the real server (tests/mongo_server.py)."""
+    if request.param == "mongo":
+        db, client = request.getfixturevalue("mongo_db"), None
+    else:
+        client = mongomock.MongoClient()
+        db = client["voice"]
+    store = MongoStore(db, clock=clock, client=client)
     store.ensure_indexes()
-    yield store, client["voice"]
+    yield store, db
     store.close()
 
 
@@ -349,8 +362,37 @@ def test_profile_that_keeps_changing_is_store_error(mongo, clock):
         return doc
 
     store._profiles.find_one = find_one_then_someone_writes
+    waits: list[float] = []
+    store._sleep = waits.append
     with pytest.raises(StoreError):
         store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    assert len(waits) == _CAS_ATTEMPTS - 1
+
+
+def test_a_swap_that_lost_to_other_writers_waits_a_growing_random_while_before_each_new_read(mongo, clock):
+    """Each lost swap is followed by a jittered wait within a doubling, capped span; then the swap lands."""
+    store, db = mongo
+    submit(store)
+    jobs, waits = store._jobs, []
+    real_swap, losses = jobs.find_one_and_update, iter(range(3))
+
+    def a_rival_writes_then_swap(*args, **kwargs):
+        if next(losses, None) is not None:  # another writer's change lands between the read and the swap
+            jobs.update_one({"_id": ObjectId(JOB_ID)}, {"$inc": {_REV: 1}})
+        return real_swap(*args, **kwargs)
+
+    jobs.find_one_and_update = a_rival_writes_then_swap
+    store._sleep = waits.append
+    assert store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S).outcome == "claimed"
+    assert len(waits) == 3
+    assert all(0 <= wait <= 0.001 * 2 ** n for n, wait in enumerate(waits))
+
+
+def test_the_wait_after_a_lost_swap_doubles_up_to_its_cap_and_is_drawn_below_it():
+    """The span after the k-th loss is 1 ms doubled k-1 times, capped at 50 ms; the wait is drawn from [0, span]."""
+    spans = [cas_backoff_s(lost, rng=lambda low, high: high) for lost in range(1, 10)]
+    assert spans == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05]
+    assert cas_backoff_s(3, rng=lambda low, high: low) == 0.0
 
 
 def test_fields_the_worker_does_not_change_are_left_as_the_backend_wrote_them(mongo, clock):
@@ -508,3 +550,41 @@ def test_on_server_time_a_skewed_worker_is_held_and_a_dead_lease_ends_on_time(mo
     server.mono_s += 9  # the skewed holder died: its lease ends 10 s of server time after its claim
     assert holder.claim(JOB_ID, owner="w2", token="t2", lease_s=10).outcome == "claimed"
     assert holder.clock_offset_s() == pytest.approx(-skew_s, abs=0.001)
+
+
+# ---------------------------------------------------------------- what only a real server judges
+
+def test_ensure_indexes_again_over_jobs_without_a_key_succeeds_on_the_server(mongo_db, clock):
+    """A restart's ensure_indexes over key-less jobs keeps the partial unique index (mongomock raises E11000 here)."""
+    store = MongoStore(mongo_db, clock=clock)
+    store.ensure_indexes()
+    submit(store)
+    submit(store, OTHER_JOB)
+    MongoStore(mongo_db, clock=clock).ensure_indexes()
+    index = mongo_db["voiceclonings"].index_information()["idempotencyKey_unique"]
+    assert index["unique"] is True and index["partialFilterExpression"] == {"idempotencyKey": {"$type": "string"}}
+    assert submit(store, "c" * 24, key="k") == ("c" * 24, True)
+    assert submit(store, "d" * 24, key="k") == ("c" * 24, False)
+
+
+def test_a_fence_field_another_writer_stored_in_another_field_order_still_matches(mongo, clock):
+    """The swap's filter is what was read, in the stored field order: a reordered lease (a real server compares the order) still renews."""
+    store, db = mongo
+    submit(store)
+    store.claim(JOB_ID, owner="w1", token="t1", lease_s=LEASE_S)
+    jobs = db["voiceclonings"]
+    lease = jobs.find_one({"_id": ObjectId(JOB_ID)})["lease"]
+    jobs.update_one({"_id": ObjectId(JOB_ID)}, {"$set": {"lease": dict(reversed(list(lease.items())))}})
+    clock.advance(10)
+    store.renew_lease(JOB_ID, "t1", LEASE_S)  # StaleWrite if its filter missed the reordered lease
+    renewed = store.get_job(JOB_ID)["lease"]
+    assert renewed["token"] == "t1" and renewed["expiresAt"] == clock.now + timedelta(seconds=LEASE_S)
+
+
+def test_on_the_server_the_stores_clock_is_the_servers(mongo_db):
+    """The real server answers hello with its localTime, so a store without a clock uses it, without the fallback warning."""
+    reported = server_local_time(mongo_db)
+    assert reported is not None and reported.tzinfo is not None and reported.microsecond % 1000 == 0
+    with capture_logs() as logs:
+        MongoStore(mongo_db).now()
+    assert [entry for entry in logs if entry["event"] == "store.server_clock_unavailable"] == []
