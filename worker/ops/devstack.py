@@ -40,6 +40,9 @@ def dev_environment(endpoint: str, queue_url: str, state_dir: Path, mongo_uri: s
         "AWS_SECRET_ACCESS_KEY": "dev",
         "SQS_WAIT_TIME_SECONDS": "5",
         "WORKER_ID": "dev-worker",
+        # The worker touches it and `python -m worker health` (or worker.core.healthcheck) reads it,
+        # in any terminal that sourced env.sh.
+        "LIVENESS_FILE": str(state_dir.resolve() / "alive"),
     }
 
 
