@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from pipeline.config import MANIFEST_DIR_NAME
 from pipeline.files import (
@@ -144,16 +144,23 @@ def write_manifest(
 
 
 def atomic_write_at(dir_fd: int, name: str, data: bytes) -> None:
-    """Write ``data`` as ``name`` in the directory open as ``dir_fd``: the old content or all of the new.
+    """Write ``data`` as ``name`` in the directory open as ``dir_fd``: the old content or all of the new."""
+    with replaced_at(dir_fd, name) as handle:
+        handle.write(data)
+
+
+@contextmanager
+def replaced_at(dir_fd: int, name: str) -> Iterator[BinaryIO]:
+    """A new file to write that takes the name ``name`` in the directory open as ``dir_fd`` once the
+    block ends (synced, renamed, the directory synced), or is removed if the block raises.
 
     The temp file is created anew with O_EXCL|O_NOFOLLOW under a random name, so nothing planted in the
-    directory (a link to a file elsewhere) is written through; the rename and the directory's sync go
-    by descriptor too."""
+    directory (a link to a file elsewhere) is written through; the rename goes by descriptor too."""
     temp = f".{name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(6)}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import stat
 import threading
@@ -50,7 +49,7 @@ from botocore.exceptions import ClientError
 
 from pipeline.config import MANIFEST_DIR_NAME, StageSpec
 from pipeline.files import OutputRefused, open_real_dir, open_regular, output_parts, real_directory
-from pipeline.manifest import TEMP_MARKER, atomic_write_at, manifest_from_bytes, manifest_path
+from pipeline.manifest import TEMP_MARKER, atomic_write_at, manifest_from_bytes, manifest_path, replaced_at
 from pipeline.reuse import attempt_order
 from worker.core.stop import StopSignal
 
@@ -337,26 +336,12 @@ class RemoteWork:
         real_directory(root.parent, "/".join([root.name, *parts[:-1]]))
         dir_fd = open_real_dir(root.parent, "/".join([root.name, *parts[:-1]]))
         try:
-            temp = f".{parts[-1]}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(6)}"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
-                         dir_fd=dir_fd)
-            try:
-                digest = hashlib.sha256()
-                with os.fdopen(fd, "wb") as out:
-                    writer = _Hashing(out, digest)
-                    self._s3.download_fileobj(self._bucket, key, writer)
-                    out.flush()
-                    os.fsync(out.fileno())
+            digest = hashlib.sha256()
+            with replaced_at(dir_fd, parts[-1]) as out:
+                writer = _Hashing(out, digest)
+                self._s3.download_fileobj(self._bucket, key, writer)
                 if (writer.size, digest.hexdigest()) != (size, sha256_hex):
                     raise RestoreMismatch(f"{rel}: what was downloaded is not what was recorded")
-                os.replace(temp, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException:
-                try:
-                    os.unlink(temp, dir_fd=dir_fd)
-                except OSError:
-                    pass
-                raise
-            os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -267,3 +268,22 @@ class FakeJob:
     recordings: tuple[FakeRecording, ...]
     job_id: str = "job"
     language: str = "en"
+
+
+@contextlib.contextmanager
+def recorded_spans():
+    """Tracing on (worker.core.tracing), its finished spans kept by the SDK's in-memory exporter; off after."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from worker.core import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable(provider)
+    try:
+        yield exporter
+    finally:
+        tracing.disable()

@@ -5,22 +5,16 @@ from __future__ import annotations
 import sys
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.support import recorded_spans
 from worker.core import tracing
 from worker.core.errors import ConfigError
 
 
 @pytest.fixture
 def spans():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.enable(provider)
-    yield exporter
-    tracing.disable()
+    with recorded_spans() as exporter:
+        yield exporter
 
 
 def test_off_every_call_is_a_no_op():

@@ -390,23 +390,13 @@ def test_the_dataset_step_logs_its_completion_with_its_duration(tmp_path, job_an
 
 def test_a_traced_run_has_a_span_per_step_and_stage(tmp_path, job_and_fetch, default_config):
     """With tracing on, the downloads, the dataset step and each stage are spans under the caller's."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
+    from tests.support import recorded_spans
     from worker.core import tracing
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.enable(provider)
     job, fetch = job_and_fetch
-    try:
-        with tracing.span("job"):
-            run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
-                         progress=lambda s, p: None)
-    finally:
-        tracing.disable()
+    with recorded_spans() as exporter, tracing.span("job"):
+        run_pipeline(job, tmp_path / "work", StopSignal(), config=default_config, fetch=fetch,
+                     progress=lambda s, p: None)
     by_name = {span.name: span for span in exporter.get_finished_spans()}
     steps = ["download", "dataset", "stage embed", "stage train_full", "stage train_light"]
     assert set(steps) <= set(by_name)

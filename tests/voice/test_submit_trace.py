@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from tests.ops.test_commands import PAYLOAD, store  # noqa: F401 (store is a fixture)
-from worker.core import tracing
+from tests.support import recorded_spans
 from worker.voice.submit import submit
 
 
 def test_the_message_carries_the_submit_spans_trace(store, sqs):
     """The sent message's traceparent names the trace of the submit span."""
     url = sqs.create_queue(QueueName="jobs")["QueueUrl"]
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.enable(provider)
-    try:
+    with recorded_spans() as exporter:
         submit(store, sqs, url, PAYLOAD)
-    finally:
-        tracing.disable()
     [message] = sqs.receive_message(QueueUrl=url, MessageAttributeNames=["All"])["Messages"]
     [span] = exporter.get_finished_spans()
     assert span.name == "submit"

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.support import recorded_spans
 from tests.voice.conftest import message_body
 from worker.core import tracing
 from worker.core.config import LeaseTimings
@@ -16,12 +14,8 @@ from worker.core.queue import Message, Queue
 
 @pytest.fixture
 def spans():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.enable(provider)
-    yield exporter
-    tracing.disable()
+    with recorded_spans() as exporter:
+        yield exporter
 
 
 def test_a_job_is_one_trace_from_its_submitter_through_claim_upload_and_commit(handler, spans):
