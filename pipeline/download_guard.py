@@ -139,7 +139,10 @@ class Guard:
                         outcome["error"] = exc
                 with lock:
                     outcome["finished"] = True
-                    left_behind = "abandoned" in outcome
+                    # Finished after the firing: the guard has shut its sockets down under it, so what
+                    # it returns is not to be trusted, and the caller gets the cut, as the deadline says.
+                    outcome["after_cut"] = self.fired is not None
+                    left_behind = "abandoned" in outcome or outcome["after_cut"]
                 finished.set()
                 if left_behind and "value" in outcome and discard is not None:
                     discard(outcome["value"])
@@ -158,6 +161,8 @@ class Guard:
                         outcome["abandoned"] = True
                         raise
                 break  # it finished at the same moment: the result is ours after all
+        if outcome.get("after_cut"):
+            self.check()  # raises the cut (the call's value went to ``discard``)
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
