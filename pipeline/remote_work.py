@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import stat
 import threading
 import time
@@ -50,7 +49,7 @@ from botocore.exceptions import ClientError
 from pipeline.config import MANIFEST_DIR_NAME, StageSpec
 from pipeline.files import OutputRefused, open_real_dir, open_regular, output_parts, real_directory
 from pipeline.manifest import TEMP_MARKER, atomic_write_at, manifest_from_bytes, manifest_path, replaced_at
-from pipeline.reuse import attempt_order
+from pipeline.reuse import attempt_order, remove_tree
 from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
@@ -236,12 +235,12 @@ class RemoteWork:
                 for rel, entry in sorted(listing["files"].items()):
                     self._download(f"{self._root}/attempts/{attempt}/checkpoints/{stage}/{entry['sha256']}",
                                    staging, rel, entry["size"], entry["sha256"])
-                _remove_real_dir(directory)
+                remove_tree(directory)
                 os.rename(staging, directory)
             except Exception as exc:  # noqa: BLE001 - a restore that fails is a stage that starts without it
                 log.warning("remote_work.restore_failed", stage=stage, what="checkpoints", attempt=attempt,
                             error=_short(exc))
-                _remove_real_dir(staging)
+                remove_tree(staging)
                 continue
             log.info("remote_work.checkpoints_restored", stage=stage, attempt=attempt, files=len(listing["files"]))
             return attempt
@@ -410,18 +409,6 @@ def _write_in_real_dir(root: Path, directory: str, name: str, data: bytes) -> No
         atomic_write_at(dir_fd, name, data)
     finally:
         os.close(dir_fd)
-
-
-def _remove_real_dir(path: Path) -> None:
-    """Remove ``path`` if it is there: a real directory with rmtree (which follows no link), else unlink."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(path)
-    else:
-        path.unlink()
 
 
 def _identity(st: os.stat_result) -> tuple:

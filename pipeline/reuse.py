@@ -99,15 +99,15 @@ def adopt_checkpoints(earlier_work_dirs: Sequence[Path], work_dir: Path, relativ
         return None
     for source in earlier_work_dirs:
         temp = checkpoint_dir.with_name(f".{checkpoint_dir.name}{TEMP_MARKER}{os.getpid()}")
-        _remove_tree(temp)
+        remove_tree(temp)
         try:
             copied = copy_tree(source, relative_dir, temp)
         except (CopyMismatch, OSError):
             copied = 0
         if not copied:
-            _remove_tree(temp)
+            remove_tree(temp)
             continue
-        _remove_tree(checkpoint_dir)
+        remove_tree(checkpoint_dir)
         os.rename(temp, checkpoint_dir)
         fsync_dir(checkpoint_dir.parent)
         return source
@@ -200,7 +200,9 @@ def _has_files(directory: Path) -> bool:
     return False
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` if it is there: a link or a file is unlinked, a real directory removed with
+    rmtree (which follows no link)."""
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():

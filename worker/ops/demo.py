@@ -94,15 +94,9 @@ class LocalAws:
         return None if self._proc is None else self._proc.pid
 
     def __enter__(self) -> LocalAws:
-        # The readiness probe below cannot tell our server from another one already on the port.
-        with socket.socket() as probe:
-            # As the server binds: a port whose last connections linger in TIME_WAIT (a restart) is free.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("127.0.0.1", self.port))
-            except OSError:
-                raise RuntimeError(f"port {self.port} on 127.0.0.1 is in use: is a local stack "
-                                   "already running? (choose another with --port)") from None
+        from worker.ops.localmongo import refuse_used_port
+
+        refuse_used_port(self.port, "is a local stack already running? (choose another with --port)")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port), *self._tls_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -82,15 +82,7 @@ class LocalMongo:
                            f"{self._log_tail()}")
 
     def _check_port_free(self) -> None:
-        # The readiness probe cannot tell our server from another one already on the port.
-        with socket.socket() as probe:
-            # As the server binds: a port whose last connections linger in TIME_WAIT (a restart) is free.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("127.0.0.1", self.port))
-            except OSError:
-                raise RuntimeError(f"port {self.port} on 127.0.0.1 is in use: is a local MongoDB server "
-                                   "already running there?") from None
+        refuse_used_port(self.port, "is a local MongoDB server already running there?")
 
     def _start(self) -> bool:
         """Start the process and wait for its ping; False (the process gone) if it never answered."""
@@ -142,3 +134,15 @@ class LocalMongo:
 
     def __exit__(self, *_exc) -> None:
         self._stop()
+
+
+def refuse_used_port(port: int, hint: str) -> None:
+    """RuntimeError naming ``hint`` when something listens on 127.0.0.1:``port``: a local server's
+    readiness probe cannot tell its own server from another one already there."""
+    with socket.socket() as probe:
+        # As the servers bind: a port whose last connections linger in TIME_WAIT (a restart) is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise RuntimeError(f"port {port} on 127.0.0.1 is in use: {hint}") from None
