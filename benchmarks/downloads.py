@@ -111,9 +111,9 @@ class Job:
 def project(urls: list[str], ca_path: str, out: Path) -> float:
     from pipeline.config import load_pipeline_config
     from pipeline.run import PipelineTrainer, download_all, work_layout
-    from worker.settings import Settings
+    from worker.settings import load_settings
 
-    settings = Settings(_env_file=None, DOWNLOAD_ALLOW_PRIVATE_HOSTS=True)
+    settings = load_settings({"DOWNLOAD_ALLOW_PRIVATE_HOSTS": "true"})
     downloads = settings.download_settings()
     downloads = type(downloads)(**{**downloads.__dict__, "ca_certs": ca_path})
     trainer = PipelineTrainer(load_pipeline_config(ROOT / "config" / "pipeline.toml"), downloads,

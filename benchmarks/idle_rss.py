@@ -6,8 +6,8 @@ Reads VmHWM (peak resident set) and VmRSS from /proc after ``--seconds`` of idli
 covers start-up (imports, settings, store, clients) and the steady polling loop. The baseline, run
 side by side, is the least an SQS consumer can be: boto3, one SQS client, a receive loop on the same
 queue. The ratio says what the worker's loop, heartbeat, settings, logging and store add to that.
-A third process, the baseline that also imports the libraries the worker is built on (pydantic,
-structlog, sqlite3), shows how much of that ratio they take before any of the worker's own code.
+A third process, the baseline that also imports the libraries the worker is built on (structlog,
+sqlite3), shows how much of that ratio they take before any of the worker's own code.
 
 The worker makes its job machinery (the handler, the pipeline, the message model, the S3 client) at
 the first message, so a fourth process shows what it holds once that has happened: a worker that
@@ -51,8 +51,8 @@ while True:
                         WaitTimeSeconds=int(os.environ["SQS_WAIT_TIME_SECONDS"]))
 """
 
-# The same loop after importing what the worker cannot start without; BaseModel loads pydantic's core.
-LIBRARIES = "import sqlite3, structlog\nfrom pydantic import BaseModel\n" + BASELINE
+# The same loop after importing what the worker cannot start without.
+LIBRARIES = "import sqlite3, structlog\n" + BASELINE
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """One whole job through the daemon's own wiring, and the three baselines beside it in the same run.
 
     python benchmarks/job.py [--stage-seconds 60] [--artifact-mib 1024] [--recordings 50]
-                             [--latency-ms 20] [--bandwidth-mb-s 100 500] [--dir DIR]
+                             [--latency-ms 20] [--bandwidth-mb-s 100 500] [--baseline-runs 3] [--dir DIR]
 
 The job: RECORDINGS mono 16-bit WAVs of 10 s at 44.1 kHz (~0.9 MB each; benchmarks/dataset.py's
 clips) served over HTTPS with LATENCY per round trip (benchmarks/downloads.py's server), a pipeline
@@ -18,7 +18,8 @@ the pipeline's download step, dataset step, each stage, the manifest hashing and
 publishing of the models and the clean-up), so the own time splits into the three steps that move
 bytes or resample and everything else. Then the baselines, on the same servers and files:
 benchmarks/downloads.py's 8-thread urllib3 fetch, benchmarks/dataset.py's soxr HQ one clip after
-another, and benchmarks/uploads.py's concurrent TransferManager upload of the job's published files.
+another, and benchmarks/uploads.py's concurrent TransferManager upload of the job's published files,
+each the median of BASELINE_RUNS.
 Printed: own time against the sum of the baselines (target <= 1.15x), everything else (target
 <= 3 s), own time as % of T, and extrapolated to a 30-minute job with 1 GiB of artifacts against
 each BANDWIDTH: the dataset step and the fixed costs stay, the local costs that grow with the artifacts'
@@ -226,20 +227,25 @@ def warm_up_uploads(aws_url: str, sizes: dict[str, int], root: Path) -> None:
     shutil.rmtree(scratch)
 
 
-def baseline_uploads(aws_url: str, model_paths: dict[str, str], models_root: Path) -> float:
+def baseline_uploads(aws_url: str, model_paths: dict[str, str], models_root: Path, runs: int = 1) -> float:
+    """The median of ``runs`` TransferManager uploads of the job's files (one round varies by a tenth
+    on this shared server, as much as the gap being measured)."""
     client = uploads_bench.make_client(aws_url)
     try:
         client.create_bucket(Bucket=uploads_bench.BUCKET)
     except client.exceptions.BucketAlreadyOwnedByYou:
         pass  # made by the warm-up
-    side = uploads_bench.BaselineSide(client, {name: Path(p) for name, p in model_paths.items()}, models_root)
-    try:
-        started_s = time.perf_counter()
-        side.run()
-        return time.perf_counter() - started_s
-    finally:
-        side.manager.shutdown()
-        uploads_bench.empty_bucket(client)
+    times = []
+    for _ in range(runs):
+        side = uploads_bench.BaselineSide(client, {name: Path(p) for name, p in model_paths.items()}, models_root)
+        try:
+            started_s = time.perf_counter()
+            side.run()
+            times.append(time.perf_counter() - started_s)
+        finally:
+            side.manager.shutdown()
+            uploads_bench.empty_bucket(client)
+    return statistics.median(times)
 
 
 # --- main
@@ -256,7 +262,7 @@ def main() -> int:
     # as dvassallo/s3-benchmark measured), hence 500 as well.
     parser.add_argument("--bandwidth-mb-s", type=float, nargs="+", default=[100.0, 500.0],
                         help="S3-class bandwidths, for the 30-minute figures")
-    parser.add_argument("--baseline-runs", type=int, default=3, help="runs of the download and soxr baselines (median)")
+    parser.add_argument("--baseline-runs", type=int, default=3, help="runs of each baseline (median)")
     parser.add_argument("--dir", type=Path, default=None, help="where the work files go (about 3x ARTIFACT_MIB)")
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -309,7 +315,8 @@ def main() -> int:
             stage_reports = [json.loads(line) for line in timings.read_text().splitlines()]
             base = {"downloads": baseline_downloads(urls, ca_path, root, args.baseline_runs),
                     "dataset": baseline_dataset(clips, root, args.baseline_runs),
-                    "uploads": baseline_uploads(moto.url, job["model_paths"], job["models_root"])}
+                    "uploads": baseline_uploads(moto.url, job["model_paths"], job["models_root"],
+                                                 args.baseline_runs)}
     finally:
         for process in processes:
             process.terminate()

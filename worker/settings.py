@@ -5,21 +5,24 @@ line per problem, before any AWS or store call, so a bad deployment fails loudly
 variable is parsed here, once (``METRICS_DIMENSIONS`` is a dict, ``STORE_URL`` the SQLite path);
 the parts of the worker get small values built from these settings (``loop_config``,
 ``aws_config``, ``store_config``, ...) and never see the settings object or parse a variable again.
+
+The parsing is this module's own, not pydantic's: every variable is one scalar or a comma format of
+ours, and the rules between them were ours already, so pydantic only turned text into numbers. It
+cost the idle daemon about 6 MiB (its import, its core, the schema it builds), an eighth of what a
+bare boto3 consumer holds (benchmarks/idle_rss.py).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from pipeline.limits import JobLimits, usable_cpus
 from worker.core.config import (
@@ -48,208 +51,264 @@ if TYPE_CHECKING:
 SQS_MAX_VISIBILITY_S = MAX_VISIBILITY_S
 SQS_MAX_WAIT_S = 20
 SQLITE_URL_PREFIX = "sqlite:///"
-# The error type of the lines the rules below write themselves: each names its variable already.
-_PROBLEM_LINES = "settings_problem_lines"
+
+
+# ---------------------------------------------------------------- parsing one variable
+
+Parse = Callable[[str], Any]
+
+
+class Lines(ValueError):
+    """A variable's problems as whole lines that name it already (not ``NAME=value: ...``)."""
+
+    def __init__(self, *lines: str):
+        super().__init__("\n".join(lines))
+        self.lines = list(lines)
+
+
+def _bounded(value: float, ge: float | None, gt: float | None, le: float | None) -> Any:
+    if ge is not None and value < ge:
+        raise ValueError(f"must be at least {ge}")
+    if gt is not None and value <= gt:
+        raise ValueError(f"must be more than {gt}")
+    if le is not None and value > le:
+        raise ValueError(f"must be at most {le}")
+    return value
+
+
+def integer(*, ge: int | None = None, gt: int | None = None, le: int | None = None) -> Parse:
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+            raise ValueError("must be a whole number")
+        return _bounded(int(text), ge, gt, le)
+
+    return parse
+
+
+def number(*, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Parse:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("must be a number") from None
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return _bounded(value, ge, gt, le)
+
+    return parse
+
+
+_TRUE, _FALSE = ("1", "true", "t", "yes", "y", "on"), ("0", "false", "f", "no", "n", "off")
+
+
+def boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError("must be true or false")
+    return word in _TRUE
+
+
+def text(*, min_chars: int = 0, max_chars: int | None = None) -> Parse:
+    def parse(value: str) -> str:
+        if len(value) < min_chars or (max_chars is not None and len(value) > max_chars):
+            raise ValueError(f"must be {min_chars}-{max_chars} characters")
+        return value
+
+    return parse
+
+
+def one_of(*choices: str) -> Parse:
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _as_is(value: str) -> str:
+    return value
+
+
+def env(name: str, default: Any = None, parse: Parse = _as_is, *, factory: Callable[[], Any] | None = None,
+        secret: bool = False) -> Any:
+    """A setting read from environment variable ``name``: its text through ``parse``, or the default
+    when unset or empty. A secret's value is neither shown in a problem line nor in the repr."""
+    meta = {"env": name, "parse": parse, "secret": secret}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta, repr=not secret)
+    return field(default=default, metadata=meta, repr=not secret)
 
 
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _problems(lines: list[str]) -> PydanticCustomError:
-    return PydanticCustomError(_PROBLEM_LINES, "{lines}", {"lines": "\n".join(lines)})
+def _events_target(target: str) -> str:
+    if problem := target_problem(target):
+        raise ValueError(problem)
+    return target
 
 
-class Settings(BaseModel):
-    # A plain pydantic model, not pydantic-settings: load_settings hands in the mapping to read (tests
-    # and the CLI stay hermetic from the process environment), an empty value means unset, and the
-    # list-valued variables have comma formats of their own that its sources would try to JSON-decode.
-    # What would be left of BaseSettings is its sources, switched off. Defaults go through the same
-    # validators, as they did under BaseSettings.
-    model_config = ConfigDict(frozen=True, extra="ignore", validate_default=True)
+def _imds_endpoint(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        raise ValueError("must be http://host[:port] (the instance metadata service)")
+    return url
+
+
+def _sqlite_path(url: str) -> str:
+    path = url.removeprefix(SQLITE_URL_PREFIX) if url.startswith(SQLITE_URL_PREFIX) else ""
+    if not path or "?" in path or "\x00" in path:
+        raise Lines(f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}")
+    return path
+
+
+def _stage_env_names(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if bad := [f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name"
+               for name in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)]:
+        raise Lines(*bad)
+    return names
+
+
+def _dimensions(value: str) -> dict[str, str]:
+    try:
+        return parse_dimensions(value)
+    except ValueError as exc:
+        raise Lines(f"METRICS_DIMENSIONS: {exc}") from None
+
+
+def _key_prefix(prefix: str) -> str:
+    if problem := key_prefix_problem(prefix):
+        raise Lines(f"RECORDINGS_S3_KEY_PREFIX={prefix!r} {problem}")
+    return prefix
+
+
+def _crash_point(name: str) -> CrashPoint:
+    if name not in POINTS:
+        raise Lines(f"VOICE_WORKER_CRASH_AT={name} is not one of {', '.join(POINTS)}")
+    return CrashPoint(name)
+
+
+# ---------------------------------------------------------------- the settings
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # Built by load_settings from the mapping it is handed (tests and the CLI stay hermetic from the
+    # process environment); an empty value means unset. Constructed directly (tests), nothing is parsed.
 
     # --- queue
-    sqs_queue_url: str | None = Field(None, alias="SQS_QUEUE_URL")
-    sqs_visibility_timeout_s: int = Field(
-        300, alias="SQS_VISIBILITY_TIMEOUT_SECONDS", ge=1, le=SQS_MAX_VISIBILITY_S
-    )
-    sqs_visibility_heartbeat_interval_ms: int = Field(
-        60_000, alias="SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS", ge=1
-    )
-    sqs_retry_visibility_base_s: int = Field(30, alias="SQS_RETRY_VISIBILITY_BASE_SECONDS", ge=0)
-    sqs_retry_visibility_max_s: int = Field(
-        900, alias="SQS_RETRY_VISIBILITY_MAX_SECONDS", ge=0, le=SQS_MAX_VISIBILITY_S
-    )
-    sqs_wait_time_s: int = Field(20, alias="SQS_WAIT_TIME_SECONDS", ge=0, le=SQS_MAX_WAIT_S)
+    sqs_queue_url: str | None = env("SQS_QUEUE_URL")
+    sqs_visibility_timeout_s: int = env("SQS_VISIBILITY_TIMEOUT_SECONDS", 300, integer(ge=1, le=SQS_MAX_VISIBILITY_S))
+    sqs_visibility_heartbeat_interval_ms: int = env("SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS", 60_000, integer(ge=1))
+    sqs_retry_visibility_base_s: int = env("SQS_RETRY_VISIBILITY_BASE_SECONDS", 30, integer(ge=0))
+    sqs_retry_visibility_max_s: int = env("SQS_RETRY_VISIBILITY_MAX_SECONDS", 900,
+                                          integer(ge=0, le=SQS_MAX_VISIBILITY_S))
+    sqs_wait_time_s: int = env("SQS_WAIT_TIME_SECONDS", 20, integer(ge=0, le=SQS_MAX_WAIT_S))
     # Recorded retryable failures before the worker dead-letters a job; releases and crashes spend none.
-    max_failed_attempts: int = Field(DEFAULT_MAX_FAILED_ATTEMPTS, alias="MAX_FAILED_ATTEMPTS", ge=1)
+    max_failed_attempts: int = env("MAX_FAILED_ATTEMPTS", DEFAULT_MAX_FAILED_ATTEMPTS, integer(ge=1))
 
     # --- records
-    mongo_uri: str | None = Field(None, alias="MONGO_URI", repr=False)
-    mongo_database: str = Field("voice", alias="MONGO_DATABASE")
-    mongo_jobs_collection: str = Field("voiceclonings", alias="MONGO_JOBS_COLLECTION")
-    mongo_profiles_collection: str = Field("useraudioprofiles", alias="MONGO_PROFILES_COLLECTION")
-    mongo_connect_max_attempts: int = Field(7, alias="MONGO_CONNECT_MAX_ATTEMPTS", ge=1)
-    mongo_connect_retry_delay_ms: int = Field(1000, alias="MONGO_CONNECT_RETRY_DELAY_MS", ge=0)
+    mongo_uri: str | None = env("MONGO_URI", secret=True)
+    mongo_database: str = env("MONGO_DATABASE", "voice")
+    mongo_jobs_collection: str = env("MONGO_JOBS_COLLECTION", "voiceclonings")
+    mongo_profiles_collection: str = env("MONGO_PROFILES_COLLECTION", "useraudioprofiles")
+    mongo_connect_max_attempts: int = env("MONGO_CONNECT_MAX_ATTEMPTS", 7, integer(ge=1))
+    mongo_connect_retry_delay_ms: int = env("MONGO_CONNECT_RETRY_DELAY_MS", 1000, integer(ge=0))
     # STORE_URL=sqlite:///path/to/file.db, kept as the file's path.
-    sqlite_path: str | None = Field(None, alias="STORE_URL")
+    sqlite_path: str | None = env("STORE_URL", None, _sqlite_path)
 
     # --- artifacts and files
-    s3_bucket: str | None = Field(None, alias="S3_BUCKET")
-    s3_prefix: str = Field("", alias="S3_PREFIX")
-    work_root: str = Field("var/work", alias="WORK_ROOT")
-    pipeline_config: str = Field("config/pipeline.toml", alias="PIPELINE_CONFIG")
+    s3_bucket: str | None = env("S3_BUCKET")
+    s3_prefix: str = env("S3_PREFIX", "")
+    work_root: str = env("WORK_ROOT", "var/work")
+    pipeline_config: str = env("PIPELINE_CONFIG", "config/pipeline.toml")
     # What a config's {trainer_python} stands for: the interpreter of the trainers' own virtualenv
     # (trainers/), never the worker's. Checked at start when the config uses it.
-    trainer_python: str = Field("", alias="TRAINER_PYTHON")
+    trainer_python: str = env("TRAINER_PYTHON", "")
     # Mirror each attempt's checkpoints and finished stages to S3 this often (pipeline/remote_work.py),
     # so a retry on another host resumes instead of starting over. 0: off. Off anyway on a shared work root.
-    checkpoint_s3_sync_s: float = Field(0.0, alias="CHECKPOINT_S3_SYNC_SECONDS", ge=0)
+    checkpoint_s3_sync_s: float = env("CHECKPOINT_S3_SYNC_SECONDS", 0.0, number(ge=0))
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
-    stage_env_passthrough: tuple[str, ...] = Field(default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
+    stage_env_passthrough: tuple[str, ...] = env("STAGE_ENV_PASSTHROUGH", parse=_stage_env_names, factory=tuple)
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
-    keep_work_files: bool = Field(False, alias="KEEP_WORK_FILES")
+    keep_work_files: bool = env("KEEP_WORK_FILES", False, boolean)
     # Where the five artifacts are published for the profile's modelPaths (unset: <WORK_ROOT>/.models).
-    models_root: str | None = Field(None, alias="MODELS_ROOT")
+    models_root: str | None = env("MODELS_ROOT")
 
     # --- time
-    job_time_limit_s: int = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1)
-    shutdown_grace_s: float = Field(60.0, alias="SHUTDOWN_GRACE_SECONDS", ge=0)
+    job_time_limit_s: int = env("JOB_TIME_LIMIT_SECONDS", 21_600, integer(ge=1))
+    shutdown_grace_s: float = env("SHUTDOWN_GRACE_SECONDS", 60.0, number(ge=0))
     # The reconciler: a processing job whose lease ended this long ago lost its worker (unset: the job
     # time limit + visibility timeout + longest backoff + 1 h); a pending job never enqueued this long
     # after its creation is enqueued again, once.
-    reconcile_stale_after_s: int | None = Field(None, alias="RECONCILE_STALE_AFTER_SECONDS", ge=1)
-    reconcile_pending_after_s: int = Field(1800, alias="RECONCILE_PENDING_AFTER_SECONDS", ge=1)
+    reconcile_stale_after_s: int | None = env("RECONCILE_STALE_AFTER_SECONDS", None, integer(ge=1))
+    reconcile_pending_after_s: int = env("RECONCILE_PENDING_AFTER_SECONDS", 1800, integer(ge=1))
     # Leases are judged on the store's clock; a host whose clock is further off than this from the
     # store's refuses to start (AWS refuses requests signed more than 15 min off, hence the cap).
-    max_clock_skew_s: float = Field(10.0, alias="MAX_CLOCK_SKEW_SECONDS", gt=0, le=900)
+    max_clock_skew_s: float = env("MAX_CLOCK_SKEW_SECONDS", 10.0, number(gt=0, le=900))
 
     # --- downloads
-    download_timeout_s: float = Field(60.0, alias="DOWNLOAD_TIMEOUT_SECONDS", gt=0)
-    download_max_bytes: int = Field(2 * 1024**3, alias="DOWNLOAD_MAX_BYTES", ge=1)
+    download_timeout_s: float = env("DOWNLOAD_TIMEOUT_SECONDS", 60.0, number(gt=0))
+    download_max_bytes: int = env("DOWNLOAD_MAX_BYTES", 2 * 1024**3, integer(ge=1))
     # Recordings on the wire at once for a job (each takes its declared length of MAX_JOB_DOWNLOAD_BYTES,
     # or DOWNLOAD_MAX_BYTES when it declares none).
-    download_concurrency: int = Field(8, alias="DOWNLOAD_CONCURRENCY", ge=1, le=64)
+    download_concurrency: int = env("DOWNLOAD_CONCURRENCY", 8, integer(ge=1, le=64))
     # Local runs only: lets recordings come from loopback/private hosts (never in production).
-    download_allow_private_hosts: bool = Field(False, alias="DOWNLOAD_ALLOW_PRIVATE_HOSTS")
+    download_allow_private_hosts: bool = env("DOWNLOAD_ALLOW_PRIVATE_HOSTS", False, boolean)
     # s3:// recordings must be in this bucket (unset: s3:// recordings are refused), under this key
     # prefix, in which {profileId} stands for the message's profileId: no job reads another's files.
-    recordings_s3_bucket: str | None = Field(None, alias="RECORDINGS_S3_BUCKET")
-    recordings_s3_key_prefix: str = Field("recordings/{profileId}/", alias="RECORDINGS_S3_KEY_PREFIX")
+    recordings_s3_bucket: str | None = env("RECORDINGS_S3_BUCKET")
+    recordings_s3_key_prefix: str = env("RECORDINGS_S3_KEY_PREFIX", "recordings/{profileId}/", _key_prefix)
 
     # --- limits: what one job may ask for; past a limit the job fails permanently
-    max_recordings_per_job: int = Field(500, alias="MAX_RECORDINGS_PER_JOB", ge=1, le=100_000)
-    max_text_chars: int = Field(2000, alias="MAX_TEXT_CHARS", ge=1)
-    max_job_download_bytes: int = Field(8 * 1024**3, alias="MAX_JOB_DOWNLOAD_BYTES", ge=1)
-    max_recording_seconds: float = Field(1800.0, alias="MAX_RECORDING_SECONDS", gt=0)
-    max_job_audio_seconds: float = Field(36_000.0, alias="MAX_JOB_AUDIO_SECONDS", gt=0)
+    max_recordings_per_job: int = env("MAX_RECORDINGS_PER_JOB", 500, integer(ge=1, le=100_000))
+    max_text_chars: int = env("MAX_TEXT_CHARS", 2000, integer(ge=1))
+    max_job_download_bytes: int = env("MAX_JOB_DOWNLOAD_BYTES", 8 * 1024**3, integer(ge=1))
+    max_recording_seconds: float = env("MAX_RECORDING_SECONDS", 1800.0, number(gt=0))
+    max_job_audio_seconds: float = env("MAX_JOB_AUDIO_SECONDS", 36_000.0, number(gt=0))
 
     # --- dataset
     # Recordings the dataset step converts at once (unset: the CPUs this process may run on).
-    dataset_workers: int = Field(default_factory=usable_cpus, alias="DATASET_WORKERS", ge=1)
+    dataset_workers: int = env("DATASET_WORKERS", parse=integer(ge=1), factory=usable_cpus)
 
     # --- observability and identity
-    sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", alias="LOG_LEVEL")
-    log_format: Literal["json", "console"] = Field("json", alias="LOG_FORMAT")
-    worker_id: str = Field(default_factory=_default_worker_id, alias="WORKER_ID")
+    sentry_dsn: str | None = env("SENTRY_DSN", secret=True)
+    log_level: str = env("LOG_LEVEL", "INFO", one_of("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_format: str = env("LOG_FORMAT", "json", one_of("json", "console"))
+    worker_id: str = env("WORKER_ID", factory=_default_worker_id)
     # A file the loop and the heartbeat touch while alive; `python -m worker health` checks its age.
-    liveness_file: str | None = Field(None, alias="LIVENESS_FILE")
-    liveness_max_age_s: float | None = Field(None, alias="LIVENESS_MAX_AGE_SECONDS", gt=0)
+    liveness_file: str | None = env("LIVENESS_FILE")
+    liveness_max_age_s: float | None = env("LIVENESS_MAX_AGE_SECONDS", None, number(gt=0))
     # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
-    notify_socket: str | None = Field(None, alias="NOTIFY_SOCKET")
+    notify_socket: str | None = env("NOTIFY_SOCKET")
     # CloudWatch embedded metric format, one JSON object per line on stdout (worker/core/metrics.py).
-    metrics_enabled: bool = Field(True, alias="METRICS_ENABLED")
-    metrics_namespace: str = Field("VoiceWorker", alias="METRICS_NAMESPACE", min_length=1, max_length=255)
+    metrics_enabled: bool = env("METRICS_ENABLED", True, boolean)
+    metrics_namespace: str = env("METRICS_NAMESPACE", "VoiceWorker", text(min_chars=1, max_chars=255))
     # Name=Value pairs added to every metric, e.g. "Environment=production,Queue=jobs".
-    metrics_dimensions: dict[str, str] = Field(default_factory=dict, alias="METRICS_DIMENSIONS")
+    metrics_dimensions: dict[str, str] = env("METRICS_DIMENSIONS", parse=_dimensions, factory=dict)
     # Job state-change events (worker/core/events.py): an SNS topic ARN or an EventBridge bus ARN; empty: none.
-    events_target: str = Field("", alias="EVENTS_TARGET")
+    events_target: str = env("EVENTS_TARGET", "", _events_target)
     # OpenTelemetry spans for each job, its trace carried from `submit` (worker/core/tracing.py; the
     # `tracing` extra). Off by default.
-    tracing_enabled: bool = Field(False, alias="TRACING_ENABLED")
+    tracing_enabled: bool = env("TRACING_ENABLED", False, boolean)
 
     # --- testing only: kill the process at a named point (see worker/core/faults.py); unset in production
-    crash_at: CrashPoint | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
+    crash_at: CrashPoint | None = env("VOICE_WORKER_CRASH_AT", None, _crash_point)
 
     # --- AWS
-    aws_endpoint_url: str | None = Field(None, alias="AWS_ENDPOINT_URL")
-    aws_region: str | None = Field(None, alias="AWS_REGION")
+    aws_endpoint_url: str | None = env("AWS_ENDPOINT_URL")
+    aws_region: str | None = env("AWS_REGION")
     # Set by ECS in every task's containers: the agent's local endpoint, used for scale-in protection
     # while a job runs (worker/core/ecs_agent.py). Absent elsewhere, and then nothing is protected.
-    ecs_agent_uri: str | None = Field(None, alias="ECS_AGENT_URI")
+    ecs_agent_uri: str | None = env("ECS_AGENT_URI")
     # On EC2 spot: read the interruption notice from instance metadata this often and shut down as for
     # SIGTERM at the first one (worker/core/imds.py). 0: off (the default; ECS's spot draining sends
     # SIGTERM itself).
-    spot_interruption_check_s: float = Field(0.0, alias="SPOT_INTERRUPTION_CHECK_SECONDS", ge=0)
-    imds_endpoint: str = Field("http://169.254.169.254", alias="IMDS_ENDPOINT")
-
-    # Each variable's own format, parsed here once; a value that is not text was parsed already.
-    @field_validator("events_target")
-    @classmethod
-    def _events_target(cls, target: str) -> str:
-        if problem := target_problem(target):
-            raise ValueError(problem)
-        return target
-
-    @field_validator("imds_endpoint")
-    @classmethod
-    def _imds_endpoint(cls, url: str) -> str:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-            raise ValueError("must be http://host[:port] (the instance metadata service)")
-        return url
-
-    @field_validator("sqlite_path", mode="before")
-    @classmethod
-    def _sqlite_path(cls, url: Any) -> Any:
-        if not isinstance(url, str):
-            return url
-        path = url.removeprefix(SQLITE_URL_PREFIX) if url.startswith(SQLITE_URL_PREFIX) else ""
-        if not path or "?" in path or "\x00" in path:
-            raise _problems([f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}"])
-        return path
-
-    @field_validator("stage_env_passthrough", mode="before")
-    @classmethod
-    def _stage_env_names(cls, text: Any) -> Any:
-        if not isinstance(text, str):
-            return text
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        if bad := [f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name"
-                   for name in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)]:
-            raise _problems(bad)
-        return names
-
-    @field_validator("metrics_dimensions", mode="before")
-    @classmethod
-    def _dimensions(cls, text: Any) -> Any:
-        if not isinstance(text, str):
-            return text
-        try:
-            return parse_dimensions(text)
-        except ValueError as exc:
-            raise _problems([f"METRICS_DIMENSIONS: {exc}"]) from None
-
-    @field_validator("recordings_s3_key_prefix", mode="before")
-    @classmethod
-    def _key_prefix(cls, prefix: Any) -> Any:
-        if isinstance(prefix, str) and (problem := key_prefix_problem(prefix)):
-            raise _problems([f"RECORDINGS_S3_KEY_PREFIX={prefix!r} {problem}"])
-        return prefix
-
-    @field_validator("crash_at", mode="before")
-    @classmethod
-    def _crash_point(cls, name: Any) -> Any:
-        if isinstance(name, str) and name not in POINTS:
-            raise _problems([f"VOICE_WORKER_CRASH_AT={name} is not one of {', '.join(POINTS)}"])
-        return name
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Settings:
-        if problems := consistency_problems(self):
-            raise _problems(problems)
-        return self
+    spot_interruption_check_s: float = env("SPOT_INTERRUPTION_CHECK_SECONDS", 0.0, number(ge=0))
+    imds_endpoint: str = env("IMDS_ENDPOINT", "http://169.254.169.254", _imds_endpoint)
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -404,17 +463,34 @@ def models_root_problem(work_root: str, models_root: str) -> str | None:
     return None
 
 
-ENV_NAMES = tuple(f.alias for f in Settings.model_fields.values() if f.alias)
+# Each environment variable's field, in the order above.
+FIELD_OF_ENV: dict[str, Field] = {f.metadata["env"]: f for f in fields(Settings)}
+ENV_NAMES = tuple(FIELD_OF_ENV)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from ``environ`` (default: the process environment) or raise ConfigError."""
-    env = os.environ if environ is None else environ
-    values = {name: env[name] for name in ENV_NAMES if env.get(name, "") != ""}
-    try:
-        return Settings(**values)
-    except ValidationError as exc:
-        raise ConfigError(_problem_lines(exc)) from None
+    env_ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for name, spec in FIELD_OF_ENV.items():
+        raw = env_.get(name, "")
+        if raw == "":
+            continue
+        try:
+            values[spec.name] = spec.metadata["parse"](raw)
+        except Lines as exc:
+            problems.extend(exc.lines)
+        except ValueError as exc:
+            shown = "" if spec.metadata["secret"] else f"={raw}"
+            problems.append(f"{name}{shown}: {exc}")
+    if problems:
+        raise ConfigError(problems)
+    settings = Settings(**values)
+    # The rules between settings only once each one is valid on its own.
+    if problems := consistency_problems(settings):
+        raise ConfigError(problems)
+    return settings
 
 
 _REQUIRED = {
@@ -449,18 +525,3 @@ def daemon_targets(s: Settings) -> DaemonTargets:
     if problems or not s.sqs_queue_url or not s.s3_bucket:
         raise ConfigError(problems)
     return DaemonTargets(queue_url=s.sqs_queue_url, bucket=s.s3_bucket)
-
-
-def _problem_lines(exc: ValidationError) -> list[str]:
-    lines: list[str] = []
-    for err in exc.errors(include_url=False):
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == _PROBLEM_LINES:
-            lines.extend(msg.splitlines())
-        elif err["loc"]:
-            value = err.get("input")
-            shown = "" if value is None or "MONGO_URI" in err["loc"] else f"={value}"
-            lines.append(f"{err['loc'][0]}{shown}: {msg}")
-        else:
-            lines.extend(msg.splitlines())
-    return lines

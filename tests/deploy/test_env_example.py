@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import MISSING
+
 import pytest
 
 from tests.deploy.files import REPO, read_env_example, settings_groups
-from worker.settings import ENV_NAMES, Settings, daemon_problems, load_settings
+from worker.settings import ENV_NAMES, FIELD_OF_ENV, daemon_problems, load_settings
 
 EXAMPLE = REPO / "config" / "worker.env.example"
-FIELD_OF = {f.alias: name for name, f in Settings.model_fields.items() if f.alias}
+FIELD_OF = {env: f.name for env, f in FIELD_OF_ENV.items()}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,10 @@ def test_commented_values_are_the_real_defaults(example):
     lines, _ = example
     defaults = load_settings({})
     for line in (entry for entry in lines if not entry.active):
-        field = Settings.model_fields[FIELD_OF[line.name]]
+        field = FIELD_OF_ENV[line.name]
         if line.value == "":
             # Empty means unset: the default must be "nothing" (or computed, like WORKER_ID).
-            assert field.default in (None, "") or field.default_factory is not None, line.name
+            assert field.default in (None, "") or field.default_factory is not MISSING, line.name
         else:
             shown = load_settings({line.name: line.value})
             assert getattr(shown, FIELD_OF[line.name]) == getattr(defaults, FIELD_OF[line.name]), line.name

@@ -15,7 +15,7 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import boto3
@@ -238,7 +238,7 @@ def make_rig(root: Path, endpoint: str, **env: str) -> Rig:
     sqs = make_client("sqs", settings.aws_config(), session)
     s3 = make_client("s3", settings.aws_config(), session)
     queues = create_queues(sqs, name=f"faults-{suffix}")
-    settings = settings.model_copy(update={"sqs_queue_url": queues.url})
+    settings = replace(settings, sqs_queue_url=queues.url)
     s3.create_bucket(Bucket=settings.s3_bucket)
     s3.put_bucket_versioning(Bucket=settings.s3_bucket, VersioningConfiguration={"Status": "Enabled"})
     store = FlakyStore(SqliteStore(str(root / "records.db")))

@@ -14,6 +14,7 @@ from pipeline.recording_url import parse_recording_url
 from worker.core.errors import InvalidMessage
 from worker.core.names import SAFE_NAME
 from worker.core.redact import redact_url
+from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.message import (
     Job,
     Recording,
@@ -53,10 +54,10 @@ def changed(path: tuple, value) -> dict:
     return body
 
 
-def problems_of(body) -> list[str]:
+def problems_of(body, policy: InputPolicy = SHAPE_ONLY) -> list[str]:
     raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
     with pytest.raises(InvalidMessage) as info:
-        parse_job(raw)
+        parse_job(raw, policy)
     return info.value.problems
 
 
@@ -279,6 +280,27 @@ def test_huge_input_gives_a_bounded_error():
     assert len(problems) == 21
     assert problems[-1] == "… and 3980 more problems"
     assert len("; ".join(problems)) < 5000
+
+
+def test_over_long_input_is_refused_before_its_entries_are_checked():
+    """More entries than the policy allows is one line for the list, none for its (bad) entries."""
+    body = changed(("input",), [{"recordingUrl": "ftp://x/y", "originalText": ""}] * 3)
+    assert problems_of(body, InputPolicy(max_recordings=2)) == [
+        "input: must list at most 2 recordings (MAX_RECORDINGS_PER_JOB), got 3"]
+
+
+def test_policy_scopes_each_parsed_recording_url():
+    """Each s3:// URL is scoped to the bucket and, when profileId is safe, to that profile's prefix."""
+    policy = InputPolicy(recordings_bucket="voice-media")
+    body = changed(("input", 0, "recordingUrl"), "s3://other-bucket/recordings/a.wav")
+    assert problems_of(body, policy) == [
+        "input[0].recordingUrl: s3:// recordings must be in bucket 'voice-media' (RECORDINGS_S3_BUCKET), "
+        "got 'other-bucket'",
+        "input[1].recordingUrl: S3 key must start with 'recordings/665f1c2e9b1e8a0012ab34ce/' "
+        "(RECORDINGS_S3_KEY_PREFIX for this job's profileId)",
+    ]
+    body["profileId"] = "../x"
+    assert [p.split(":")[0] for p in problems_of(body, policy)] == ["profileId", "input[0].recordingUrl"]
 
 
 def test_errors_have_no_pydantic_noise():

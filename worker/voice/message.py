@@ -14,10 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, cast
-
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
-from pydantic_core import ErrorDetails
+from typing import Any
 
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from worker.core.errors import BadRecording, InvalidMessage
@@ -121,66 +118,74 @@ def recording_url(text: str) -> RecordingUrl:
         raise ValueError(str(exc)) from None
 
 
-# ---------------------------------------------------------------- the wire schema
+# ---------------------------------------------------------------- the wire shape
+
+# Hand-written, not pydantic: pydantic's import and schema building were ~6-9 MiB of the idle daemon's
+# memory, and the rules were already the pure functions above; pydantic only walked the shape.
+# Strict: a number is not a string, a list is not an object. Extras are ignored (kept in the raw
+# body). Problems are (location, words) pairs in field order, every field's, not only the first.
+
+_MISSING = object()
+_Problems = list[tuple[tuple, str]]
 
 
-def _rule(problem_of) -> AfterValidator:
-    """A pydantic check from one of the pure rules above (None, for an optional field, passes)."""
-
-    def check(value):
-        if value is not None and (problem := problem_of(value)):
-            raise ValueError(problem)
-        return value
-
-    return AfterValidator(check)
+def _typed(value: object, kind: type, loc: tuple, problems: _Problems) -> bool:
+    if isinstance(value, kind):
+        return True
+    problems.append((loc, f"{_TYPE_WORDING[kind]}, got {_json_type(value)}"))
+    return False
 
 
-_SafeName = Annotated[str, _rule(name_problem)]
+def _field(obj: dict, loc: tuple, problems: _Problems, kind: type, *rules, optional: bool = False) -> Any:
+    """``obj[loc[-1]]`` when present, a ``kind`` and passing each rule in turn; else None, its problem noted.
+
+    An optional field absent or null is None with no problem. The first failure ends the checks: a
+    value of the wrong type never reaches a rule, a rule's problem is the field's only line.
+    """
+    value = obj.get(loc[-1], _MISSING)
+    if value is _MISSING or (optional and value is None):
+        if not optional:
+            problems.append((loc, "is required"))
+        return None
+    if not _typed(value, kind, loc, problems):
+        return None
+    for rule in rules:
+        if problem := rule(value):
+            problems.append((loc, problem))
+            return None
+    return value
 
 
-class _Wire(BaseModel):
-    # Strict: a number is not a string, a list is not an object. Extras are kept in the raw body.
-    model_config = ConfigDict(strict=True, extra="ignore")
+def _recordings(raw: dict, policy: InputPolicy, profile_id: str | None, problems: _Problems) -> list[Recording]:
+    # The count first: an over-long list is refused without validating each of its entries.
+    items = _field(raw, ("input",), problems, list, lambda items: policy.recordings_count_problem(len(items)),
+                   lambda items: None if items else "must not be empty")
+    recordings = []
+    for index, item in enumerate(items or ()):
+        loc = ("input", index)
+        if not _typed(item, dict, loc, problems):
+            continue
+        url = _recording_url(item, (*loc, "recordingUrl"), policy, profile_id, problems)
+        text = _field(item, (*loc, "originalText"), problems, str, text_problem, policy.text_length_problem)
+        if url is not None and text is not None:
+            recordings.append(Recording(url=url, text=text))
+    return recordings
 
 
-def _policy_rule(problem_of, validator=AfterValidator):
-    """A check of the caller's ``InputPolicy`` (validation context): ``problem_of(policy, value, context)``."""
-
-    def check(value, info: ValidationInfo):
-        context = info.context or {}
-        if problem := problem_of(context.get("policy", SHAPE_ONLY), value, context):
-            raise ValueError(problem)
-        return value
-
-    return validator(check)
-
-
-# After the parse, so only a URL that parsed is checked for where it points.
-_in_scope = _policy_rule(lambda policy, url, ctx: policy.recording_url_problem(url, ctx.get("profile_id")))
-_not_too_long = _policy_rule(lambda policy, text, _ctx: policy.text_length_problem(text))
-# Before: an over-long list is refused without validating each of its entries first.
-_not_too_many = _policy_rule(lambda policy, items, _ctx: isinstance(items, list)
-                             and policy.recordings_count_problem(len(items)), BeforeValidator)
-
-
-class _RecordingIn(_Wire):
-    # Parsed first (a str in, a RecordingUrl out), so the scope checks the value that is fetched.
-    recordingUrl: Annotated[str, AfterValidator(recording_url), _in_scope]
-    originalText: Annotated[str, _rule(text_problem), _not_too_long]
-
-
-class _MetadataIn(_Wire):
-    directoryName: _SafeName
-    language: Annotated[str | None, _rule(language_problem)] = None
-
-
-class _BodyIn(_Wire):
-    doc: dict[str, Any] = Field(alias="_doc")
-    jobId: _SafeName
-    profileId: _SafeName
-    environment: Annotated[str | None, _rule(environment_problem)] = None
-    metadata: _MetadataIn
-    input: Annotated[list[_RecordingIn], _not_too_many] = Field(min_length=1)
+def _recording_url(item: dict, loc: tuple, policy: InputPolicy, profile_id: str | None,
+                   problems: _Problems) -> RecordingUrl | None:
+    if (text := _field(item, loc, problems, str)) is None:
+        return None
+    try:
+        url = recording_url(text)
+    except ValueError as exc:
+        problems.append((loc, str(exc)))
+        return None
+    # Parsed first, so the scope checks the value that is fetched, and only a URL that parsed.
+    if problem := policy.recording_url_problem(url, profile_id):
+        problems.append((loc, problem))
+        return None
+    return url
 
 
 # ---------------------------------------------------------------- parsing
@@ -196,21 +201,28 @@ def parse_job(body: str | bytes, policy: InputPolicy = SHAPE_ONLY) -> Job:
     if not isinstance(raw, dict):
         raise InvalidMessage(f"body: must be a JSON object, got {_json_type(raw)}")
     profile_id = raw.get("profileId")
-    context = {"policy": policy, "profile_id": profile_id if is_safe_name(profile_id) else None}
-    try:
-        wire = _BodyIn.model_validate(raw, context=context)
-    except ValidationError as exc:
-        raise InvalidMessage(_problem_lines(exc)) from None
+    problems: _Problems = []
+    doc = _field(raw, ("_doc",), problems, dict)
+    job_id = _field(raw, ("jobId",), problems, str, name_problem)
+    profile = _field(raw, ("profileId",), problems, str, name_problem)
+    environment = _field(raw, ("environment",), problems, str, environment_problem, optional=True)
+    directory_name: str | None = None
+    language: str | None = None
+    if (metadata := _field(raw, ("metadata",), problems, dict)) is not None:
+        directory_name = _field(metadata, ("metadata", "directoryName"), problems, str, name_problem)
+        language = _field(metadata, ("metadata", "language"), problems, str, language_problem, optional=True)
+    recordings = _recordings(raw, policy, profile_id if is_safe_name(profile_id) else None, problems)
+    if problems:
+        raise InvalidMessage(_problem_lines(problems))
+    assert directory_name is not None  # no problems: metadata was an object with a safe directoryName
     return Job(
-        job_id=wire.jobId,
-        profile_id=wire.profileId,
-        environment=wire.environment or DEFAULT_ENVIRONMENT,
-        directory_name=wire.metadata.directoryName,
-        language=wire.metadata.language or DEFAULT_LANGUAGE,
-        # The field is declared str (the strict type check and its wording); its validator parsed it.
-        recordings=tuple(Recording(url=cast(RecordingUrl, r.recordingUrl), text=r.originalText)
-                         for r in wire.input),
-        doc=raw["_doc"],
+        job_id=job_id,
+        profile_id=profile,
+        environment=environment or DEFAULT_ENVIRONMENT,
+        directory_name=directory_name,
+        language=language or DEFAULT_LANGUAGE,
+        recordings=tuple(recordings),
+        doc=doc,
         body=raw,
     )
 
@@ -244,32 +256,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
-def _problem_lines(exc: ValidationError) -> list[str]:
-    lines = [_problem_line(err) for err in exc.errors(include_url=False)]
+def _problem_lines(problems: _Problems) -> list[str]:
+    lines = [f"{_location(loc)}: {words}" for loc, words in problems]
     if len(lines) > MAX_PROBLEM_LINES:
         extra = len(lines) - MAX_PROBLEM_LINES
         lines = lines[:MAX_PROBLEM_LINES] + [f"… and {extra} more problems"]
     return lines
 
 
-def _problem_line(err: ErrorDetails) -> str:
-    where, kind = _location(err["loc"]), err["type"]
-    if kind in _TYPE_WORDING:
-        return f"{where}: {_TYPE_WORDING[kind]}, got {_json_type(err.get('input'))}"
-    if kind == "missing":
-        return f"{where}: is required"
-    if kind == "too_short":
-        return f"{where}: must not be empty"
-    # Our validators' own words; pydantic's remaining messages never echo the input.
-    return f"{where}: {err['msg'].removeprefix('Value error, ')}"
-
-
-_TYPE_WORDING = {
-    "string_type": "must be a string",
-    "dict_type": "must be an object",
-    "model_type": "must be an object",
-    "list_type": "must be an array",
-}
+_TYPE_WORDING: dict[type, str] = {str: "must be a string", dict: "must be an object", list: "must be an array"}
 
 
 def _location(loc: tuple) -> str:
