@@ -128,7 +128,7 @@ def _https_url(text: str, authority: str, after: str) -> RecordingUrl:
     if not authority:
         raise BadRecording("has no host")
     host, port = _split_port(authority)
-    if port is not None and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+    if port is not None and not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
         raise BadRecording(f"has an invalid port in {show(redact_url('https://' + authority))}")
     if not _valid_host(host):
         raise BadRecording(f"has an invalid host {show(host)}")

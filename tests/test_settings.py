@@ -197,6 +197,7 @@ def test_a_switch_reads_the_usual_words_for_on_and_off(text, value):
     ({"DOWNLOAD_TIMEOUT_SECONDS": "inf"}, "DOWNLOAD_TIMEOUT_SECONDS=inf: must be a finite number"),
     ({"DOWNLOAD_TIMEOUT_SECONDS": "0"}, "DOWNLOAD_TIMEOUT_SECONDS=0: must be more than 0"),
     ({"SQS_WAIT_TIME_SECONDS": "1.5"}, "SQS_WAIT_TIME_SECONDS=1.5: must be a whole number"),
+    ({"SHUTDOWN_GRACE_SECONDS": "\u0665"}, "SHUTDOWN_GRACE_SECONDS=\u0665: must be a number"),
     ({"METRICS_NAMESPACE": "x" * 256}, "METRICS_NAMESPACE=" + "x" * 256 + ": must be 1-255 characters"),
 ])
 def test_numbers_switches_and_text_are_checked_against_their_own_rules(env, line):
@@ -208,8 +209,11 @@ def test_numbers_switches_and_text_are_checked_against_their_own_rules(env, line
 
 def test_numbers_keep_their_kind_and_the_bounds_are_inclusive():
     """Whole numbers stay ints, others floats; a value equal to a bound passes."""
-    s = load_settings({"SQS_WAIT_TIME_SECONDS": " 20 ", "SHUTDOWN_GRACE_SECONDS": "0", "MAX_CLOCK_SKEW_SECONDS": "900"})
+    s = load_settings({"SQS_WAIT_TIME_SECONDS": " 20 ", "SHUTDOWN_GRACE_SECONDS": "0", "MAX_CLOCK_SKEW_SECONDS": "900",
+                       "SQS_VISIBILITY_TIMEOUT_SECONDS": "600.0", "MAX_TEXT_CHARS": "1_000"})
     assert (s.sqs_wait_time_s, s.shutdown_grace_s, s.max_clock_skew_s) == (20, 0.0, 900.0)
+    assert s.sqs_visibility_timeout_s == 600 and isinstance(s.sqs_visibility_timeout_s, int)
+    assert s.max_text_chars == 1000
     assert isinstance(s.sqs_wait_time_s, int) and isinstance(s.shutdown_grace_s, float)
 
 

@@ -78,15 +78,19 @@ def _bounded(value: float, ge: float | None, gt: float | None, le: float | None)
 
 def integer(*, ge: int | None = None, gt: int | None = None, le: int | None = None) -> Parse:
     def parse(text: str) -> int:
-        if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        # "60.0" and "1_000" read as pydantic read them: a deployment's values keep working.
+        whole = re.fullmatch(r"\s*([+-]?[0-9](?:_?[0-9])*)(?:\.0+)?\s*", text)
+        if not whole:
             raise ValueError("must be a whole number")
-        return _bounded(int(text), ge, gt, le)
+        return _bounded(int(whole.group(1)), ge, gt, le)
 
     return parse
 
 
 def number(*, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Parse:
     def parse(text: str) -> float:
+        if not text.isascii():  # float() also reads other scripts' digits
+            raise ValueError("must be a number")
         try:
             value = float(text)
         except ValueError:

@@ -68,6 +68,7 @@ def test_a_backslash_anywhere_is_refused(text):
     ("https://user:pw@localhost/ok", "must not contain user credentials"),
     ("https://bad_host!/ok", "has an invalid host"),
     ("https://localhost:99999/ok", "has an invalid port"),
+    ("https://localhost:" + "9" * 5000 + "/ok", "has an invalid port"),  # not int()'s digit-limit text
     ("https://[::1/ok", "has an invalid host"),
     # What it let through and the message refused: now one answer, the strict one.
     ("https://under_score.example/a.wav", "has an invalid host"),

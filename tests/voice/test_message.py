@@ -460,3 +460,10 @@ def test_property_valid_body_with_one_field_broken(data):
         )
     )
     _assert_job_or_invalid(json.dumps(changed(path, data.draw(_json_values | st.text(max_size=40)))))
+
+
+def test_a_transcript_with_a_lone_surrogate_is_refused_in_words():
+    """Text JSON can carry but UTF-8 cannot (a lone surrogate) is refused, not left to fail the dataset step."""
+    body = json.dumps(changed(("input", 0, "originalText"), "caf\ud800e"))
+    assert problems_of(body) == ["input[0].originalText: must be valid Unicode text (it holds a lone surrogate)"]
+    assert parse_job(json.dumps(changed(("input", 0, "originalText"), "café 你好"))).recordings[0].text == "café 你好"

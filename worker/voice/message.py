@@ -107,7 +107,15 @@ def language_problem(value: str) -> str | None:
 
 
 def text_problem(value: str) -> str | None:
-    return None if value.strip() else "must not be empty or only whitespace"
+    if not value.strip():
+        return "must not be empty or only whitespace"
+    # JSON can carry a lone surrogate ("\\ud800"); the transcript is written out as UTF-8 for the trainer.
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return "must be valid Unicode text (it holds a lone surrogate)"
+    return None
 
 
 def recording_url(text: str) -> RecordingUrl:
