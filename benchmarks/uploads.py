@@ -77,13 +77,13 @@ class MotoServer(LocalAws):
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def make_client(url: str):
+def make_client(url: str, verify: bool | str = False):
     session = boto3.session.Session(aws_access_key_id="bench", aws_secret_access_key="bench",
                                     region_name="us-east-1")
     # worker.core.aws.client_config's retries and timeouts; the pool as large as the concurrency needs.
     config = Config(retries={"mode": "standard", "max_attempts": 5}, connect_timeout=5, read_timeout=60,
                     max_pool_connections=CONCURRENCY + 2)
-    return session.client("s3", endpoint_url=url, verify=False, config=config)
+    return session.client("s3", endpoint_url=url, verify=verify, config=config)
 
 
 def count_requests(client) -> Counter:
