@@ -10,8 +10,11 @@ shared file system every checkpoint and every finished stage would be lost. With
   stage's: the commit uploads those a moment later).
 
 and before a stage runs, an attempt that finds nothing locally takes the newest other attempt's
-verified outputs (the stage is then skipped) or, for a resumable stage, its checkpoints when they are
-newer than any local attempt's. Everything restored is checked against the SHA-256 recorded beside
+verified outputs (the stage is then skipped) or, for a resumable stage, the checkpoints of the other
+attempt, newer than any local attempt's, that had got furthest: each listing records the stage's last
+reported progress when its set was read, and the highest wins (a tie, or listings without one, the
+newest attempt). An attempt that started over (its restore failed) therefore never hides an older
+attempt's further checkpoints. Everything restored is checked against the SHA-256 recorded beside
 it as it is downloaded, and written through real directories only (no link followed).
 
 Keys: ``<S3_PREFIX>/.work/<environment>/<directoryName>/<jobId>/attempts/<attempt>/...``, built
@@ -34,11 +37,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,17 +127,18 @@ class RemoteWork:
         self._sent: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ checkpoints
-    def push_checkpoints(self, stage: str, directory: Path) -> int:
-        """Mirror the checkpoint directory as it is now; returns the files sent. Never raises: a mirror
-        that fails is a head start lost, never a failure of the job."""
+    def push_checkpoints(self, stage: str, directory: Path, progress: float | None = None) -> int:
+        """Mirror the checkpoint directory as it is now; returns the files sent. ``progress``: the
+        stage's progress (percent) as last reported before the files are read, recorded in the listing.
+        Never raises: a mirror that fails is a head start lost, never a failure of the job."""
         with self._lock:
             try:
-                return self._push_checkpoints(stage, directory)
+                return self._push_checkpoints(stage, directory, progress)
             except Exception as exc:  # noqa: BLE001 - best effort by design (s3transfer raises its own types)
                 log.warning("remote_work.push_failed", stage=stage, what="checkpoints", error=_short(exc))
                 return 0
 
-    def _push_checkpoints(self, stage: str, directory: Path) -> int:
+    def _push_checkpoints(self, stage: str, directory: Path, progress: float | None) -> int:
         known = self._known.setdefault(stage, {})
         sent = self._sent.setdefault(stage, set())
         blob_prefix = f"{self._mine}/checkpoints/{stage}/"
@@ -171,6 +176,8 @@ class RemoteWork:
             # blobs stay), and the next round tries again.
             return uploaded
         listing = {"version": LISTING_VERSION, "stage": stage, "attempt": self._attempt, "files": files}
+        if progress is not None:
+            listing["progress"] = progress
         self._s3.put_object(Bucket=self._bucket, Key=f"{self._mine}/checkpoints/{stage}.json",
                             Body=json.dumps(listing, sort_keys=True).encode())
         # Only now that the listing names the new set: the blobs nothing names any more go.
@@ -182,20 +189,25 @@ class RemoteWork:
         return uploaded
 
     @contextlib.contextmanager
-    def syncing(self, stage: str, directory: Path, stop: StopSignal | None = None) -> Iterator[None]:
+    def syncing(self, stage: str, directory: Path, stop: StopSignal | None = None,
+                progress_of: Callable[[], float | None] = lambda: None) -> Iterator[None]:
         """Mirror ``directory`` every interval while the block runs; once the shutdown is announced
         (``stop.forewarned()``), every ``NOTICE_SYNC_INTERVAL_S``, so the checkpoint the stage writes on
         its checkpoint signal is mirrored within the grace. A block that ends in an exception (a stop,
         a failure) gets one more push, bounded by ``FINAL_PUSH_BUDGET_S`` so a shutdown still releases
-        its message in time; a stage that succeeded needs none (its outputs are mirrored instead)."""
+        its message in time; a stage that succeeded needs none (its outputs are mirrored instead).
+        ``progress_of`` gives the stage's last reported progress, recorded with each set."""
         done = threading.Event()
+
+        def push() -> None:
+            self.push_checkpoints(stage, directory, progress_of())
 
         def loop() -> None:
             # Woken every slice, so a shutdown announced during a long interval is seen at once.
             last_s = time.monotonic()
             while not done.wait(min(self._interval_s(stop), _WAKE_S)):
                 if time.monotonic() - last_s >= self._interval_s(stop):
-                    self.push_checkpoints(stage, directory)
+                    push()
                     last_s = time.monotonic()
 
         thread = threading.Thread(target=loop, name=f"checkpoint-sync-{stage}", daemon=True)
@@ -205,8 +217,7 @@ class RemoteWork:
         except BaseException:
             done.set()
             thread.join()
-            last = threading.Thread(target=self.push_checkpoints, args=(stage, directory),
-                                    name=f"checkpoint-final-{stage}", daemon=True)
+            last = threading.Thread(target=push, name=f"checkpoint-final-{stage}", daemon=True)
             last.start()
             last.join(FINAL_PUSH_BUDGET_S)
             if last.is_alive():  # it goes on in the background; what it has not sent, the next attempt redoes
@@ -222,15 +233,13 @@ class RemoteWork:
         return self.sync_interval_s
 
     def pull_checkpoints(self, stage: str, directory: Path, newer_than: str | None = None) -> str | None:
-        """Replace ``directory`` with the newest other attempt's mirrored checkpoints, if that attempt
-        is newer than ``newer_than`` (a local attempt's name); returns the attempt or None. Downloaded
-        and verified beside it first: a restore that fails leaves the directory as it was."""
+        """Replace ``directory`` with the mirrored checkpoints of the other attempt that got furthest,
+        among those newer than ``newer_than`` (a local attempt's name); returns the attempt or None.
+        Downloaded and verified beside it first: a restore that fails leaves the directory as it was,
+        and the next candidate is tried."""
         staging = directory.with_name(f".restore-{directory.name}")
-        for attempt in self._other_attempts(newer_than):
+        for attempt, listing in self._checkpoint_sets(stage, newer_than):
             try:
-                listing = self._get_json(f"{self._root}/attempts/{attempt}/checkpoints/{stage}.json")
-                if listing is None or not _is_listing(listing, stage):
-                    continue
                 _empty(staging)
                 for rel, entry in sorted(listing["files"].items()):
                     self._download(f"{self._root}/attempts/{attempt}/checkpoints/{stage}/{entry['sha256']}",
@@ -242,9 +251,24 @@ class RemoteWork:
                             error=_short(exc))
                 remove_tree(staging)
                 continue
-            log.info("remote_work.checkpoints_restored", stage=stage, attempt=attempt, files=len(listing["files"]))
+            log.info("remote_work.checkpoints_restored", stage=stage, attempt=attempt, files=len(listing["files"]),
+                     progress=listing.get("progress"))
             return attempt
         return None
+
+    def _checkpoint_sets(self, stage: str, newer_than: str | None) -> list[tuple[str, dict]]:
+        """(attempt, listing) of each other attempt's mirrored set for ``stage``, furthest first."""
+        sets = []
+        for attempt in self._other_attempts(newer_than):  # newest first: the sort below keeps that for ties
+            try:
+                listing = self._get_json(f"{self._root}/attempts/{attempt}/checkpoints/{stage}.json")
+            except Exception as exc:  # noqa: BLE001 - an unreadable listing is a candidate less
+                log.warning("remote_work.restore_failed", stage=stage, what="checkpoints", attempt=attempt,
+                            error=_short(exc))
+                continue
+            if listing is not None and _is_listing(listing, stage):
+                sets.append((attempt, listing))
+        return sorted(sets, key=lambda item: _progress(item[1]), reverse=True)
 
     # ------------------------------------------------------------------ verified outputs
     def push_outputs(self, stage: StageSpec, output_dir: Path) -> None:
@@ -364,6 +388,14 @@ def _parse_manifest(raw: bytes, stage: StageSpec) -> dict:
     if manifest is None:
         raise ValueError(problem)
     return manifest
+
+
+def _progress(listing: dict) -> float:
+    """A listing's recorded progress, or -1 when it has none (an older worker's, or never reported)."""
+    value = listing.get("progress")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return -1.0
+    return float(value)
 
 
 def _is_listing(listing: Any, stage: str) -> bool:

@@ -215,7 +215,7 @@ def run_pipeline(
     ``remote``: the attempt's mirror in S3 (``pipeline.remote_work``), or None.
     """
     try:
-        return _run(job, Path(work_dir), stop, config, fetch, _without_repeats(progress), grace_s,
+        return _run(job, Path(work_dir), stop, config, fetch, ReportedProgress(progress), grace_s,
                     stage_env, limits or JobLimits(), plan, remote)
     except OSError as exc:
         # Our own file system work failed (full or unavailable shared disk): worth another attempt.
@@ -229,7 +229,7 @@ def _run(
     stop: StopSignal,
     config: PipelineConfig,
     fetch: Fetcher,
-    progress: Progress,
+    progress: ReportedProgress,
     grace_s: float,
     stage_env: Mapping[str, str] | None,
     limits: JobLimits,
@@ -302,7 +302,7 @@ def _run(
             progress(stage.name, 0.0)
             with tracing.span(f"stage {stage.name}", stage=stage.name):
                 outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s, manifests=manifests,
-                                    beside=_mirroring(stage, ctx, remote, stop))
+                                    beside=_mirroring(stage, ctx, remote, stop, progress))
             if remote is not None and not outcome.skipped and index < len(config.stages) - 1:
                 # Behind its manifest, on the same thread. Not the last stage's: the commit sends those.
                 manifests.then(functools.partial(remote.push_outputs, stage, ctx.output_dir))
@@ -337,11 +337,13 @@ def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remot
             remote.pull_checkpoints(stage.name, ctx.checkpoint_dir(stage), newer_than=local.name if local else None)
 
 
-def _mirroring(stage, ctx: StageContext, remote: RemoteWork | None, stop: StopSignal):
-    """While a resumable stage runs, its checkpoints are mirrored to S3 (when the job mirrors)."""
+def _mirroring(stage, ctx: StageContext, remote: RemoteWork | None, stop: StopSignal, progress: ReportedProgress):
+    """While a resumable stage runs, its checkpoints are mirrored to S3 (when the job mirrors), each
+    set with the stage's progress at the time."""
     if remote is None or not stage.resumable:
         return None
-    return functools.partial(remote.syncing, stage.name, ctx.checkpoint_dir(stage), stop)
+    return functools.partial(remote.syncing, stage.name, ctx.checkpoint_dir(stage), stop,
+                             functools.partial(progress.of, stage.name))
 
 
 def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:
@@ -400,16 +402,24 @@ def download_all(
     return destinations
 
 
-def _without_repeats(progress: Progress) -> Progress:
-    """Drop a report identical to the one before (a stage's own 100 %, then ours)."""
-    last: list[tuple[str, float] | None] = [None]
+class ReportedProgress:
+    """The job's progress callback, minus a report identical to the one before (a stage's own 100 %,
+    then ours), remembering each step's last percent: the checkpoint mirror records how far a stage
+    had got with each set it names."""
 
-    def report(stage: str, percent: float) -> None:
-        if last[0] != (stage, percent):
-            progress(stage, percent)
-            last[0] = (stage, percent)
+    def __init__(self, progress: Progress):
+        self._progress = progress
+        self._last: tuple[str, float] | None = None
+        self._percent: dict[str, float] = {}
 
-    return report
+    def __call__(self, stage: str, percent: float) -> None:
+        self._percent[stage] = percent
+        if self._last != (stage, percent):
+            self._progress(stage, percent)
+            self._last = (stage, percent)
+
+    def of(self, stage: str) -> float | None:
+        return self._percent.get(stage)
 
 
 def _write_step_log(log_dir: Path, step: str, lines: Sequence[str]) -> None:

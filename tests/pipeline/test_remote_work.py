@@ -92,6 +92,48 @@ def test_the_newest_attempt_wins_and_a_tampered_one_is_passed_over(s3, tmp_path)
     assert tree(target) == {"c.pth": b"one"}
 
 
+def test_the_attempt_that_got_furthest_wins_over_a_newer_one_that_started_over(s3, tmp_path):
+    """A newer attempt whose restore failed and that began again does not hide an older attempt's
+    further checkpoints; equal progress, or none recorded, goes to the newest attempt."""
+    mirror(s3, "1-aaaa").push_checkpoints("train_full", write(tmp_path / "a", {"c.pth": b"step 80"}), 80.0)
+    mirror(s3, "2-bbbb").push_checkpoints("train_full", write(tmp_path / "b", {"c.pth": b"step 10"}), 10.0)
+    assert mirror(s3, "3-cccc").pull_checkpoints("train_full", tmp_path / "r1") == "1-aaaa"
+    assert tree(tmp_path / "r1") == {"c.pth": b"step 80"}
+    mirror(s3, "3-cccc").push_checkpoints("train_full", write(tmp_path / "c", {"c.pth": b"step 80 again"}), 80.0)
+    assert mirror(s3, "4-dddd").pull_checkpoints("train_full", tmp_path / "r2") == "3-cccc"
+    mirror(s3, "5-eeee").push_checkpoints("train_full", write(tmp_path / "e", {"c.pth": b"no progress"}))
+    mirror(s3, "6-ffff").push_checkpoints("train_full", write(tmp_path / "f", {"c.pth": b"no progress"}))
+    assert mirror(s3, "7-gggg").pull_checkpoints("train_full", tmp_path / "r3", newer_than="4-dddd") == "6-ffff"
+
+
+def test_a_syncing_stage_records_how_far_it_had_got_with_each_set(s3, tmp_path):
+    """The listing a stopped stage leaves names the progress the stage last reported."""
+    source = write(tmp_path / "attempt" / "checkpoints" / "train_full", {"c.pth": b"c"})
+    with pytest.raises(RuntimeError), mirror(s3, "1-aaaa").syncing("train_full", source, None, lambda: 42.5):
+        raise RuntimeError("stopped")
+    listing = json.loads(s3.get_object(
+        Bucket=BUCKET, Key=f"voice/.work/{JOB}/attempts/1-aaaa/checkpoints/train_full.json")["Body"].read())
+    assert listing["progress"] == 42.5
+
+
+def test_the_pipeline_hands_the_mirror_the_stages_latest_progress(s3, tmp_path):
+    """What a resumable stage last reported is what its mirrored sets record, not another step's."""
+    from pipeline.run import ReportedProgress, _mirroring
+    from pipeline.stages import StageContext
+
+    seen: list = []
+    progress = ReportedProgress(lambda step, pct: seen.append((step, pct)))
+    stage = StageSpec(name="train_full", argv=("x",), outputs=("m.pth",), resumable=True)
+    ctx = StageContext(dataset_dir=tmp_path, output_dir=tmp_path, checkpoints_root=tmp_path / "ck",
+                       log_dir=tmp_path, job_id="j", language="en", env={})
+    beside = _mirroring(stage, ctx, mirror(s3, "1-aaaa"), StopSignal(), progress)
+    progress("train_full", 61.0)
+    progress("train_full", 61.0)
+    progress("embed", 100.0)
+    assert beside.keywords == {} and beside.args[3]() == 61.0
+    assert seen == [("train_full", 61.0), ("embed", 100.0)]  # a repeat is still dropped
+
+
 def test_a_restore_that_fails_leaves_the_local_checkpoints_in_place(s3, tmp_path):
     """A newer mirror whose blob is missing does not cost the checkpoints this host already had."""
     mirror(s3, "3-cccc").push_checkpoints("train_full", write(tmp_path / "c", {"c.pth": b"three"}))

@@ -180,6 +180,14 @@ def test_idempotency_key_has_a_unique_partial_index(mongo):
     assert index["unique"] is True and index["key"] == [("idempotencyKey", 1)]
 
 
+def test_the_jobs_listing_has_an_index_for_each_of_its_shapes(mongo):
+    """ensure_indexes serves `jobs` newest first, with and without a status, in list_jobs' sort order."""
+    _store, db = mongo
+    indexes = db["voiceclonings"].index_information()
+    assert indexes["createdAt_id"]["key"] == [("createdAt", -1), ("_id", -1)]
+    assert indexes["status_createdAt_id"]["key"] == [("status", 1), ("createdAt", -1), ("_id", -1)]
+
+
 def test_submit_losing_the_race_at_the_unique_index(mongo, monkeypatch):
     """A submit whose key appears between its lookup and its insert returns the winner and creates nothing."""
     store, db = mongo

@@ -211,6 +211,13 @@ class MongoStore(TransitionStore):
             self._jobs.create_index(
                 [("status", pymongo.ASCENDING), ("lease.expiresAt", pymongo.ASCENDING)],
                 name="status_lease")
+            # `jobs` (list_jobs): newest first, with or without a status; without them a listing of a
+            # large collection scans and sorts all of it, or all of one status.
+            self._jobs.create_index([("createdAt", pymongo.DESCENDING), ("_id", pymongo.DESCENDING)],
+                                    name="createdAt_id")
+            self._jobs.create_index(
+                [("status", pymongo.ASCENDING), ("createdAt", pymongo.DESCENDING), ("_id", pymongo.DESCENDING)],
+                name="status_createdAt_id")
 
     # ------------------------------------------------------------ plumbing
 
@@ -279,8 +286,8 @@ class MongoStore(TransitionStore):
 
     def list_jobs(self, status: str | None = None, since: datetime | None = None,
                   limit: int = 50) -> list[dict]:
-        # An equality on status first, then a range and the sort on createdAt: the shape a
-        # (status, createdAt) index serves; the status_lease index already serves the status part.
+        # An equality on status first, then a range and the sort on createdAt: the shapes the
+        # status_createdAt_id and createdAt_id indexes serve (ensure_indexes).
         query: dict[str, Any] = {}
         if status is not None:
             query["status"] = status
