@@ -112,9 +112,9 @@ def boolean(text: str) -> bool:
     return word in _TRUE
 
 
-def text(*, min_chars: int = 0, max_chars: int | None = None) -> Parse:
+def text(*, min_chars: int, max_chars: int) -> Parse:
     def parse(value: str) -> str:
-        if len(value) < min_chars or (max_chars is not None and len(value) > max_chars):
+        if not min_chars <= len(value) <= max_chars:
             raise ValueError(f"must be {min_chars}-{max_chars} characters")
         return value
 
@@ -474,11 +474,11 @@ ENV_NAMES = tuple(FIELD_OF_ENV)
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from ``environ`` (default: the process environment) or raise ConfigError."""
-    env_ = os.environ if environ is None else environ
+    source = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     problems: list[str] = []
     for name, spec in FIELD_OF_ENV.items():
-        raw = env_.get(name, "")
+        raw = source.get(name, "")
         if raw == "":
             continue
         try:
