@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import StageSpec  # noqa: E402
 from pipeline.dataset import build_dataset  # noqa: E402
-from pipeline.remote_work import RemoteWork, RemoteWorkConfig  # noqa: E402
+from pipeline.remote_work import MemoryLedger, RemoteWork, RemoteWorkConfig  # noqa: E402
 from pipeline.stages import StageContext, run_stage  # noqa: E402
 from worker.core.errors import Stopped  # noqa: E402
 from worker.core.stop import StopSignal  # noqa: E402
@@ -99,7 +99,9 @@ def measure(args) -> None:
         s3 = boto3.client("s3", region_name="us-east-1")
         s3.create_bucket(Bucket="bench")
         config = RemoteWorkConfig("bench", "", args.sync_interval_s)
-        mirrors = (RemoteWork(s3, config, "bench/job/1", "1-a"), RemoteWork(s3, config, "bench/job/1", "2-b"))
+        record: dict[str, dict[str, str]] = {}  # the job record's vouches (MemoryLedger)
+        mirrors = (RemoteWork(s3, config, "bench/job/1", "1-a", MemoryLedger("1-a", record)),
+                   RemoteWork(s3, config, "bench/job/1", "2-b", MemoryLedger("2-b", record)))
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -36,7 +36,7 @@ CHECKPOINT_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT"})
 # Manifests live under the output dir; no stage may declare (and so delete) anything in there.
 MANIFEST_DIR_NAME = ".manifests"
 
-_STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _STAGE_KEYS = frozenset(
     {"name", "argv", "outputs", "resumable", "permanent_exit_codes", "timeout_seconds",
      "checkpoint_signal"}
@@ -224,7 +224,7 @@ def _parse_stages(raw: Any, problems: list[str], produced: set[str]) -> list[Sta
             problems.append(f"{label}: must be a table")
             continue
         name = table.get("name")
-        if isinstance(name, str) and _STAGE_NAME.match(name):
+        if isinstance(name, str) and _STAGE_NAME.fullmatch(name):
             label = f"stage {name!r}"
             if name in seen_names:
                 problems.append(f"{label}: duplicate stage name")

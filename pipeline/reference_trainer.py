@@ -53,7 +53,7 @@ DEFAULT_STEPS = {"embed": 1, "full": 40, "light": 20}
 EXIT_UNUSABLE_DATA = 65
 EXIT_MISSING_INPUT = 66
 _ID = re.compile(SAFE_NAME)
-_CKPT = re.compile(r"^ckpt-(\d{6})\.npz$")
+_CKPT = re.compile(r"ckpt-([0-9]{6})\.npz")
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 _KEEP_CHECKPOINTS = 2
 
@@ -101,7 +101,7 @@ def load_dataset(dataset_dir: Path) -> list[Utterance]:
             fields = split_metadata_line(line)
         except ValueError as exc:
             raise UnusableData(f"metadata.csv line {number}: {exc}") from None
-        if len(fields) != 3 or not _ID.match(fields[0]) or not fields[1].strip():
+        if len(fields) != 3 or not _ID.fullmatch(fields[0]) or not fields[1].strip():
             raise UnusableData(f"metadata.csv line {number}: expected id|text|text")
         utterances.append(Utterance(fields[0], fields[1], _read_wav(dataset_dir, fields[0])))
     if not utterances:
@@ -245,7 +245,7 @@ def resume_point(
 
 
 def _checkpoint_files(checkpoints: Path) -> list[tuple[int, Path]]:
-    found = [(int(m.group(1)), p) for p in checkpoints.iterdir() if (m := _CKPT.match(p.name))]
+    found = [(int(m.group(1)), p) for p in checkpoints.iterdir() if (m := _CKPT.fullmatch(p.name))]
     return sorted(found, reverse=True)
 
 

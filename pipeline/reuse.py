@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Sequence
@@ -43,11 +44,14 @@ from pipeline.files import (
 )
 from pipeline.manifest import TEMP_MARKER, atomic_write_bytes, manifest_path, read_manifest
 
+_ATTEMPT = re.compile(r"([0-9]{1,9})-(.*)", re.ASCII | re.DOTALL)
+
 
 def attempt_order(name: str) -> tuple[int, str]:
-    """Sort key of an attempt directory name (``<attempt number>-<token prefix>``): by number."""
-    number, _, rest = name.partition("-")
-    return (int(number), rest) if number.isdigit() else (-1, name)
+    """Sort key of an attempt directory name (``<attempt number>-<token prefix>``): by number. Any other
+    name sorts first, never raises: ``'²'.isdigit()`` is true, but ``int('²')`` fails."""
+    found = _ATTEMPT.fullmatch(name)
+    return (int(found[1]), found[2]) if found else (-1, name)
 
 
 class CopyMismatch(Exception):

@@ -34,7 +34,7 @@ from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
 from pipeline.recording_url import RecordingUrl
-from pipeline.remote_work import RemoteWork, RemoteWorkConfig, job_key
+from pipeline.remote_work import Ledger, RemoteWork, RemoteWorkConfig, job_key
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
 from pipeline.stage_env import stage_environment
 from pipeline.stages import (
@@ -128,21 +128,23 @@ class PipelineTrainer:
         self._grace_s = grace_s
         self._crash_points = crash_points
 
-    def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress, /) -> dict[str, Path]:
+    def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress,
+                 ledger: Ledger | None = None, /) -> dict[str, Path]:
         return run_pipeline(job, work_dir, stop, config=self._config, fetch=self.downloader(stop), progress=progress,
                             grace_s=self._grace_s, limits=self._limits, stage_env=self._stage_env,
-                            plan=self.download_plan, remote=self.remote_work(work_dir))
+                            plan=self.download_plan, remote=self.remote_work(work_dir, ledger))
 
-    def remote_work(self, work_dir: Path) -> RemoteWork | None:
-        """The attempt's mirror in S3, when jobs mirror their work (``CHECKPOINT_S3_SYNC_SECONDS``)."""
-        if self._remote is None or not is_attempt_dir(work_dir):
+    def remote_work(self, work_dir: Path, ledger: Ledger | None) -> RemoteWork | None:
+        """The attempt's mirror in S3, when jobs mirror their work (``CHECKPOINT_S3_SYNC_SECONDS``) and the
+        attempt has a ledger in the job record to vouch for it: without one, nothing could be restored."""
+        if self._remote is None or ledger is None or not is_attempt_dir(work_dir):
             return None
-        return RemoteWork(self._s3_client, self._remote, job_key(job_dir_of(work_dir)), work_dir.name)
+        return RemoteWork(self._s3_client, self._remote, job_key(job_dir_of(work_dir)), work_dir.name, ledger)
 
     def forget_remote_work(self, job_dir: Path) -> None:
         """After the commit: the job's mirror in S3, every attempt's, is no longer needed."""
         if self._remote is not None:
-            RemoteWork(self._s3_client, self._remote, job_key(job_dir), "").forget()
+            RemoteWork(self._s3_client, self._remote, job_key(job_dir), "", _NO_LEDGER).forget()
 
     def downloader(self, stop: StopSignal) -> Downloader:
         """The job's fetcher: bound per call, so every download of the job answers to its stop signal,
@@ -158,6 +160,25 @@ class PipelineTrainer:
     @property
     def limits(self) -> JobLimits:
         return self._limits or JobLimits()
+
+
+class _NoLedger:
+    """The ledger of a mirror that only deletes: it vouches for nothing."""
+
+    def vouched(self) -> dict[str, dict[str, str]]:
+        return {}
+
+    def vouch(self, item: str, sha256_hex: str) -> None:
+        raise RuntimeError("this mirror only forgets")
+
+
+_NO_LEDGER = _NoLedger()
+
+
+def attempt_dir_name(attempt_number: int, token: str) -> str:
+    """``<attempt number, 4 digits>-<first 8 hex of the claim token>``: unique per claim, sorts by number.
+    What names an attempt's directory and its mirror in S3 (``pipeline.remote_work``)."""
+    return f"{attempt_number:04d}-{token[:8]}"
 
 
 def work_layout(work_dir: Path) -> dict[str, Path]:
@@ -297,7 +318,11 @@ def _run(
         for index, stage in enumerate(config.stages):
             manifests.check()
             stop.raise_if_set()
-            _adopt_earlier_work(stage, ctx, earlier, remote)
+            # The last stage's outputs are the artifacts: only this attempt's own run (or this host's
+            # verified copy) may give them, never the mirror, which no attempt sends them to.
+            last = index == len(config.stages) - 1
+            _adopt_earlier_work(stage, ctx, earlier, None if last else remote,
+                                checkpoints_from=remote)
             # After the copies and restores: the stage's time (its GPU-seconds) starts with its run.
             progress(stage.name, 0.0)
             with tracing.span(f"stage {stage.name}", stage=stage.name):
@@ -316,9 +341,11 @@ def _run(
     return verify_artifacts(config, dirs["output"])
 
 
-def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remote: RemoteWork | None = None) -> None:
+def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remote: RemoteWork | None = None,
+                        *, checkpoints_from: RemoteWork | None = None) -> None:
     """Give the stage an earlier attempt's verified outputs, or (resumable) its newest checkpoints:
-    from this host's earlier attempts, else from the attempts mirrored in S3 (``remote``)."""
+    from this host's earlier attempts, else from the attempts mirrored in S3 (``remote`` for outputs,
+    ``checkpoints_from`` for checkpoints)."""
     if manifest_path(ctx.output_dir, stage.name).exists():
         return  # this attempt's own manifest decides (run_stage verifies it)
     source = adopt_verified_outputs(stage, [d / "output" for d in earlier], ctx.output_dir) if earlier else None
@@ -332,9 +359,10 @@ def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remot
         local = adopt_checkpoints(earlier, root.parent, f"{root.name}/{stage.name}") if earlier else None
         if local is not None:
             log.info("pipeline.checkpoints_reused", stage=stage.name, attempt=local.name)
-        if remote is not None:
+        if checkpoints_from is not None:
             # Only a newer attempt's (another host's, since): a local copy from this host wins a tie.
-            remote.pull_checkpoints(stage.name, ctx.checkpoint_dir(stage), newer_than=local.name if local else None)
+            checkpoints_from.pull_checkpoints(stage.name, ctx.checkpoint_dir(stage),
+                                              newer_than=local.name if local else None)
 
 
 def _mirroring(stage, ctx: StageContext, remote: RemoteWork | None, stop: StopSignal, progress: ReportedProgress):
@@ -420,6 +448,12 @@ class ReportedProgress:
 
     def of(self, stage: str) -> float | None:
         return self._percent.get(stage)
+
+    def note(self, stage: str, text: str) -> None:
+        """A stage's ``NOTE`` line, to the job's record when the job's progress keeps notes."""
+        note = getattr(self._progress, "note", None)
+        if note is not None:
+            note(stage, text)
 
 
 def _write_step_log(log_dir: Path, step: str, lines: Sequence[str]) -> None:

@@ -92,6 +92,9 @@ _READ_POLL_S = 0.1
 # The keeper is a short Python start-up; this bound only matters when it cannot start at all.
 _KEEPER_START_S = 30.0
 _PROGRESS_LINE = re.compile(rb"^\s*PROGRESS\s+(\d{1,3}(?:\.\d+)?)\s*$")
+# ``NOTE <text>``: something a stage that succeeds wants on the job's record (clips it left out, say).
+_NOTE_LINE = re.compile(rb"NOTE[ \t]+(\S.*?)\s*", re.DOTALL)
+NOTE_MAX_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,19 @@ class StageResult:
     name: str
     skipped: bool
     log_path: Path | None = None
+
+
+def parse_note(line: bytes) -> str | None:
+    """The text of a ``NOTE <text>`` line (printable, at most ``NOTE_MAX_CHARS``), or None for any other line."""
+    match = _NOTE_LINE.fullmatch(line)
+    if not match:
+        return None
+    text = "".join(ch if ch.isprintable() else " " for ch in match.group(1).decode("utf-8", "replace"))
+    return text[:NOTE_MAX_CHARS]
+
+
+class Note(str):
+    """A stage's ``NOTE`` text on its way from the output reader to the job's progress object."""
 
 
 def parse_progress(line: bytes) -> float | None:
@@ -649,9 +665,17 @@ def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, las
     latest = None
     while True:
         try:
-            latest = updates.get_nowait()
+            update = updates.get_nowait()
         except queue.Empty:
             break
+        if isinstance(update, Note):
+            log.info("stage.note", stage=stage_name, note=str(update))
+            # A progress callback that keeps notes (the job's: its record) takes them; a plain one does not.
+            note = getattr(progress, "note", None)
+            if note is not None:
+                note(stage_name, str(update))
+        else:
+            latest = update
     if latest is not None and latest != last[0]:
         last[0] = latest
         progress(stage_name, latest)
@@ -722,6 +746,8 @@ class OutputReader:
         value = parse_progress(line)
         if value is not None:
             self._updates.put(value)
+        elif (text := parse_note(line)) is not None:
+            self._updates.put(Note(text))
 
 
 def _log_line(log_file: IO[bytes], text: str) -> None:

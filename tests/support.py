@@ -114,7 +114,7 @@ class FaultyClient:
 
 
 # Store calls that change records; reads are not writes.
-STORE_WRITES = frozenset({"claim", "renew_lease", "set_progress", "record_error", "write_paths",
+STORE_WRITES = frozenset({"claim", "renew_lease", "set_progress", "record_mirror", "record_note", "record_error", "write_paths",
                           "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease"})
 
 

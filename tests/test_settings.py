@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from worker.core.config import Backoff, LeaseTimings
 from worker.core.errors import ConfigError
 from worker.core.faults import CrashPoint
-from worker.settings import daemon_problems, daemon_targets, load_settings
+from worker.settings import ENV_NAMES, FIELD_OF_ENV, daemon_problems, daemon_targets, load_settings
 
 BAD = [
     ({"SQS_VISIBILITY_TIMEOUT_SECONDS": "60", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "60000"},
@@ -199,6 +200,8 @@ def test_a_switch_reads_the_usual_words_for_on_and_off(text, value):
     ({"SQS_WAIT_TIME_SECONDS": "1.5"}, "SQS_WAIT_TIME_SECONDS=1.5: must be a whole number"),
     ({"SHUTDOWN_GRACE_SECONDS": "\u0665"}, "SHUTDOWN_GRACE_SECONDS=\u0665: must be a number"),
     ({"METRICS_NAMESPACE": "x" * 256}, "METRICS_NAMESPACE=" + "x" * 256 + ": must be 1-255 characters"),
+    # The connect's sleeps grow with the attempt (delay x attempt): the count bounds them too.
+    ({"MONGO_CONNECT_MAX_ATTEMPTS": "101"}, "MONGO_CONNECT_MAX_ATTEMPTS=101: must be at most 100"),
 ])
 def test_numbers_switches_and_text_are_checked_against_their_own_rules(env, line):
     """A value of the wrong kind or out of its bounds gets a line naming the variable and the rule."""
@@ -231,3 +234,79 @@ def test_the_worker_runs_without_pydantic():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'pydantic_core')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+DURATIONS = [name for name in ENV_NAMES if name.endswith(("_SECONDS", "_MS"))]
+
+
+def test_the_durations_are_every_seconds_and_milliseconds_setting():
+    """The bound checks below cover every duration, the ones the issue named among them."""
+    assert {"SPOT_INTERRUPTION_CHECK_SECONDS", "DOWNLOAD_TIMEOUT_SECONDS", "SHUTDOWN_GRACE_SECONDS",
+            "LIVENESS_MAX_AGE_SECONDS", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS",
+            "MONGO_CONNECT_RETRY_DELAY_MS"} <= set(DURATIONS)
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+def test_every_duration_has_an_upper_bound_that_waits_accept(name):
+    """A duration past its bound is one line naming the bound, and no bound is more than Event.wait takes."""
+    huge = "1" + "0" * 30
+    with pytest.raises(ConfigError) as info:
+        load_settings({name: huge})
+    [line] = info.value.problems
+    assert line.startswith(f"{name}={huge}: must be at most ")
+    bound_s = float(line.rsplit(" ", 1)[1]) / (1000 if name.endswith("_MS") else 1)
+    assert bound_s <= threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize("name,bound", [("SPOT_INTERRUPTION_CHECK_SECONDS", "120"),
+                                        ("DOWNLOAD_TIMEOUT_SECONDS", "43200"), ("SHUTDOWN_GRACE_SECONDS", "43200")])
+def test_the_durations_that_loaded_and_could_not_work_are_refused(name, bound):
+    """1e300 s, which a wait cannot take (OverflowError in the spot watch), is refused at load."""
+    with pytest.raises(ConfigError) as info:
+        load_settings({name: "1e300"})
+    assert info.value.problems == [f"{name}=1e300: must be at most {bound}"]
+    assert getattr(load_settings({name: bound}), FIELD_OF_ENV[name].name) == float(bound)
+
+
+@pytest.mark.parametrize("name", ["SQS_QUEUE_URL", "AWS_ENDPOINT_URL", "ECS_AGENT_URI", "IMDS_ENDPOINT"])
+@pytest.mark.parametrize("value", ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:80x",
+                                   "http://[::1", "http://127.0.0.1:8080\n", "http://127.0.0.1:80\t80",
+                                   "http://user@127.0.0.1:8080", "http://127.0.0.1:8080?x=1", "http://", "127.0.0.1"])
+def test_a_url_setting_that_cannot_be_used_is_one_settings_line(name, value):
+    """Each URL setting is parsed when the settings load: a port out of range or a stray character is a line."""
+    with pytest.raises(ConfigError) as info:
+        load_settings({name: value})
+    [line] = info.value.problems
+    assert line.startswith(f"{name}=") and "\n" not in line
+
+
+@pytest.mark.parametrize("name,value", [
+    ("SQS_QUEUE_URL", "https://sqs.eu-west-1.amazonaws.com/123456789012/jobs"),
+    ("SQS_QUEUE_URL", "http://127.0.0.1:4566/000000000000/jobs"),
+    ("AWS_ENDPOINT_URL", "http://localhost:4566"), ("AWS_ENDPOINT_URL", "https://[::1]:4566/"),
+    ("ECS_AGENT_URI", "http://169.254.170.2/api/0f1e2d3c-task"),
+])
+def test_a_usable_url_setting_is_kept_as_given(name, value):
+    """The queue, the AWS endpoint and the ECS agent URL load unchanged when they parse."""
+    assert getattr(load_settings({name: value}), FIELD_OF_ENV[name].name) == value
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"SQS_WAIT_TIME_SECONDS": "\u2003 5"}, "SQS_WAIT_TIME_SECONDS='\\u2003 5': must be a whole number"),
+    ({"SQS_WAIT_TIME_SECONDS": "5\u00a0"}, "SQS_WAIT_TIME_SECONDS='5\\xa0': must be a whole number"),
+    ({"MAX_TEXT_CHARS": "9" * 5000}, f"MAX_TEXT_CHARS={'9' * 5000}: must be a whole number of at most 40 digits"),
+])
+def test_whole_numbers_are_read_in_ascii_and_within_a_sane_length(env, line):
+    """A whole number may be surrounded by ASCII spaces only, and thousands of digits get a line of ours."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    assert info.value.problems == [line]
+
+
+def test_a_value_with_a_line_break_is_quoted_in_its_one_line():
+    """A problem line shows a value holding a line break quoted, so one problem stays one line."""
+    target = "arn:aws:sns:us-east-1:123456789012:voice\n"
+    with pytest.raises(ConfigError) as info:
+        load_settings({"EVENTS_TARGET": target})
+    [line] = info.value.problems
+    assert line.startswith("EVENTS_TARGET='arn:aws:sns:us-east-1:123456789012:voice\\n': must be an SNS topic")

@@ -27,6 +27,8 @@ from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.job import VoiceJobHandler
 
@@ -75,8 +77,12 @@ def remote_work(settings: Settings) -> RemoteWorkConfig | None:
     return config
 
 
-def build_app(settings: Settings, *, session=None) -> App:
-    """Check everything that can be checked before the first receive, then assemble the worker."""
+def build_app(settings: Settings, *, session=None, wait: Callable[[float], None] | None = None) -> App:
+    """Check everything that can be checked before the first receive, then assemble the worker.
+
+    ``wait(s)`` is the store's pause between connect attempts, and ``wait(0)`` comes before the store
+    is opened: the daemon's raises once a stop or drain is requested (``worker.core.daemon.Requests``),
+    which ends the start-up there."""
     # Cheapest checks first: a bad pipeline file must not wait on a store connection.
     config = load_pipeline_config(settings.pipeline_config, settings.trainer_python)
     if problems := stage_env_problems(settings.stage_env_passthrough):
@@ -92,7 +98,9 @@ def build_app(settings: Settings, *, session=None) -> App:
     Queue(sqs, targets.queue_url).check_exists()
     # Made at the first download or upload: an idle worker never needs the S3 model in memory.
     s3 = LazyClient(lambda: make_client("s3", aws, session))
-    store = open_store(settings.store_config())
+    if wait is not None:
+        wait(0)
+    store = open_store(settings.store_config(), sleep=wait)
     try:
         refuse_clock_skew(store, settings.max_clock_skew_s)
     except BaseException:

@@ -37,6 +37,8 @@ from worker.core.config import (
 from worker.core.errors import ConfigError
 from worker.core.events import target_problem
 from worker.core.faults import POINTS, CrashPoint
+from worker.core.healthcheck import MAX_AGE_LIMIT_S
+from worker.core.imds import DEFAULT_ENDPOINT, Endpoint, parse_endpoint
 from worker.core.metrics import parse_dimensions
 from worker.core.names import SAFE_NAME
 from worker.core.queue import MAX_VISIBILITY_S
@@ -51,6 +53,24 @@ if TYPE_CHECKING:
 SQS_MAX_VISIBILITY_S = MAX_VISIBILITY_S
 SQS_MAX_WAIT_S = 20
 SQLITE_URL_PREFIX = "sqlite:///"
+
+# Every duration has an upper bound: each is past anything a deployment has a use for, and far below
+# what time.sleep, Event.wait and select accept (threading.TIMEOUT_MAX, about 292 years), so no value
+# that loads can fail where it is used. The waits a job makes (its time limit, the shutdown grace, a
+# download's deadline, the checkpoint mirror's interval) are bounded by SQS_MAX_VISIBILITY_S: nothing
+# outlasts the 12 hours a message can stay ours.
+# SQS keeps a message for 14 days at most: a job record stale or pending for longer has no message left.
+SQS_MAX_RETENTION_S = 14 * 86_400
+# A week of speech, in one recording or in one job, is past any dataset a job trains on.
+MAX_AUDIO_S = 7 * 86_400
+# EC2 gives two minutes' notice before it reclaims a spot instance: looking less often can miss it.
+SPOT_NOTICE_S = 120
+# MongoDB's first connect waits delay x attempt after each failed attempt, so both are bounded.
+MONGO_MAX_RETRY_DELAY_MS = 60_000
+MONGO_MAX_CONNECT_ATTEMPTS = 100
+# A whole number longer than this is refused before int() (which stops at 4300 digits with a line
+# about Python, not about the setting).
+_MAX_DIGITS = 40
 
 
 # ---------------------------------------------------------------- parsing one variable
@@ -78,10 +98,13 @@ def _bounded(value: float, ge: float | None, gt: float | None, le: float | None)
 
 def integer(*, ge: int | None = None, gt: int | None = None, le: int | None = None) -> Parse:
     def parse(text: str) -> int:
-        # "60.0" and "1_000" read as pydantic read them: a deployment's values keep working.
-        whole = re.fullmatch(r"\s*([+-]?[0-9](?:_?[0-9])*)(?:\.0+)?\s*", text)
+        # "60.0" and "1_000" read as pydantic read them: a deployment's values keep working. ASCII only:
+        # "\s" would otherwise take any Unicode space.
+        whole = re.fullmatch(r"\s*([+-]?[0-9](?:_?[0-9])*)(?:\.0+)?\s*", text, re.ASCII)
         if not whole:
             raise ValueError("must be a whole number")
+        if len(whole.group(1)) > _MAX_DIGITS:
+            raise ValueError(f"must be a whole number of at most {_MAX_DIGITS} digits")
         return _bounded(int(whole.group(1)), ge, gt, le)
 
     return parse
@@ -154,11 +177,26 @@ def _events_target(target: str) -> str:
     return target
 
 
-def _imds_endpoint(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-        raise ValueError("must be http://host[:port] (the instance metadata service)")
-    return url
+def url(*schemes: str) -> Parse:
+    """A URL, with one of ``schemes`` when given: checked here once, so that a bad one (a port past
+    65535) is a settings line, not an error where a client is made or each time it is called."""
+    kind = f"an {' or '.join(f'{scheme}://' for scheme in schemes)} URL" if schemes else "a URL with a scheme"
+    rule = f"must be {kind}, a host, no user, query or fragment, and a port (if any) from 1 to 65535"
+
+    def parse(value: str) -> str:
+        if not re.fullmatch(r"[!-~]+", value):  # urlsplit would silently drop a tab or a line break
+            raise ValueError(rule)
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError:  # an out-of-range or non-numeric port, a broken [IPv6] literal
+            raise ValueError(rule) from None
+        if (not parts.scheme or schemes and parts.scheme not in schemes or not parts.hostname or port == 0
+                or parts.username is not None or parts.query or parts.fragment):
+            raise ValueError(rule)
+        return value
+
+    return parse
 
 
 def _sqlite_path(url: str) -> str:
@@ -204,10 +242,12 @@ class Settings:
     # process environment); an empty value means unset. Constructed directly (tests), nothing is parsed.
 
     # --- queue
-    sqs_queue_url: str | None = env("SQS_QUEUE_URL")
+    sqs_queue_url: str | None = env("SQS_QUEUE_URL", None, url())
     sqs_visibility_timeout_s: int = env("SQS_VISIBILITY_TIMEOUT_SECONDS", 300, integer(ge=1, le=SQS_MAX_VISIBILITY_S))
-    sqs_visibility_heartbeat_interval_ms: int = env("SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS", 60_000, integer(ge=1))
-    sqs_retry_visibility_base_s: int = env("SQS_RETRY_VISIBILITY_BASE_SECONDS", 30, integer(ge=0))
+    sqs_visibility_heartbeat_interval_ms: int = env("SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS", 60_000,
+                                                    integer(ge=1, le=SQS_MAX_VISIBILITY_S * 1000))
+    sqs_retry_visibility_base_s: int = env("SQS_RETRY_VISIBILITY_BASE_SECONDS", 30,
+                                           integer(ge=0, le=SQS_MAX_VISIBILITY_S))
     sqs_retry_visibility_max_s: int = env("SQS_RETRY_VISIBILITY_MAX_SECONDS", 900,
                                           integer(ge=0, le=SQS_MAX_VISIBILITY_S))
     sqs_wait_time_s: int = env("SQS_WAIT_TIME_SECONDS", 20, integer(ge=0, le=SQS_MAX_WAIT_S))
@@ -219,8 +259,10 @@ class Settings:
     mongo_database: str = env("MONGO_DATABASE", "voice")
     mongo_jobs_collection: str = env("MONGO_JOBS_COLLECTION", "voiceclonings")
     mongo_profiles_collection: str = env("MONGO_PROFILES_COLLECTION", "useraudioprofiles")
-    mongo_connect_max_attempts: int = env("MONGO_CONNECT_MAX_ATTEMPTS", 7, integer(ge=1))
-    mongo_connect_retry_delay_ms: int = env("MONGO_CONNECT_RETRY_DELAY_MS", 1000, integer(ge=0))
+    mongo_connect_max_attempts: int = env("MONGO_CONNECT_MAX_ATTEMPTS", 7,
+                                          integer(ge=1, le=MONGO_MAX_CONNECT_ATTEMPTS))
+    mongo_connect_retry_delay_ms: int = env("MONGO_CONNECT_RETRY_DELAY_MS", 1000,
+                                            integer(ge=0, le=MONGO_MAX_RETRY_DELAY_MS))
     # STORE_URL=sqlite:///path/to/file.db, kept as the file's path.
     sqlite_path: str | None = env("STORE_URL", None, _sqlite_path)
 
@@ -234,7 +276,8 @@ class Settings:
     trainer_python: str = env("TRAINER_PYTHON", "")
     # Mirror each attempt's checkpoints and finished stages to S3 this often (pipeline/remote_work.py),
     # so a retry on another host resumes instead of starting over. 0: off. Off anyway on a shared work root.
-    checkpoint_s3_sync_s: float = env("CHECKPOINT_S3_SYNC_SECONDS", 0.0, number(ge=0))
+    checkpoint_s3_sync_s: float = env("CHECKPOINT_S3_SYNC_SECONDS", 0.0,
+                                      number(ge=0, le=SQS_MAX_VISIBILITY_S))
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
     stage_env_passthrough: tuple[str, ...] = env("STAGE_ENV_PASSTHROUGH", parse=_stage_env_names, factory=tuple)
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
@@ -243,19 +286,21 @@ class Settings:
     models_root: str | None = env("MODELS_ROOT")
 
     # --- time
-    job_time_limit_s: int = env("JOB_TIME_LIMIT_SECONDS", 21_600, integer(ge=1))
-    shutdown_grace_s: float = env("SHUTDOWN_GRACE_SECONDS", 60.0, number(ge=0))
+    job_time_limit_s: int = env("JOB_TIME_LIMIT_SECONDS", 21_600, integer(ge=1, le=SQS_MAX_VISIBILITY_S))
+    shutdown_grace_s: float = env("SHUTDOWN_GRACE_SECONDS", 60.0, number(ge=0, le=SQS_MAX_VISIBILITY_S))
     # The reconciler: a processing job whose lease ended this long ago lost its worker (unset: the job
     # time limit + visibility timeout + longest backoff + 1 h); a pending job never enqueued this long
     # after its creation is enqueued again, once.
-    reconcile_stale_after_s: int | None = env("RECONCILE_STALE_AFTER_SECONDS", None, integer(ge=1))
-    reconcile_pending_after_s: int = env("RECONCILE_PENDING_AFTER_SECONDS", 1800, integer(ge=1))
+    reconcile_stale_after_s: int | None = env("RECONCILE_STALE_AFTER_SECONDS", None,
+                                              integer(ge=1, le=SQS_MAX_RETENTION_S))
+    reconcile_pending_after_s: int = env("RECONCILE_PENDING_AFTER_SECONDS", 1800,
+                                         integer(ge=1, le=SQS_MAX_RETENTION_S))
     # Leases are judged on the store's clock; a host whose clock is further off than this from the
     # store's refuses to start (AWS refuses requests signed more than 15 min off, hence the cap).
     max_clock_skew_s: float = env("MAX_CLOCK_SKEW_SECONDS", 10.0, number(gt=0, le=900))
 
     # --- downloads
-    download_timeout_s: float = env("DOWNLOAD_TIMEOUT_SECONDS", 60.0, number(gt=0))
+    download_timeout_s: float = env("DOWNLOAD_TIMEOUT_SECONDS", 60.0, number(gt=0, le=SQS_MAX_VISIBILITY_S))
     download_max_bytes: int = env("DOWNLOAD_MAX_BYTES", 2 * 1024**3, integer(ge=1))
     # Recordings on the wire at once for a job (each takes its declared length of MAX_JOB_DOWNLOAD_BYTES,
     # or DOWNLOAD_MAX_BYTES when it declares none).
@@ -271,8 +316,8 @@ class Settings:
     max_recordings_per_job: int = env("MAX_RECORDINGS_PER_JOB", 500, integer(ge=1, le=100_000))
     max_text_chars: int = env("MAX_TEXT_CHARS", 2000, integer(ge=1))
     max_job_download_bytes: int = env("MAX_JOB_DOWNLOAD_BYTES", 8 * 1024**3, integer(ge=1))
-    max_recording_seconds: float = env("MAX_RECORDING_SECONDS", 1800.0, number(gt=0))
-    max_job_audio_seconds: float = env("MAX_JOB_AUDIO_SECONDS", 36_000.0, number(gt=0))
+    max_recording_seconds: float = env("MAX_RECORDING_SECONDS", 1800.0, number(gt=0, le=MAX_AUDIO_S))
+    max_job_audio_seconds: float = env("MAX_JOB_AUDIO_SECONDS", 36_000.0, number(gt=0, le=MAX_AUDIO_S))
 
     # --- dataset
     # Recordings the dataset step converts at once (unset: the CPUs this process may run on).
@@ -285,7 +330,8 @@ class Settings:
     worker_id: str = env("WORKER_ID", factory=_default_worker_id)
     # A file the loop and the heartbeat touch while alive; `python -m worker health` checks its age.
     liveness_file: str | None = env("LIVENESS_FILE")
-    liveness_max_age_s: float | None = env("LIVENESS_MAX_AGE_SECONDS", None, number(gt=0))
+    liveness_max_age_s: float | None = env("LIVENESS_MAX_AGE_SECONDS", None,
+                                           number(gt=0, le=MAX_AGE_LIMIT_S))
     # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
     notify_socket: str | None = env("NOTIFY_SOCKET")
     # CloudWatch embedded metric format, one JSON object per line on stdout (worker/core/metrics.py).
@@ -303,16 +349,18 @@ class Settings:
     crash_at: CrashPoint | None = env("VOICE_WORKER_CRASH_AT", None, _crash_point)
 
     # --- AWS
-    aws_endpoint_url: str | None = env("AWS_ENDPOINT_URL")
+    aws_endpoint_url: str | None = env("AWS_ENDPOINT_URL", None, url("http", "https"))
     aws_region: str | None = env("AWS_REGION")
     # Set by ECS in every task's containers: the agent's local endpoint, used for scale-in protection
     # while a job runs (worker/core/ecs_agent.py). Absent elsewhere, and then nothing is protected.
-    ecs_agent_uri: str | None = env("ECS_AGENT_URI")
+    ecs_agent_uri: str | None = env("ECS_AGENT_URI", None, url("http", "https"))
     # On EC2 spot: read the interruption notice from instance metadata this often and shut down as for
     # SIGTERM at the first one (worker/core/imds.py). 0: off (the default; ECS's spot draining sends
     # SIGTERM itself).
-    spot_interruption_check_s: float = env("SPOT_INTERRUPTION_CHECK_SECONDS", 0.0, number(ge=0))
-    imds_endpoint: str = env("IMDS_ENDPOINT", "http://169.254.169.254", _imds_endpoint)
+    spot_interruption_check_s: float = env("SPOT_INTERRUPTION_CHECK_SECONDS", 0.0,
+                                           number(ge=0, le=SPOT_NOTICE_S))
+    # Parsed here: the watch is handed the host and port.
+    imds_endpoint: Endpoint = env("IMDS_ENDPOINT", DEFAULT_ENDPOINT, parse_endpoint)
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -486,7 +534,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         except Lines as exc:
             problems.extend(exc.lines)
         except ValueError as exc:
-            shown = "" if spec.metadata["secret"] else f"={raw}"
+            # A value with a line break in it is quoted: one problem, one line.
+            shown = "" if spec.metadata["secret"] else f"={raw}" if raw.isprintable() else f"={raw!r}"
             problems.append(f"{name}{shown}: {exc}")
     if problems:
         raise ConfigError(problems)

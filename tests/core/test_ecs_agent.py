@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from structlog.testing import capture_logs
 
-from worker.core.ecs_agent import MAX_MINUTES, PATH, TaskProtection, protection_minutes, task_protection
+from worker.core.ecs_agent import MAX_MINUTES, PATH, TaskProtection, protection_minutes, refusal, task_protection
 from worker.core.loop import busy_for_s
 from worker.settings import load_settings
 
@@ -17,12 +18,13 @@ from worker.settings import load_settings
 class AgentStandIn:
     """The agent's task-protection endpoint on 127.0.0.1: records each PUT, answers as told.
 
-    ``answer`` is (status, body); ``hang`` makes it wait for ``release`` before answering.
+    ``answer`` is (status, body: a dict sent as JSON, bytes as they are); ``hang`` makes it wait for
+    ``release`` before answering.
     """
 
     def __init__(self):
         self.requests: list[dict] = []
-        self.answer: tuple[int, dict] = (200, {"protection": {"ProtectionEnabled": True}})
+        self.answer: tuple[int, dict | bytes] = (200, {"protection": {"ProtectionEnabled": True}})
         self.hang = False
         self.release = threading.Event()
         stand_in = self
@@ -35,7 +37,7 @@ class AgentStandIn:
                 if stand_in.hang:
                     stand_in.release.wait(10)
                 status, answer = stand_in.answer
-                data = json.dumps(answer).encode()
+                data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -191,3 +193,110 @@ def test_without_ecs_agent_uri_there_is_no_protection():
     assert task_protection(load_settings({}).ecs_agent_uri) is None
     made = task_protection(load_settings({"ECS_AGENT_URI": "http://169.254.170.2/api/abc"}).ecs_agent_uri)
     assert isinstance(made, TaskProtection)
+
+
+DEEP = b"[" * 60_000  # under the 64 KiB read cap, far deeper than the JSON decoder goes
+DEEP_VALUE = b"[" * 500 + b"]" * 500  # nested, but within what the decoder goes
+
+
+@pytest.mark.parametrize("status", [200, 400, 500])
+@pytest.mark.parametrize("body", [
+    DEEP, b"\xff\xfe\x00", b"{", b"null", b"[]", b'"text"', b"1" * 5000,
+    b'{"failure": {"Reason": ' + DEEP_VALUE + b', "Detail": ' + DEEP_VALUE + b"}}",
+    b'{"error": {"Code": ' + DEEP_VALUE + b', "Message": {"a": 1}}}',
+])
+def test_any_answer_from_the_agent_reads_as_a_success_or_a_reason(status, body):
+    """However garbled the agent's answer, it is read as a success (None) or one line of reason."""
+    reason = refusal(status, body)
+    if status >= 400:
+        assert isinstance(reason, str) and reason.startswith(f"HTTP {status}:") and "\n" not in reason
+    else:
+        assert reason is None or reason.startswith("failure")
+
+
+def test_a_reason_shows_only_the_text_the_agent_sent():
+    """Code, Message, Reason and Detail are shown when they are strings and left out otherwise."""
+    assert refusal(500, b'{"error": {"Code": [[1]], "Message": "boom"}}') == "HTTP 500: boom"
+    assert refusal(200, b'{"failure": {"Reason": "TASK_NOT_VALID", "Detail": {"a": 1}}}') == "failure: TASK_NOT_VALID"
+    assert refusal(403, b'{"error": {"Code": 7}}') == "HTTP 403:"
+
+
+def test_a_garbled_error_from_the_agent_is_one_warning_and_the_job_still_completes(agent, memory_queue,
+                                                                                  make_memory_worker):
+    """An HTTP 500 whose body is 60,000 brackets is a warning naming the status; the job is acked."""
+    agent.answer = (500, DEEP)
+    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(agent.uri))
+    memory_queue.send()
+    with capture_logs() as logs:
+        assert worker.run_once() == "ack"
+    assert [e["error"] for e in logs if e["event"] == "task_protection.failed"] == ["HTTP 500:"] * 2
+
+
+class ShortAnswer:
+    """An agent on 127.0.0.1 that answers each request with an error whose chunked body is garbled."""
+
+    def __init__(self, status: int):
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self._server.getsockname()[1]}/api/task-1"
+        self._status = status
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self):
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:  # closed by __exit__
+                return
+            with connection:
+                connection.recv(65536)
+                connection.sendall(f"HTTP/1.1 {self._status} Oops\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                   "zz\r\n{".encode())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() the thread is blocked in
+        self._server.close()
+
+
+def test_an_error_whose_body_cannot_be_read_is_a_warning_not_a_crash():
+    """An error answer whose body breaks off unreadably (a chunk size "zz") is one warning, never raised."""
+    with ShortAnswer(500) as agent, capture_logs() as logs:
+        TaskProtection(agent.uri, timeout_s=5).busy(60)
+    [failed] = [e for e in logs if e["event"] == "task_protection.failed"]
+    assert failed["error"].startswith("IncompleteRead")
+
+
+class Raising:
+    """An Activity whose busy() or idle() raises, as a broken hook would; it notes each call."""
+
+    def __init__(self, *, fail_busy: bool = False, fail_idle: bool = False):
+        self.fail_busy, self.fail_idle, self.calls = fail_busy, fail_idle, []
+
+    def busy(self, for_at_most_s):
+        self.calls.append("busy")
+        if self.fail_busy:
+            raise RecursionError("maximum recursion depth exceeded")
+
+    def idle(self):
+        self.calls.append("idle")
+        if self.fail_idle:
+            raise ValueError("garbled")
+
+
+@pytest.mark.parametrize("activity", [Raising(fail_busy=True), Raising(fail_idle=True)], ids=["busy", "idle"])
+def test_an_activity_that_raises_is_logged_and_the_loop_goes_on(memory_queue, make_memory_worker, activity):
+    """A busy() or idle() that raises is one error line: the job runs and is acked, and the next one too."""
+    handled = []
+    worker = make_memory_worker(lambda message, lease: handled.append(message.message_id), activity=activity)
+    memory_queue.send()
+    memory_queue.send()
+    with capture_logs() as logs:
+        assert [worker.run_once(), worker.run_once()] == ["ack", "ack"]
+    assert len(handled) == 2 and activity.calls == ["busy", "idle"] * 2
+    assert memory_queue.ops().count("delete") == 2
+    assert [e["call"] for e in logs if e["event"] == "worker.activity_failed"] == [
+        "busy" if activity.fail_busy else "idle"] * 2
+    assert not [t for t in threading.enumerate() if t.name.startswith("heartbeat")]

@@ -19,9 +19,12 @@ BUS = "arn:aws:events:us-east-1:123456789012:event-bus/voice"
 
 @pytest.mark.parametrize("target,ok", [(TOPIC, True), (TOPIC + ".fifo", True), (BUS, True), ("", True),
                                        ("voice-jobs", False), ("arn:aws:sqs:us-east-1:123456789012:q", False),
-                                       ("https://sns.amazonaws.com/voice", False)])
+                                       ("https://sns.amazonaws.com/voice", False),
+                                       (TOPIC + "\n", False), (BUS + "\n", False), (" " + TOPIC, False),
+                                       (TOPIC.replace("123456789012", "\u0661" * 12), False),
+                                       (BUS.replace("123456789012", "\uff11" * 12), False)])
 def test_the_target_is_an_sns_topic_or_an_eventbridge_bus(target, ok):
-    """EVENTS_TARGET takes an SNS topic ARN or an EventBridge bus ARN; anything else stops the start."""
+    """EVENTS_TARGET takes an SNS topic ARN or an EventBridge bus ARN, whole and in ASCII; anything else stops the start."""
     assert (target_problem(target) is None) is ok
     if not ok:
         with pytest.raises(ConfigError, match="EVENTS_TARGET"):

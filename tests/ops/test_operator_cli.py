@@ -367,7 +367,7 @@ def test_status_of_a_cancelled_job_shows_none_of_the_profiles_files(clocked_stor
     doc = status_document(store, second)
     text = render_status(doc)
 
-    assert doc["files"] is None and "fullModel" not in text
+    assert doc.files is None and "fullModel" not in text
     assert "none committed by this job" in text
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ from pipeline.config import StageSpec, load_pipeline_config
 from pipeline.downloads import DownloadSettings
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.recording_url import parse_recording_url
-from pipeline.remote_work import RemoteWork, RemoteWorkConfig, job_key, shared_file_system
+from pipeline.remote_work import MemoryLedger, RemoteWork, RemoteWorkConfig, job_key, shared_file_system
 from pipeline.run import PipelineTrainer, run_pipeline
 from tests.pipeline.test_run import FakeFetch, Rec, write_inputs
 from tests.support import FakeJob
@@ -31,8 +32,22 @@ def s3(aws):
     return client
 
 
-def mirror(s3, attempt: str) -> RemoteWork:
-    return RemoteWork(s3, CONFIG, JOB, attempt)
+# What the job record vouches for, per attempt (the store's history entries in production).
+VOUCHED: dict[str, dict[str, str]] = {}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_record():
+    VOUCHED.clear()
+
+
+def mirror(s3, attempt: str, job: str = JOB) -> RemoteWork:
+    return RemoteWork(s3, CONFIG, job, attempt, MemoryLedger(attempt, VOUCHED))
+
+
+def listing_key(attempt: str, stage: str = "train_full") -> str:
+    """Where the listing the record vouches for lies: under its own digest."""
+    return f"voice/.work/{JOB}/attempts/{attempt}/checkpoints/{stage}.{VOUCHED[attempt][f'checkpoints/{stage}']}.json"
 
 
 def write(root: Path, files: dict[str, bytes]) -> Path:
@@ -86,7 +101,7 @@ def test_the_newest_attempt_wins_and_a_tampered_one_is_passed_over(s3, tmp_path)
     assert mirror(s3, "4-dddd").pull_checkpoints("train_full", target) == "3-cccc"
     assert tree(target) == {"c.pth": b"three", "d.pth": b"d"}
     base = f"voice/.work/{JOB}/attempts/3-cccc/checkpoints/train_full"
-    listing = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{base}.json")["Body"].read())
+    listing = json.loads(s3.get_object(Bucket=BUCKET, Key=listing_key("3-cccc"))["Body"].read())
     s3.put_object(Bucket=BUCKET, Key=f"{base}/{listing['files']['c.pth']['sha256']}", Body=b"tampered")
     assert mirror(s3, "4-dddd").pull_checkpoints("train_full", target) == "1-aaaa"
     assert tree(target) == {"c.pth": b"one"}
@@ -111,8 +126,7 @@ def test_a_syncing_stage_records_how_far_it_had_got_with_each_set(s3, tmp_path):
     source = write(tmp_path / "attempt" / "checkpoints" / "train_full", {"c.pth": b"c"})
     with pytest.raises(RuntimeError), mirror(s3, "1-aaaa").syncing("train_full", source, None, lambda: 42.5):
         raise RuntimeError("stopped")
-    listing = json.loads(s3.get_object(
-        Bucket=BUCKET, Key=f"voice/.work/{JOB}/attempts/1-aaaa/checkpoints/train_full.json")["Body"].read())
+    listing = json.loads(s3.get_object(Bucket=BUCKET, Key=listing_key("1-aaaa"))["Body"].read())
     assert listing["progress"] == 42.5
 
 
@@ -189,7 +203,7 @@ def test_odd_failures_on_the_way_are_warnings_too(s3, tmp_path, monkeypatch):
         raise RuntimeError("RetriesExceededError: Max Retries Exceeded")
 
     other = mirror(s3, "2-bbbb")
-    monkeypatch.setattr(s3, "download_fileobj", broken)
+    monkeypatch.setattr(s3, "get_object", broken)
     assert other.pull_checkpoints("train_full", tmp_path / "r") is None
     monkeypatch.setattr(s3, "upload_fileobj", broken)
     assert other.push_checkpoints("train_full", write(tmp_path / "b", {"back\\slash.pth": b"x"})) == 0
@@ -207,8 +221,11 @@ def test_a_listing_that_leads_out_of_the_directory_restores_nothing(s3, tmp_path
     """A listing naming ../ (an edited mirror) is refused; nothing is written outside the directory."""
     key = f"voice/.work/{JOB}/attempts/1-aaaa/checkpoints/train_full"
     s3.put_object(Bucket=BUCKET, Key=f"{key}/{'0' * 64}", Body=b"evil")
-    listing = {"version": 1, "stage": "train_full", "files": {"../evil.pth": {"sha256": "0" * 64, "size": 4}}}
-    s3.put_object(Bucket=BUCKET, Key=f"{key}.json", Body=json.dumps(listing).encode())
+    listing = {"version": 1, "stage": "train_full", "attempt": "1-aaaa",
+               "files": {"../evil.pth": {"sha256": "0" * 64, "size": 4}}}
+    body = json.dumps(listing).encode()
+    VOUCHED["1-aaaa"] = {"checkpoints/train_full": hashlib.sha256(body).hexdigest()}  # even vouched for
+    s3.put_object(Bucket=BUCKET, Key=listing_key("1-aaaa"), Body=body)
     target = tmp_path / "job" / "checkpoints" / "train_full"
     assert mirror(s3, "2-bbbb").pull_checkpoints("train_full", target) is None
     assert not (tmp_path / "job" / "checkpoints" / "evil.pth").exists() and tree(target) == {}
@@ -290,7 +307,8 @@ def test_once_the_shutdown_is_announced_the_mirror_follows_within_seconds(s3, tm
 
 def test_s3_failures_are_warnings_never_errors(tmp_path, aws):
     """With a bucket that does not exist, pushes send nothing and restores find nothing; nothing raises."""
-    gone = RemoteWork(boto3.client("s3", region_name="us-east-1"), RemoteWorkConfig("absent", "", 1), JOB, "1-a")
+    gone = RemoteWork(boto3.client("s3", region_name="us-east-1"), RemoteWorkConfig("absent", "", 1), JOB, "1-a",
+                      MemoryLedger("1-a", {"0-z": {"checkpoints/train_full": "0" * 64, "output/train_full": "0" * 64}}))
     assert gone.push_checkpoints("train_full", write(tmp_path / "c", {"c.pth": b"x"})) == 0
     gone.push_outputs(STAGE, finished_outputs(tmp_path / "out"))
     assert gone.pull_checkpoints("train_full", tmp_path / "r") is None
@@ -302,7 +320,7 @@ def test_forget_removes_every_attempts_mirror_of_the_job_only(s3, tmp_path):
     """After the commit the job's mirror goes, all attempts; another job's stays."""
     for attempt in ("1-aaaa", "2-bbbb"):
         mirror(s3, attempt).push_checkpoints("train_full", write(tmp_path / attempt, {"c.pth": attempt.encode()}))
-    other = RemoteWork(s3, CONFIG, "production/user-1/aaaaaaaaaaaaaaaaaaaaaaaa", "1-x")
+    other = mirror(s3, "1-x", "production/user-1/aaaaaaaaaaaaaaaaaaaaaaaa")
     other.push_checkpoints("train_full", write(tmp_path / "other", {"c.pth": b"other"}))
     assert mirror(s3, "").forget() == 4
     assert all("/aaaaaaaaaaaaaaaaaaaaaaaa/" in k for k in keys(s3))
@@ -340,12 +358,12 @@ def test_a_retry_on_an_empty_work_root_skips_the_stages_another_host_finished(s3
     job = FakeJob(recordings, job_id="665f1c2e9b1e8a0012ab34cd")
     host_a = tmp_path / "a" / JOB / "attempts" / "1-aaaa"
     run_pipeline(job, host_a, StopSignal(), config=config, fetch=fetch, progress=lambda *_: None,
-                 remote=trainer.remote_work(host_a))
+                 remote=trainer.remote_work(host_a, MemoryLedger("1-aaaa", VOUCHED)))
     host_b = tmp_path / "b" / JOB / "attempts" / "2-bbbb"
     ran: list[str] = []
     paths = run_pipeline(job, host_b, StopSignal(), config=config, fetch=fetch,
                          progress=lambda step, pct: ran.append(step) if pct == 0 else None,
-                         remote=trainer.remote_work(host_b))
+                         remote=trainer.remote_work(host_b, MemoryLedger("2-bbbb", VOUCHED)))
     assert all(path.is_file() for path in paths.values())
     logs = {p.name.split("-", 1)[1] for p in (tmp_path / "b" / JOB / "logs").glob("*.log")}
     assert "train_light.log" in logs and "train_full.log" not in logs and "embed.log" not in logs

@@ -154,7 +154,7 @@ class Train:
         self.stopped: list[str | None] = []
         self.on_start: Callable[[], None] = lambda: None
 
-    def __call__(self, job, work_dir: Path, stop, progress):
+    def __call__(self, job, work_dir: Path, stop, progress, ledger=None):
         self.runs += 1
         self.on_start()
         progress("train", 0.0)

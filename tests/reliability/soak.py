@@ -62,6 +62,9 @@ class SoakConfig:
     settle_timeout_s: float = 90.0  # after the window: how long the last jobs may take
     # More worker settings for the run (scripts/soak.py --env), e.g. CHECKPOINT_S3_SYNC_SECONDS=1.
     worker_env: dict[str, str] = field(default_factory=dict)
+    # Each slot a host of its own (its own WORK_ROOT): a retry elsewhere finds nothing on its disk, so
+    # with the S3 mirror on it resumes from what the job record vouches for, or starts over.
+    hosts: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,9 @@ def soak_pipeline(log_path: Path, train_s: float, sizes: dict[str, int]) -> str:
 [[stages]]
 name = "train"
 argv = ["{{python}}", "{TRAINER}", "--out", "{{output_dir}}", "--job", "{{job_id}}", "--log", "{log_path}",
-        "--train-s", "{train_s}", "--sizes", "{size_arg}"]
+        "--train-s", "{train_s}", "--sizes", "{size_arg}", "--checkpoints", "{{checkpoint_dir}}"]
 outputs = [{rels}]
+resumable = true
 """
 
 
@@ -160,7 +164,9 @@ class Soak:
             WORKER_ID=f"soak-{slot.number}-{n}", AWS_ENDPOINT_URL=slot.proxy.url,
             SQS_VISIBILITY_TIMEOUT_SECONDS=str(self.config.visibility_s),
             SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=str(self.config.heartbeat_ms),
-            KEEP_WORK_FILES="false", LIVENESS_FILE=str(self.root / f"alive-{n}"), **self.config.worker_env)
+            KEEP_WORK_FILES="false", LIVENESS_FILE=str(self.root / f"alive-{n}"),
+            **({"WORK_ROOT": str(self.root / f"host-{slot.number}" / "work")} if self.config.hosts else {}),
+            **self.config.worker_env)
         slot.worker = WorkerProcess(env, self.root / f"worker-{n}.log").start()
         self.instances.append(slot.worker)
 
@@ -206,6 +212,7 @@ class Soak:
             self._wind_down()
         collect_started = time.monotonic()
         state = self.collect()
+        self.notes.append(self._mirror_note())
         self.notes.append(f"wind-down {collect_started - wind_down_started:.0f} s, "
                           f"collecting the state {time.monotonic() - collect_started:.0f} s")
         return SoakResult(state, check(state), self.faults, self.notes, time.monotonic() - started,
@@ -381,6 +388,17 @@ class Soak:
                 os.kill(pid, signal.SIGKILL)
 
     # --- the final state
+    def _mirror_note(self) -> str:
+        """What the S3 checkpoint mirror did in the run, from the workers' logs."""
+        seen = Counter(e.get("event") for w in self.instances for e in w.events()
+                       if str(e.get("event", "")).startswith("remote_work."))
+        resumed = sum(1 for line in _read_lines(self.trainer_log)
+                      if line.get("event") == "start" and line.get("resumed_ticks"))
+        return (f"mirror: {seen['remote_work.checkpoints_pushed']} checkpoint pushes, "
+                f"{seen['remote_work.checkpoints_restored']} restores, {seen['remote_work.restore_failed']} "
+                f"refused or failed restores, {seen['remote_work.push_failed']} failed pushes; "
+                f"trainings resumed from a checkpoint: {resumed}")
+
     def collect(self) -> SoakState:
         with self.stack.reader() as store:
             records = {j: store.get_job(j) or {} for j in self.jobs}

@@ -65,7 +65,7 @@ class Probe:
         def refuse_every_host(_host: str, _port: int) -> list[str]:
             return ["127.0.0.1"]  # loopback: refused by the address policy before any connection
 
-        def train(job, work_dir, stop, progress):
+        def train(job, work_dir, stop, progress, ledger=None):
             def fetch_one(url, dest):
                 return fetch(url, dest, settings=downloads, s3_client=s3, stop=stop, resolver=refuse_every_host)
             return run_pipeline(job, work_dir, stop, config=config, fetch=fetch_one, progress=progress, grace_s=2)

@@ -123,7 +123,7 @@ class DiskRig:
     def at(self, step: str, percent: float, fault: Callable[[], None]) -> None:
         self.faults[(step, percent)] = fault
 
-    def _train(self, job, work_dir: Path, stop, progress):
+    def _train(self, job, work_dir: Path, stop, progress, ledger=None):
         fetch = functools.partial(download, settings=DownloadSettings(), s3_client=self.s3, stop=stop)
 
         def report(step: str, percent: float) -> None:

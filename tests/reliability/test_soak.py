@@ -1,6 +1,7 @@
-"""The bounded fault soak: three worker processes, twelve jobs, ten faults of every kind (kill -9,
-SIGSTOP past the lease, SIGTERM, partitions mid-upload and at random, drops, latency, duplicate
-sends), then the total-queue checker (soak_check.py). The longer, seedable run is scripts/soak.py.
+"""The bounded fault soak: three worker processes, each a host of its own with the S3 checkpoint
+mirror on, twelve jobs, ten faults of every kind (kill -9, SIGSTOP past the lease, SIGTERM,
+partitions mid-upload and at random, drops, latency, duplicate sends), then the total-queue checker
+(soak_check.py). The longer, seedable run is scripts/soak.py.
 
 The soak runs once per test session; the tests below each read one family of its violations. Under
 pytest-xdist the first process to get here runs it and the others read its result from a file.
@@ -19,7 +20,10 @@ from tests.reliability.soak import FAULT_KINDS, SoakConfig, run_soak
 from tests.reliability.soak_check import COMPLETION, DLQ, LOST, OVERLAP, S3
 
 SEED = 14
-CONFIG = SoakConfig(seed=SEED, workers=3, jobs=12, faults=10, window_s=30.0)
+# Each worker a host of its own with the S3 mirror on: a retry elsewhere resumes from what the job
+# record vouches for, under the same faults (a vouch from a fenced-out attempt is refused).
+CONFIG = SoakConfig(seed=SEED, workers=3, jobs=12, faults=10, window_s=30.0, hosts=True,
+                    worker_env={"CHECKPOINT_S3_SYNC_SECONDS": "1"})
 
 pytestmark = pytest.mark.server
 
@@ -30,6 +34,7 @@ class Outcome:
     faults: dict[str, int]
     uploads_caught: int
     lease_losses: int
+    mirror_pushes: int
     summary: str
 
     def of(self, *kinds: str) -> list[str]:
@@ -40,12 +45,11 @@ def _run(moto_server: str, root) -> Outcome:
     soak_dir = root / "soak"
     soak_dir.mkdir()
     result = run_soak(moto_server, soak_dir, CONFIG)
-    lease_losses = sum(e.get("event") == "heartbeat.lease_lost"
-                       for path in soak_dir.glob("worker-*.log")
-                       for e in map(_json_or_empty, path.read_text(errors="replace").splitlines()))
+    events = [e.get("event") for path in soak_dir.glob("worker-*.log")
+              for e in map(_json_or_empty, path.read_text(errors="replace").splitlines())]
     return Outcome([{"kind": v.kind, "job_id": v.job_id, "detail": v.detail} for v in result.violations],
-                   dict(result.faults), result.uploads_caught, lease_losses,
-                   f"seed {SEED}: " + result.summary())
+                   dict(result.faults), result.uploads_caught, events.count("heartbeat.lease_lost"),
+                   events.count("remote_work.checkpoints_pushed"), f"seed {SEED}: " + result.summary())
 
 
 def _json_or_empty(line: str) -> dict:
@@ -80,6 +84,11 @@ def test_the_soak_injected_every_kind_of_fault(soak):
     assert set(soak.faults) == set(FAULT_KINDS), soak.summary
     assert soak.uploads_caught >= 1, soak.summary
     assert soak.lease_losses >= 1, soak.summary
+
+
+def test_the_jobs_mirrored_their_checkpoints_under_the_faults(soak):
+    """With the mirror on, checkpoint sets went to S3 (and were vouched for) while the faults ran."""
+    assert soak.mirror_pushes >= 1, soak.summary
 
 
 def test_every_job_completed_exactly_once_and_nothing_was_lost(soak):

@@ -99,7 +99,7 @@ class FakeTrain:
         self.during = None  # optional callable(job, work_dir, stop, progress) run before writing
         self.report_progress = True
 
-    def __call__(self, job, work_dir: Path, stop, progress):
+    def __call__(self, job, work_dir: Path, stop, progress, ledger=None):
         self.runs += 1
         if self.during is not None:
             self.during(job, work_dir, stop, progress)

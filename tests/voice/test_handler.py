@@ -384,3 +384,11 @@ def test_a_takeover_after_training_uploads_nothing(queues, make_worker, handler,
     assert worker.run_once() == "abandon"
     assert not [c for c in recorder.calls if c.startswith("s3.")]
     assert raw_store.get_job(JOB_ID)["lease"]["token"] == "token-b"
+
+
+def test_a_stages_note_reaches_the_attempts_entry_on_the_record(handler, train, raw_store):
+    """What a stage notes while it trains (clips it left out) is on the committed job's record."""
+    train.during = lambda job, work_dir, stop, progress: progress.note("train_full", "left out 1 clip(s): clip 2")
+    assert deliver(handler, 1) == "completed"
+    [entry] = raw_store.get_job(JOB_ID)["history"]
+    assert entry["notes"] == [{"stage": "train_full", "text": "left out 1 clip(s): clip 2"}]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import unicodedata
 from urllib.parse import urlsplit
 
 import pytest
@@ -411,6 +413,10 @@ def _assert_job_or_invalid(raw: str | bytes) -> Job | None:
     assert job.environment in ("development", "staging", "production")
     assert job.recordings and all(r.text.strip() for r in job.recordings)
     for recording in job.recordings:
+        assert not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]", recording.text)
+        assert any(not ch.isspace() and unicodedata.category(ch) != "Cf" for ch in recording.text)
+    json.dumps(job.body, allow_nan=False)  # what is kept with the job is JSON any reader takes back
+    for recording in job.recordings:
         # The standard library's parser must read every accepted URL as we did, with no credentials.
         url, parts = recording.url, urlsplit(recording.url.text)
         assert (url.scheme, url.host, url.port, url.path) == (parts.scheme.lower(), parts.hostname, parts.port,
@@ -467,3 +473,102 @@ def test_a_transcript_with_a_lone_surrogate_is_refused_in_words():
     body = json.dumps(changed(("input", 0, "originalText"), "caf\ud800e"))
     assert problems_of(body) == ["input[0].originalText: must be valid Unicode text (it holds a lone surrogate)"]
     assert parse_job(json.dumps(changed(("input", 0, "originalText"), "café 你好"))).recordings[0].text == "café 你好"
+
+
+# ---------------------------------------------------------------- numbers and text the trainer cannot use
+
+OUT_OF_RANGE = JSON_ERR + "number {} is out of range: it would be {}, which is not allowed"
+CONTROL = "must not contain control characters other than tab, newline and carriage return, got {} at index {}"
+INVISIBLE = "must not be empty or only whitespace and invisible characters, got only "
+
+
+def with_literal(path: tuple, literal: str) -> str:
+    """A valid body as JSON text, with ``literal`` written verbatim at ``path`` (JSON that json.dumps cannot make)."""
+    text = json.dumps(changed(path, "@@literal@@"))
+    assert text.count('"@@literal@@"') == 1
+    return text.replace('"@@literal@@"', literal)
+
+
+@pytest.mark.parametrize("path", [("extra",), ("_doc", "n"), ("metadata", "gender"), ("input", 1, "n"),
+                                  ("callbackUrl",), ("jobId",)],
+                         ids=lambda path: ".".join(map(str, path)))
+@pytest.mark.parametrize(("literal", "shown", "infinity"), [
+    ("1e999", "'1e999'", "Infinity"),
+    ("-1e999", "'-1e999'", "-Infinity"),
+    ("1E400", "'1E400'", "Infinity"),
+    ("2.5e308", "'2.5e308'", "Infinity"),
+    ('{"deep": [1, [1e999]]}', "'1e999'", "Infinity"),
+], ids=["1e999", "negative", "upper-e", "just-over", "nested"])
+def test_a_number_that_overflows_to_infinity_is_refused_wherever_it_is(path, literal, shown, infinity):
+    """A number too large for a double, in any field (known, unknown or nested), is one line, not an Infinity kept."""
+    assert only_problem(with_literal(path, literal)) == OUT_OF_RANGE.format(shown, infinity)
+
+
+def test_an_overflowing_number_of_many_digits_is_echoed_shortened():
+    """The refusal's echo of a huge literal is cut to the usual length."""
+    literal = "9" * 400 + ".0"
+    [line] = problems_of(with_literal(("extra",), literal))
+    assert line.startswith(JSON_ERR + "number '999") and "…" in line and len(line) < 200
+
+
+@pytest.mark.parametrize("literal", ["1.7976931348623157e308", "-1e308", "1e-999", "1" + "0" * 400, "-0.0"])
+def test_large_and_tiny_finite_numbers_are_kept_and_dump_back_as_strict_json(literal):
+    """Finite numbers at the edges of a double (and an exact big integer) are accepted; the kept body dumps as strict JSON."""
+    job = parse_job(with_literal(("input", 1, "n"), literal))
+    text = json.dumps(job.body, allow_nan=False)
+    assert parse_job(text).body == job.body
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("\u200b", "U+200B"),
+    (" \u200b\t\u200c\n\u200d\u2060\ufeff ", "U+200B, U+200C, U+200D, U+2060, U+FEFF"),
+    ("\ufeff", "U+FEFF"),
+    ("\u00ad\u2060\u00ad", "U+00AD, U+2060"),
+    ("\u200b\u200c\u200d\u2060\ufeff\u180e\u200e", "U+200B, U+200C, U+200D, U+2060, U+FEFF, …"),
+], ids=["zero-width-space", "all-kinds-with-whitespace", "bom", "soft-hyphen", "more-than-five"])
+def test_a_transcript_of_only_invisible_characters_is_empty(text, shown):
+    """originalText that is only whitespace and invisible format characters (Cf) is refused as empty, naming them."""
+    assert only_problem(changed(("input", 1, "originalText"), text)) == f"input[1].originalText: {INVISIBLE}{shown}"
+
+
+@pytest.mark.parametrize("text", ["می\u200cخواهم", "👩\u200d👩\u200d👧 family", "\ufeffHello.", "co\u00adop"],
+                         ids=["zwnj-persian", "zwj-emoji", "leading-bom", "soft-hyphen"])
+def test_invisible_characters_inside_visible_text_are_kept(text):
+    """A joiner or soft hyphen inside words is part of the text: it is accepted unchanged."""
+    assert parse_job(json.dumps(changed(("input", 0, "originalText"), text))).recordings[0].text == text
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("Hello\x00there.", ("U+0000", 5)),
+    ("\x1b[31mred\x1b[0m", ("U+001B", 0)),
+    ("bell\x07", ("U+0007", 4)),
+    ("tab\x0bvertical", ("U+000B", 3)),
+    ("form\x0cfeed", ("U+000C", 4)),
+    ("del\x7f", ("U+007F", 3)),
+    ("next\x85line", ("U+0085", 4)),
+    ("csi\x9b31m", ("U+009B", 3)),
+    ("\u200b\x00", ("U+0000", 1)),
+], ids=["nul", "esc", "bel", "vt", "ff", "del", "c1-nel", "c1-csi", "invisible-and-nul"])
+def test_control_characters_in_a_transcript_are_refused(text, expected):
+    """NUL, ESC and the other C0/C1 controls (but tab, newline and CR) are refused, naming the first and where it is."""
+    line = only_problem(changed(("input", 0, "originalText"), text))
+    assert line == "input[0].originalText: " + CONTROL.format(*expected)
+
+
+def test_tab_newline_and_carriage_return_are_ordinary_text():
+    """Tab, newline and carriage return inside a transcript are accepted unchanged."""
+    text = "Line one.\r\n\tLine two.\n"
+    assert parse_job(json.dumps(changed(("input", 0, "originalText"), text))).recordings[0].text == text
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.from_regex(r"-?(0|[1-9][0-9]{0,3})(\.[0-9]{1,3})?[eE][-+]?[0-9]{1,4}", fullmatch=True))
+def test_property_any_number_literal_is_finite_or_refused(literal):
+    """Any JSON number, anywhere, gives a Job whose body dumps as strict JSON, or one out-of-range line."""
+    try:
+        job = parse_job(with_literal(("_doc", "n"), literal))
+    except InvalidMessage as exc:
+        assert len(exc.problems) == 1 and "is out of range: it would be" in exc.problems[0]
+        assert math.isinf(float(literal))
+        return
+    json.dumps(job.body, allow_nan=False)

@@ -132,8 +132,8 @@ def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, ma
 
     from worker.voice.job import VoiceJobHandler
 
-    def big_full_model(job, work_dir, stop, progress):
-        paths = train(job, work_dir, stop, progress)
+    def big_full_model(job, work_dir, stop, progress, ledger=None):
+        paths = train(job, work_dir, stop, progress, ledger)
         paths["fullModel"].write_bytes(os.urandom(11 * 1024 * 1024))
         return paths
 

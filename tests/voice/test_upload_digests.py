@@ -28,8 +28,8 @@ def objects(s3) -> list[str]:
 def with_manifest(train, forge: str | None = None):
     """The fake pipeline with an 11 MiB full model and a stage manifest for its five files; ``forge``
     names a file whose recorded digest lies."""
-    def run(job, work_dir, stop, progress):
-        paths = train(job, work_dir, stop, progress)
+    def run(job, work_dir, stop, progress, ledger=None):
+        paths = train(job, work_dir, stop, progress, ledger)
         paths["fullModel"].write_bytes(os.urandom(11 * MIB))
         out = work_dir / "output"
         manifest = manifest_path(out, "train_full")
@@ -102,9 +102,9 @@ def test_settled_files_are_hashed_once_by_their_manifest_and_never_again(
     sizes: dict[str, int] = {}
     start = [0]
 
-    def counted_from_the_start(job, work_dir, stop, progress):
+    def counted_from_the_start(job, work_dir, stop, progress, ledger=None):
         start[0] = all_hashing.hashed_bytes
-        paths = with_manifest(train)(job, work_dir, stop, progress)
+        paths = with_manifest(train)(job, work_dir, stop, progress, ledger)
         sizes.update({name: path.stat().st_size for name, path in paths.items()})
         return paths
 

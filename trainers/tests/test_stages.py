@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -240,7 +241,7 @@ def test_a_checkpoint_of_another_dataset_is_refused(job, tmp_path):
     shutil.copytree(job["root"] / "ck/full", tmp_path / "ck/full")
     code, log = run(argv("full", tmp_path, "--steps", "1"), tmp_path, "full")
     assert code == 0, log[-3000:]
-    assert "is of another dataset or profile: removed, not resumed" in log
+    assert "is of another dataset, profile or version: removed, not resumed" in log
     assert "training from scratch" in log and "Model restored" not in log
     assert [n for n in os.listdir(tmp_path / "ck/full") if n.startswith("step-")] == ["step-00000001.pt"]
 
@@ -250,4 +251,26 @@ def test_texts_that_phonemise_to_nothing_exit_65(tmp_path):
     make_dataset(tmp_path / "dataset", clips=5, texts=["...", "?!", "-", ",", "Hello there."])
     code, log = run(argv("full", tmp_path), tmp_path, "full")
     assert code == 65, log[-3000:]
-    assert "clips whose text phonemises to something, at least 4 needed" in log
+    assert "1 clips whose text phonemises to speech that fits their audio, at least 4 needed" in log
+
+
+def record_message(log: str) -> str:
+    """What the job record keeps of a failed stage: a header and the log's last 20 lines, cut to 2,000 characters.
+
+    (pipeline.stages.exit_error and TAIL_LINES; ERROR_MESSAGE_MAX_CHARS in worker/voice/records/rules.py.)
+    """
+    return ("stage train_full exited with code 65; last lines of train_full.log:\n"
+            + "\n".join(log.splitlines()[-20:]))[:2000]
+
+
+def test_a_transcript_far_longer_in_phonemes_than_its_clip_is_left_out_and_named_in_the_record(tmp_path):
+    """A date spelled out for a 3.4 s clip and a text of punctuation leave 3 of 5 clips: exit 65, both named."""
+    texts = ["2024-01-01 " * 12, "...", *SENTENCES[2:5]]
+    make_dataset(tmp_path / "dataset", clips=5, texts=texts)
+    code, log = run(argv("full", tmp_path, "--steps", "1"), tmp_path, "full")
+    assert code == 65, log[-3000:]
+    record = record_message(log)
+    assert re.search(r"left out 2 clip\(s\) after phonemising: clip 0 \(utt00000\): \d+ phoneme ids for 3\.4 s"
+                     r" of audio, more than the \d+ that fit it;", record)
+    assert "clip 1 (utt00001): its text phonemises to nothing" in record
+    assert "3 clips whose text phonemises to speech that fits their audio, at least 4 needed" in record

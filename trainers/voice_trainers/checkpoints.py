@@ -10,10 +10,11 @@ import json
 import os
 import re
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
-_CHECKPOINT = re.compile(r"^step-(\d{8})\.pt$")
+_CHECKPOINT = re.compile(r"step-([0-9]{8})\.pt")
 _TEMP_PREFIX = ".tmp-"
 
 
@@ -29,7 +30,7 @@ def list_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
     except FileNotFoundError:
         return []
     for name in names:
-        match = _CHECKPOINT.match(name)
+        match = _CHECKPOINT.fullmatch(name)
         if match:
             found.append((int(match.group(1)), checkpoints / name))
     return sorted(found, reverse=True)
@@ -80,6 +81,13 @@ def prune(checkpoints: Path, keep: int) -> list[Path]:
         path.unlink(missing_ok=True)
         removed.append(path)
     return removed
+
+
+def software_versions() -> dict[str, str]:
+    """The versions a checkpoint's meaning depends on besides its data: Coqui's model code and this adapter."""
+    import voice_trainers
+
+    return {"coqui-tts": metadata.version("coqui-tts"), "voice-trainers": voice_trainers.__version__}
 
 
 def run_fingerprint(**parts: Any) -> str:

@@ -12,7 +12,7 @@ import soundfile
 METADATA_NAME = "metadata.csv"
 WAVS_DIR_NAME = "wavs"
 SAMPLE_RATE_HZ = 22050
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 class UnusableData(Exception):
@@ -25,6 +25,9 @@ class Clip:
     text: str
     wav_path: Path
     duration_s: float
+    # The row of metadata.csv, which is the recording's place in the message's ``input``: what a person
+    # reading the job record knows the clip by.
+    index: int
 
 
 def split_metadata_line(line: str) -> list[str]:
@@ -87,7 +90,7 @@ def read_metadata(dataset_dir: Path) -> list[tuple[str, str]]:
         if len(fields) != 3:
             raise UnusableData(f"{METADATA_NAME} line {number}: {len(fields)} fields, expected 3")
         uid = fields[0]
-        if not _SAFE_ID.match(uid) or uid in seen:
+        if not _SAFE_ID.fullmatch(uid) or uid in seen:
             raise UnusableData(f"{METADATA_NAME} line {number}: bad or repeated id {uid[:40]!r}")
         seen.add(uid)
         rows.append((uid, fields[2]))
@@ -104,7 +107,7 @@ def load_clips(dataset_dir: Path, *, min_clip_s: float, max_clip_s: float, min_c
     """
     clips: list[Clip] = []
     skipped: list[str] = []
-    for uid, text in read_metadata(dataset_dir):
+    for index, (uid, text) in enumerate(read_metadata(dataset_dir)):
         wav_path = dataset_dir / WAVS_DIR_NAME / f"{uid}.wav"
         try:
             info = soundfile.info(str(wav_path))
@@ -119,9 +122,10 @@ def load_clips(dataset_dir: Path, *, min_clip_s: float, max_clip_s: float, min_c
         if not text.strip() or not min_clip_s <= duration_s <= max_clip_s:
             skipped.append(uid)
             continue
-        clips.append(Clip(uid=uid, text=text, wav_path=wav_path, duration_s=duration_s))
+        clips.append(Clip(uid=uid, text=text, wav_path=wav_path, duration_s=duration_s, index=index))
     if skipped:
-        print(f"left out {len(skipped)} clip(s) (blank text or not {min_clip_s}-{max_clip_s} s): "
+        # NOTE: the worker keeps the line on the job's record, so a user learns which clips did not count.
+        print(f"NOTE left out {len(skipped)} clip(s) (blank text or not {min_clip_s}-{max_clip_s} s): "
               + " ".join(skipped[:10]), flush=True)
     require_enough(len(clips), min_clips, "usable clips")
     return clips

@@ -40,7 +40,7 @@ def run_embed(args: argparse.Namespace, profile: Profile) -> None:
         # Resemblyzer resamples to 16 kHz, normalises the volume and trims long silences.
         wav = preprocess_wav(samples, source_sr=rate_hz)
         if len(wav) == 0:
-            print(f"left out {clip.uid}: nothing but silence to Resemblyzer", flush=True)
+            print(f"NOTE left out {clip.uid}: nothing but silence to Resemblyzer", flush=True)
             continue
         embedding = encoder.embed_utterance(wav)
         mapping[clip_key(clip.uid)] = {"name": SPEAKER, "embedding": [float(x) for x in embedding]}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from voice_trainers.checkpoints import (
     list_checkpoints,
     prune,
     run_fingerprint,
+    software_versions,
 )
 from voice_trainers.coqui import (
     DISCRIMINATOR_PREFIX,
@@ -25,7 +28,7 @@ from voice_trainers.coqui import (
     patch_audio_loader,
     portable_config,
 )
-from voice_trainers.dataset import dataset_fingerprint, load_clips, require_enough
+from voice_trainers.dataset import Clip, UnusableData, dataset_fingerprint, load_clips
 from voice_trainers.profiles import Profile
 from voice_trainers.signals import StageSignals
 
@@ -33,12 +36,32 @@ MODEL_NAME = "model.pth"
 CONFIG_NAME = "config.json"
 SPEAKER = "speaker"
 
+# Coqui's ids (one per IPA symbol, stress and length marks included, a blank between every two) that one
+# second of speech can carry. Measured with espeak-ng: conversational speech (150 words a minute) gives
+# 29-36 ids/s in English, French, German and Mandarin alike, espeak-ng at its fastest (450 words a minute)
+# 95. A text well above that is not what the recording says: a date, a number or a CJK text that espeak-ng
+# spells out at length, or the wrong transcript, and its length costs memory quadratically (below).
+MAX_IDS_PER_SECOND = 100
+# On top, for a short clip: "Hello world." is 29 ids, and a word may fill half a second.
+IDS_SLACK = 50
+# Whatever the duration: the text encoder's self-attention keeps several (batch x heads x ids x ids)
+# tensors per layer for the backward pass, and a batch is padded to its longest text. Measured on the CPU,
+# production's encoder holds 0.85 GB per clip of 1,500 ids (some 14 GB for its batch of 16), and the square
+# of the length makes 9,000 ids 36 times that. 1,500 ids are 30 s (production's longest clip) at 50 ids/s,
+# half again conversational speed.
+MAX_IDS_PER_CLIP = 1_500
+# How many left-out clips the summary line names: it must stay within the log tail the job record keeps.
+LEFT_OUT_NAMED = 10
+# Coqui logs a clip's whole phoneme string when it meets a character its vocabulary lacks: tens of
+# thousands of characters on one line would crowd the reasons out of that tail.
+LOG_MESSAGE_MAX_CHARS = 160
+
 
 def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: StageSignals) -> None:
     clips = load_clips(args.dataset, min_clip_s=profile.min_clip_s, max_clip_s=profile.max_clip_s,
                        min_clips=profile.min_clips)
-    fingerprint = run_fingerprint(stage="full", dataset=dataset_fingerprint(args.dataset, clips),
-                                  profile=profile.fingerprint_fields(), voice=voice)
+    fingerprint = training_fingerprint(dataset_fingerprint(args.dataset, clips), profile, voice,
+                                       software_versions())
     torch = import_torch()
     patch_audio_loader()
     from TTS.tts.models.vits import Vits
@@ -53,8 +76,7 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     # Vits builds its audio processor and tokenizer from the config (and fills in the vocabulary).
     model = Vits(build_config(profile, voice, phoneme_cache=cache)).to(device)
     config = model.config
-    samples = usable_samples(args.dataset, clips, model.tokenizer)
-    require_enough(len(samples), profile.min_clips, "clips whose text phonemises to something")
+    samples = usable_samples(args.dataset, clips, model.tokenizer, profile.min_clips)
     print(f"VITS: {parameter_count(model) / 1e6:.1f} M parameters on {device}, {len(samples)} clips", flush=True)
     optimizers = model.get_optimizer()
     schedulers = model.get_scheduler(optimizers)
@@ -71,52 +93,150 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     write_outputs(args.out, model, config, step, torch)
 
 
-def usable_samples(dataset_dir: Path, clips: list[Any], tokenizer: Any) -> list[dict[str, Any]]:
-    """Coqui samples of the clips whose text gives at least one phoneme (punctuation and blanks do not count)."""
+def training_fingerprint(dataset: str, profile: Profile, voice: str, versions: dict[str, str]) -> str:
+    """What a checkpoint of this stage trains: the data, the profile, the voice and the code that reads it.
+
+    The versions are in it because another Coqui (or adapter) may name or mean its parameters differently.
+    """
+    return run_fingerprint(stage="full", dataset=dataset, profile=profile.fingerprint_fields(), voice=voice,
+                           versions=versions)
+
+
+def phoneme_id_limit(duration_s: float) -> int:
+    """The most phoneme ids a clip of this duration can be saying, within what one clip may cost in memory."""
+    return min(MAX_IDS_PER_CLIP, int(MAX_IDS_PER_SECOND * duration_s) + IDS_SLACK)
+
+
+def why_left_out(id_count: int, spoken_count: int, duration_s: float) -> str | None:
+    """Why a clip's phonemes cannot be trained on (None: they can)."""
+    if spoken_count == 0:
+        return "its text phonemises to nothing"
+    limit = phoneme_id_limit(duration_s)
+    if id_count > limit:
+        return f"{id_count} phoneme ids for {duration_s:.1f} s of audio, more than the {limit} that fit it"
+    return None
+
+
+class _ShortMessages(logging.Filter):
+    """Cuts a log message to ``LOG_MESSAGE_MAX_CHARS``, saying how long it was."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if len(message) > LOG_MESSAGE_MAX_CHARS:
+            record.msg, record.args = f"{message[:LOG_MESSAGE_MAX_CHARS]}... ({len(message)} characters)", None
+        return True
+
+
+def usable_samples(dataset_dir: Path, clips: list[Clip], tokenizer: Any, min_clips: int) -> list[dict[str, Any]]:
+    """Coqui samples of the clips whose phonemes are speech that fits the clip's audio; too few is unusable.
+
+    The texts are tokenised as training will: only the id count shows what espeak-ng made of a text.
+    """
     characters = tokenizer.characters
     not_spoken = set(characters.punctuations) | {" "}
-    samples = []
-    for clip in clips:
-        symbols = [characters.id_to_char(i) for i in tokenizer.text_to_ids(clip.text)]
-        if not [s for s in symbols if len(s) == 1 and s not in not_spoken]:
-            print(f"left out {clip.uid}: its text phonemises to nothing", flush=True)
-            continue
-        samples.append({
-            "text": clip.text,
-            "audio_file": str(clip.wav_path),
-            "speaker_name": SPEAKER,
-            "root_path": str(dataset_dir),
-            "language": "",
-            "audio_unique_name": f"#wavs/{clip.uid}",
-        })
+    tokenizer_log = logging.getLogger(type(tokenizer).__module__)
+    short = _ShortMessages()
+    tokenizer_log.addFilter(short)
+    samples, left_out = [], []
+    try:
+        for clip in clips:
+            ids = tokenizer.text_to_ids(clip.text)
+            symbols = [characters.id_to_char(i) for i in ids]
+            spoken = [s for s in symbols if len(s) == 1 and s not in not_spoken]
+            reason = why_left_out(len(ids), len(spoken), clip.duration_s)
+            if reason is not None:
+                left_out.append(f"clip {clip.index} ({clip.uid}): {reason}")
+                continue
+            samples.append({
+                "text": clip.text,
+                "audio_file": str(clip.wav_path),
+                "speaker_name": SPEAKER,
+                "root_path": str(dataset_dir),
+                "language": "",
+                "audio_unique_name": f"#wavs/{clip.uid}",
+            })
+    finally:
+        tokenizer_log.removeFilter(short)
+    if left_out:
+        more = f"; and {len(left_out) - LEFT_OUT_NAMED} more" if len(left_out) > LEFT_OUT_NAMED else ""
+        # NOTE: the worker keeps the line on the job's record, so a user learns which clips did not count.
+        named = "; ".join(left_out[:LEFT_OUT_NAMED])
+        print(f"NOTE left out {len(left_out)} clip(s) after phonemising: {named}{more}", flush=True)
+    if len(samples) < min_clips:
+        raise UnusableData(f"{len(samples)} clips whose text phonemises to speech that fits their audio,"
+                           f" at least {min_clips} needed")
     return samples
 
 
 def restore(checkpoints: Path, fingerprint: str, model: Any, optimizers: list[Any], schedulers: list[Any],
             torch: Any) -> int:
-    """The step of the newest readable checkpoint of this very run (0: from scratch)."""
+    """The step of the newest checkpoint of this very run that restores whole (0: from scratch).
+
+    A checkpoint that cannot be read or does not fit (not a dict, a key missing, a parameter renamed or
+    reshaped) is removed and an older one tried; what it had loaded before it failed is undone, so a run
+    from scratch starts from exactly the state it would have had without it.
+    """
+    untouched = snapshot(model, optimizers, schedulers)
     for _, path in list_checkpoints(checkpoints):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a torn or foreign file: fall back to an older one
-            print(f"checkpoint {path.name} unreadable ({type(exc).__name__}), trying an older one", flush=True)
-            continue
-        if state.get("fingerprint") != fingerprint:
-            # Another dataset or profile: resuming would train the wrong thing, and keeping it would
-            # only crowd out this run's checkpoints.
-            print(f"checkpoint {path.name} is of another dataset or profile: removed, not resumed", flush=True)
+            if not isinstance(state, dict):
+                raise TypeError(f"holds a {type(state).__name__}, not a dict")
+            if state.get("fingerprint") != fingerprint:
+                # Another dataset, profile or version: resuming would train the wrong thing, and keeping it
+                # would only crowd out this run's checkpoints.
+                print(f"checkpoint {path.name} is of another dataset, profile or version: removed, not resumed",
+                      flush=True)
+                path.unlink(missing_ok=True)
+                continue
+            step = load_state(state, model, optimizers, schedulers)
+        except Exception as exc:  # a torn, foreign or misfitting file: fall back to an older one
+            put_back(untouched, model, optimizers, schedulers)
+            # Kept, it would never resume and, as the newest, would make pruning delete this run's checkpoints.
             path.unlink(missing_ok=True)
+            detail = " ".join(str(exc).split())[:200]
+            print(f"checkpoint {path.name} cannot be restored ({type(exc).__name__}: {detail}): removed,"
+                  f" trying an older one", flush=True)
             continue
-        model.load_state_dict(state["model"])
-        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
-        for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
-            if scheduler is not None and saved is not None:
-                scheduler.load_state_dict(saved)
-        print(f"Model restored from step {state['step']} ({path.name})", flush=True)
-        return int(state["step"])
+        print(f"Model restored from step {step} ({path.name})", flush=True)
+        return step
     print("no checkpoint to resume from: training from scratch", flush=True)
     return 0
+
+
+def load_state(state: dict[str, Any], model: Any, optimizers: list[Any], schedulers: list[Any]) -> int:
+    """Apply a checkpoint's states; raises when any part does not fit (some parts may be applied by then)."""
+    step = int(state["step"])
+    if step < 1:
+        raise ValueError(f"step {step}")
+    model.load_state_dict(state["model"])
+    for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+        optimizer.load_state_dict(saved)
+    for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
+        if (scheduler is None) != (saved is None):
+            raise ValueError("the schedulers differ")
+        if scheduler is not None:
+            scheduler.load_state_dict(saved)
+    return step
+
+
+def snapshot(model: Any, optimizers: list[Any], schedulers: list[Any]) -> dict[str, Any]:
+    """Copies of the states before any checkpoint is tried (the model's on the CPU, to spare the GPU)."""
+    return {
+        "model": {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()},
+        "optimizers": [copy.deepcopy(optimizer.state_dict()) for optimizer in optimizers],
+        "schedulers": [copy.deepcopy(s.state_dict()) if s is not None else None for s in schedulers],
+    }
+
+
+def put_back(untouched: dict[str, Any], model: Any, optimizers: list[Any], schedulers: list[Any]) -> None:
+    """Undo a checkpoint that was applied only in part (``load_state_dict`` copies what fits before it raises)."""
+    model.load_state_dict(untouched["model"])
+    for optimizer, saved in zip(optimizers, untouched["optimizers"], strict=True):
+        optimizer.load_state_dict(copy.deepcopy(saved))
+    for scheduler, saved in zip(schedulers, untouched["schedulers"], strict=True):
+        if scheduler is not None:
+            scheduler.load_state_dict(copy.deepcopy(saved))
 
 
 def save_checkpoint(checkpoints: Path, step: int, fingerprint: str, model: Any, optimizers: list[Any],

@@ -46,13 +46,13 @@ _ALIASES = {
     "iw": "he",
     "in": "id",
 }
-_CODE = re.compile(r"^[a-z]{2,3}(-[a-z0-9]{2,8})*$")
+_CODE = re.compile(r"[a-z]{2,3}(-[a-z0-9]{2,8})*")
 
 
 def espeak_voice(language: str) -> str | None:
     """The espeak-ng voice for a language code, or None when there is none (the stage exits 65)."""
     code = language.strip().replace("_", "-").lower()
-    if not _CODE.match(code):
+    if not _CODE.fullmatch(code):
         return None
     if code in _ALIASES:
         return _ALIASES[code]

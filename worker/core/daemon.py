@@ -7,6 +7,12 @@ the main thread's ``Event.wait`` can), leaving the job leased until SIGKILL. So 
 lock: it writes one byte to a pipe (the signal's number), and a relay thread turns each byte into
 its call: ``Worker.stop()`` for SIGTERM and SIGINT, ``Worker.drain()`` for SIGUSR2.
 
+The daemon installs its relay before its start-up (``cmd_run``): the queue check, the store's connect
+retries and the clock check take seconds to minutes, and a signal then must not meet its default
+action, which ends the process for SIGUSR1 and SIGUSR2 (and a restart by ``Restart=on-failure`` would
+undo the drain). Until the worker exists, ``Requests`` keeps what was asked for; the start-up ends at
+its next ``wait`` and the process exits 0, having received nothing.
+
 Exit codes: 0 after a requested shutdown or a drain, 1 when the loop ended for any other reason.
 """
 
@@ -90,31 +96,100 @@ class SignalRelay:
                               error=f"{type(exc).__name__}: {exc}")
 
 
-def install_signal_handlers(worker: Worker, pulse: Pulse | None = None, *, json_stacks: bool = False) -> SignalRelay:
-    """Route SIGTERM/SIGINT to ``worker.stop`` and SIGUSR2 to ``worker.drain`` through a relay;
-    ``uninstall()`` it when the worker is done. With a ``pulse``, systemd hears STOPPING=1 (or the
-    drain's STATUS) the moment the signal arrives, not when the loop ends minutes later.
+class StartUpStopped(Exception):
+    """A stop or a drain was requested before the worker existed: the start-up ends, exit 0."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"a {reason} was requested during the start-up")
+        self.reason = reason
+
+
+class Requests:
+    """Stop and drain requests from the relay, kept until there is a worker to hand them to.
+
+    Before ``attach`` a request is kept, and the start-up's next ``wait`` raises ``StartUpStopped``;
+    ``attach`` hands the kept ones to the worker in the order they came, and every later one goes to
+    it at once. Called from the relay thread (and ``attach`` from the main thread), never from a
+    signal handler: it takes a lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made = threading.Event()
+        self._kept: list[str] = []
+        self._worker: Worker | None = None
+        self._pulse: Pulse | None = None
+
+    def stop(self) -> None:
+        self._request("shutdown")
+
+    def drain(self) -> None:
+        self._request("drain")
+
+    @property
+    def reason(self) -> str | None:
+        """What the start-up was asked for, a shutdown winning over a drain; None when nothing was."""
+        with self._lock:
+            return ("shutdown" if "shutdown" in self._kept else "drain") if self._kept else None
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, or raise ``StartUpStopped`` as soon as a stop or drain was requested."""
+        if self._made.wait(seconds) and (reason := self.reason):
+            raise StartUpStopped(reason)
+
+    def attach(self, worker: Worker, pulse: Pulse | None = None) -> None:
+        """From now on requests go to ``worker``, the kept ones first; with a ``pulse``, systemd hears
+        STOPPING=1 (or the drain's STATUS) the moment a signal arrives, not when the loop ends."""
+        with self._lock:
+            self._worker, self._pulse = worker, pulse
+            for request in self._kept:
+                self._tell(request)
+
+    def _request(self, request: str) -> None:
+        with self._lock:
+            if self._worker is not None:
+                self._tell(request)
+                return
+            self._kept.append(request)
+            # The line the worker writes for a request, with no worker yet to write it.
+            log.info("worker.shutdown_requested" if request == "shutdown" else "worker.drain_requested",
+                     during="start-up")
+        self._made.set()
+
+    def _tell(self, request: str) -> None:
+        assert self._worker is not None
+        if request == "shutdown":
+            if self._pulse is not None:
+                self._pulse.stopping()
+            self._worker.stop()
+        else:
+            if self._pulse is not None:
+                self._pulse.draining()
+            self._worker.drain()
+
+
+def relay_signals(requests: Requests, *, json_stacks: bool = False) -> SignalRelay:
+    """Route SIGTERM/SIGINT to ``requests.stop`` and SIGUSR2 to ``requests.drain`` through a relay;
+    ``uninstall()`` it when the worker is done.
 
     `kill -USR1 <pid>` prints every thread's stack to stderr: the way to see where a worker that does
-    not stop is stuck, without stopping it. With ``json_stacks`` (LOG_FORMAT=json) as one log line
-    (``worker.stacks``) from the relay, so the log stays JSON; otherwise as faulthandler's text,
-    which it writes from the signal handler itself and so also for a process whose threads are all
-    stuck in C code holding the GIL (for that case in JSON mode: ``py-spy dump --pid``)."""
-    def stop() -> None:
-        if pulse is not None:
-            pulse.stopping()
-        worker.stop()
-
-    def drain() -> None:
-        if pulse is not None:
-            pulse.draining()
-        worker.drain()
-
-    relay = SignalRelay(stop, drain, stacks=log_stacks if json_stacks else None)
+    not stop (or start) is stuck, without stopping it. With ``json_stacks`` (LOG_FORMAT=json) as one
+    log line (``worker.stacks``) from the relay, so the log stays JSON; otherwise as faulthandler's
+    text, which it writes from the signal handler itself and so also for a process whose threads are
+    all stuck in C code holding the GIL (for that case in JSON mode: ``py-spy dump --pid``)."""
+    relay = SignalRelay(requests.stop, requests.drain, stacks=log_stacks if json_stacks else None)
     relay.install()
     if not json_stacks:
         faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
     return relay
+
+
+def install_signal_handlers(worker: Worker, pulse: Pulse | None = None, *, json_stacks: bool = False) -> SignalRelay:
+    """``relay_signals`` for a worker that already exists: SIGTERM/SIGINT to ``worker.stop``, SIGUSR2 to
+    ``worker.drain``, with ``pulse`` told first (``Requests.attach``)."""
+    requests = Requests()
+    requests.attach(worker, pulse)
+    return relay_signals(requests, json_stacks=json_stacks)
 
 
 def log_stacks() -> None:
@@ -128,17 +203,24 @@ def log_stacks() -> None:
 
 
 def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Pulse | None = None, *,
-               json_stacks: bool = False) -> int:
+               json_stacks: bool = False, requests: Requests | None = None) -> int:
     """Run until shutdown, then leave in this order:
     1. the loop has settled its last message (``run`` returned: deleted, released or left to SQS;
        after a drain, the job in flight ran to its end first);
     2. tell systemd we are stopping (unless the stop signal already did);
     3. close the store and other clients;
     4. put the previous signal handlers back;
-    5. return the exit code: 0 for a requested stop or a drain, 1 for anything else."""
+    5. return the exit code: 0 for a requested stop or a drain, 1 for anything else.
+
+    With ``requests``, the relay was installed before the start-up by the caller, who uninstalls it
+    (step 4); what was requested since reaches the worker before its first receive."""
     pulse = pulse or Pulse()
     code = EXIT_OK
-    relay = install_signal_handlers(worker, pulse, json_stacks=json_stacks)
+    relay = None
+    if requests is None:
+        relay = install_signal_handlers(worker, pulse, json_stacks=json_stacks)
+    else:
+        requests.attach(worker, pulse)
     try:
         pulse.ready()
         log.info("worker.started")
@@ -154,5 +236,6 @@ def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: P
             except Exception as exc:  # closing must not turn a clean stop into a crash
                 log.error("worker.close_failed", error=f"{type(exc).__name__}: {exc}")
     finally:
-        relay.uninstall()
+        if relay is not None:
+            relay.uninstall()
     return code

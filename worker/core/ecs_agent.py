@@ -35,6 +35,7 @@ TIMEOUT_S = 3.0
 # What the agent accepts for ExpiresInMinutes.
 MIN_MINUTES, MAX_MINUTES = 1, 2880
 _MAX_SHOWN_CHARS = 200
+MAX_ANSWER_BYTES = 64 * 1024
 IAM_HINT = "the task role needs ecs:UpdateTaskProtection on this cluster's tasks"
 
 
@@ -53,13 +54,14 @@ def protection_body(enabled: bool, for_at_most_s: float | None = None) -> dict[s
 
 
 def refusal(status: int, body: bytes) -> str | None:
-    """Why the agent's answer is not a success, or None when it is one.
+    """Why the agent's answer is not a success, or None when it is one; never raises, whatever the body.
 
     The agent answers errors with a status of 400 or more and ``{"error": {"Code", "Message"}}``, and
     a call ECS itself refused with 200 and ``{"failure": {"Reason", "Detail"}}``."""
     try:
         answer = json.loads(body or b"{}")
-    except ValueError:
+    # RecursionError: a body of nested brackets, under the read cap, is deeper than the decoder goes.
+    except (ValueError, RecursionError):
         answer = {}
     if not isinstance(answer, dict):
         answer = {}
@@ -67,13 +69,18 @@ def refusal(status: int, body: bytes) -> str | None:
         error = answer.get("error")
         if not isinstance(error, dict):
             error = {}
-        return f"HTTP {status}: {error.get('Code', '')} {error.get('Message', '')}".strip()
+        return _reason(f"HTTP {status}:", error.get("Code"), error.get("Message"))
     failure = answer.get("failure")
     if failure:
         if not isinstance(failure, dict):
             return "failure"
-        return f"failure: {failure.get('Reason', '')} {failure.get('Detail', '')}".strip()
+        return _reason("failure:", failure.get("Reason"), failure.get("Detail"))
     return None
+
+
+def _reason(prefix: str, *fields: Any) -> str:
+    # Text fields only: the str() of a deeply nested value could itself hit the recursion limit.
+    return " ".join([prefix, *(field for field in fields if isinstance(field, str) and field)])
 
 
 class TaskProtection:
@@ -97,11 +104,7 @@ class TaskProtection:
         request = urllib.request.Request(self._url, data=json.dumps(body).encode(), method="PUT",
                                          headers={"Content-Type": "application/json"})
         try:
-            with self._opener.open(request, timeout=self._timeout_s) as response:
-                problem = refusal(response.status, response.read(64 * 1024))
-        except urllib.error.HTTPError as exc:
-            with exc:
-                problem = refusal(exc.code, exc.read(64 * 1024))
+            problem = self._answer(request)
         # URLError, a timeout, a refused or dropped connection, a garbled answer, a bad URI.
         except (OSError, http.client.HTTPException, ValueError) as exc:
             problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
@@ -113,6 +116,16 @@ class TaskProtection:
             return False
         log.info("task_protection.set", enabled=enabled, expires_in_minutes=body.get("ExpiresInMinutes"))
         return True
+
+    def _answer(self, request: urllib.request.Request) -> str | None:
+        # An error's body is read here too, so that a read that fails half-way (a garbled chunk, a reset
+        # connection) is caught by the caller like any other failed call.
+        try:
+            with self._opener.open(request, timeout=self._timeout_s) as response:
+                return refusal(response.status, response.read(MAX_ANSWER_BYTES))
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return refusal(exc.code, exc.read(MAX_ANSWER_BYTES))
 
 
 def task_protection(agent_uri: str | None) -> TaskProtection | None:

@@ -22,6 +22,8 @@ handler ended with it (``action``; the most specific class wins), so ``decide`` 
     │   ├── BadRecording       a recording is gone, too large, or not decodable audio
     │   ├── StageFailedPermanently   a stage exited with a code listed in permanent_exit_codes
     │   ├── TimeLimitExceeded  one attempt ran past JOB_TIME_LIMIT_SECONDS
+    │   ├── MalformedRecord    the job's or profile's record holds a field the worker decides on in a
+    │   │                      shape it never writes (another writer's): fixed by hand, not by retrying
     │   ├── RetriesExhausted   a retryable failure that spent the job's last failed attempt
     │   │                      (MAX_FAILED_ATTEMPTS): dead-lettered under the type of the error it wraps
     │   └── AlreadyFailed      a redelivery of a message whose permanent failure is recorded: back to
@@ -154,6 +156,18 @@ class StageFailedPermanently(PermanentError):
 
 class TimeLimitExceeded(PermanentError):
     pass
+
+
+class MalformedRecord(PermanentError):
+    """A record holds fields the worker decides on in a shape the worker never writes: some other
+    writer (the product's backend, a hand edit) wrote them, and no retry can mend them. ``problems``
+    holds one line per field ("job attempts: text ('three'), not a count ...")."""
+
+    def __init__(self, job_id: str, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"the records of job {job_id} hold fields the worker cannot read, written by "
+                         "something other than the worker; fix or remove them, then redrive the "
+                         "message: " + "; ".join(self.problems))
 
 
 class RetriesExhausted(PermanentError):

@@ -29,20 +29,22 @@ log = structlog.get_logger(__name__)
 
 SOURCE = "voice-worker"
 COMPLETED, FAILED, DEAD_LETTERED, CANCELLED = "JobCompleted", "JobFailed", "JobDeadLettered", "JobCancelled"
-_SNS_TOPIC = re.compile(r"^arn:aws[a-z-]*:sns:[a-z0-9-]+:\d{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
-_EVENT_BUS = re.compile(r"^arn:aws[a-z-]*:events:[a-z0-9-]+:\d{12}:event-bus/[A-Za-z0-9._/-]{1,256}$")
+# Matched whole (fullmatch: "$" would also take a trailing newline) and in ASCII ([0-9]: "\d" also
+# takes other scripts' digits), as AWS spells ARNs.
+_SNS_TOPIC = re.compile(r"arn:aws[a-z-]*:sns:[a-z0-9-]+:[0-9]{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?")
+_EVENT_BUS = re.compile(r"arn:aws[a-z-]*:events:[a-z0-9-]+:[0-9]{12}:event-bus/[A-Za-z0-9._/-]{1,256}")
 
 
 def target_problem(target: str) -> str | None:
     """Why ``target`` is neither an SNS topic ARN nor an EventBridge bus ARN; None when it is one (or empty)."""
-    if not target or _SNS_TOPIC.match(target) or _EVENT_BUS.match(target):
+    if not target or _SNS_TOPIC.fullmatch(target) or _EVENT_BUS.fullmatch(target):
         return None
     return "must be an SNS topic ARN (arn:aws:sns:...) or an EventBridge bus ARN (arn:aws:events:...:event-bus/NAME)"
 
 
 def target_service(target: str) -> str:
     """``sns`` or ``events``: which client ``target`` needs."""
-    return "sns" if _SNS_TOPIC.match(target) else "events"
+    return "sns" if _SNS_TOPIC.fullmatch(target) else "events"
 
 
 class Events(Protocol):
@@ -60,7 +62,7 @@ class Publisher:
     """Publishes to ``target`` with a client made by ``client`` (at the first event)."""
 
     def __init__(self, target: str, client: Callable[[], Any]):
-        self._target, self._client, self._sns = target, client, bool(_SNS_TOPIC.match(target))
+        self._target, self._client, self._sns = target, client, bool(_SNS_TOPIC.fullmatch(target))
 
     def publish(self, event_type: str, detail: Mapping[str, Any]) -> None:
         body = json.dumps(detail, sort_keys=True, default=str)

@@ -12,29 +12,49 @@ Exit codes: 0 healthy, 1 unhealthy (with the reason on stdout, which Docker keep
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 
 # When neither the environment nor the file says (a file written by an older release).
 FALLBACK_MAX_AGE_S = 120.0
+# The longest limit either may give: two days, past the longest the worker computes for itself (three
+# 12-hour heartbeats and 30 s, settings.liveness_age_limit_s). A larger one, like nan or inf, would
+# call a worker dead for days healthy.
+MAX_AGE_LIMIT_S = 2 * 86_400
 LIMIT_KEY = "max_age_s="
+
+
+def usable_limit_s(text: str) -> float | None:
+    """``text`` as a limit in seconds: a finite number above 0 and at most ``MAX_AGE_LIMIT_S``; else None."""
+    if not text.isascii():  # float() also reads other scripts' digits
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if _usable(value) else None
+
+
+def _usable(limit_s: float) -> bool:
+    return math.isfinite(limit_s) and 0 < limit_s <= MAX_AGE_LIMIT_S
 
 
 def written_limit_s(content: str) -> float | None:
     """The limit the worker wrote into its liveness file, or None."""
     for line in content.splitlines():
         if line.startswith(LIMIT_KEY):
-            try:
-                value = float(line[len(LIMIT_KEY):])
-            except ValueError:
-                return None
-            return value if value > 0 else None
+            return usable_limit_s(line[len(LIMIT_KEY):])
     return None
 
 
 def problem(path: str | None, max_age_s: float | None, now_s: float | None = None) -> str | None:
     """Why the worker does not look alive, or None. ``max_age_s`` None: the file's own limit."""
+    if max_age_s is not None and not _usable(max_age_s):
+        # Refused here too, not only in main(): every comparison with nan is false, so a file could
+        # never be "older than the limit".
+        return f"the age limit {max_age_s!r} is not a number of seconds above 0 and at most {MAX_AGE_LIMIT_S:.0f}"
     if not path:
         return "LIVENESS_FILE is not set: nothing to check"
     try:
@@ -53,10 +73,10 @@ def problem(path: str | None, max_age_s: float | None, now_s: float | None = Non
 def main(environ: dict[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     raw_limit = env.get("LIVENESS_MAX_AGE_SECONDS") or None
-    try:
-        max_age_s = float(raw_limit) if raw_limit else None
-    except ValueError:
-        print(f"unhealthy: LIVENESS_MAX_AGE_SECONDS={raw_limit!r} is not a number")
+    max_age_s = usable_limit_s(raw_limit) if raw_limit else None
+    if raw_limit and max_age_s is None:
+        print(f"unhealthy: LIVENESS_MAX_AGE_SECONDS={raw_limit!r} is not a number of seconds above 0 "
+              f"and at most {MAX_AGE_LIMIT_S:.0f}")
         return 1
     why = problem(env.get("LIVENESS_FILE"), max_age_s)
     print(f"unhealthy: {why}" if why else "healthy")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -28,13 +29,46 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from worker.core.redact import strip_control
+
 log = structlog.get_logger(__name__)
 
-DEFAULT_ENDPOINT = "http://169.254.169.254"
 TOKEN_PATH = "/latest/api/token"
 NOTICE_PATH = "/latest/meta-data/spot/instance-action"
 TOKEN_TTL_S = 21600  # the longest IMDS grants; renewed a minute before it ends
 TIMEOUT_S = 2.0
+MAX_ANSWER_BYTES = 64 * 1024
+# What a token may hold to go back in a header: visible ASCII (http.client refuses a line break, and
+# anything outside Latin-1, with a ValueError of its own).
+_TOKEN = re.compile(r"[!-~]{1,1024}")
+_MAX_SHOWN_CHARS = 100
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where IMDS listens: parsed once, from ``IMDS_ENDPOINT``, when the settings load."""
+
+    host: str
+    port: int = 80
+
+
+def parse_endpoint(url: str) -> Endpoint:
+    """``http://host[:port]`` as an ``Endpoint``; ValueError with the rule otherwise."""
+    rule = "must be http://host[:port], the port from 1 to 65535 (the instance metadata service)"
+    if not re.fullmatch(r"[!-~]+", url):  # urlsplit would silently drop a tab or a line break
+        raise ValueError(rule)
+    try:
+        parts = urlsplit(url)
+        port = parts.port if parts.port is not None else 80
+    except ValueError:  # an out-of-range or non-numeric port, a broken [IPv6] literal
+        raise ValueError(rule) from None
+    if (parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query
+            or parts.fragment or parts.username is not None or not 1 <= port <= 65535):
+        raise ValueError(rule)
+    return Endpoint(parts.hostname, port)
+
+
+DEFAULT_ENDPOINT = parse_endpoint("http://169.254.169.254")
 
 
 class MetadataUnavailable(Exception):
@@ -48,25 +82,29 @@ class SpotNotice:
 
 
 def parse_notice(body: bytes) -> SpotNotice:
-    """The notice in IMDS's JSON; a body that is not one is ``MetadataUnavailable``."""
+    """The notice in IMDS's JSON; any other body, however garbled, is ``MetadataUnavailable``."""
     try:
         data = json.loads(body)
-    except ValueError:
+    # RecursionError: a body of nested brackets, under the read cap, is deeper than the decoder goes.
+    except (ValueError, RecursionError):
         raise MetadataUnavailable("the spot notice is not JSON") from None
     if not isinstance(data, dict) or not isinstance(data.get("action"), str):
         raise MetadataUnavailable("the spot notice has no action")
-    return SpotNotice(action=data["action"], time=str(data.get("time", "")))
+    # Only text is shown: the str() of a deeply nested value could itself hit the recursion limit.
+    when = data.get("time")
+    return SpotNotice(action=_shown(data["action"]), time=_shown(when) if isinstance(when, str) else "")
+
+
+def _shown(text: str) -> str:
+    return strip_control(text, keep_lines=False)[:_MAX_SHOWN_CHARS]
 
 
 class InstanceMetadata:
     """IMDSv2 reads with a cached session token."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = TIMEOUT_S,
+    def __init__(self, endpoint: Endpoint = DEFAULT_ENDPOINT, timeout_s: float = TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic):
-        parts = urlsplit(endpoint)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"IMDS endpoint must be http://host[:port], not {endpoint!r}")
-        self._host, self._port = parts.hostname, parts.port or 80
+        self._host, self._port = endpoint.host, endpoint.port
         self._timeout_s = timeout_s
         self._clock = clock
         self._token: str | None = None
@@ -93,7 +131,10 @@ class InstanceMetadata:
                                          {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
             if status != 200 or not body:
                 raise MetadataUnavailable(f"HTTP {status} for an IMDSv2 token")
-            self._token = body.decode("ascii", errors="replace").strip()
+            token = body.decode("ascii", errors="replace").strip()
+            if not _TOKEN.fullmatch(token):
+                raise MetadataUnavailable("the IMDSv2 token is not printable ASCII")
+            self._token = token
             self._token_until = self._clock() + TOKEN_TTL_S - 60
         return self._token
 
@@ -102,9 +143,10 @@ class InstanceMetadata:
         try:
             connection.request(method, path, headers=headers)
             response = connection.getresponse()
-            return response.status, response.read(64 * 1024)
-        except (OSError, http.client.HTTPException) as exc:
-            raise MetadataUnavailable(f"{type(exc).__name__}: {exc}") from None
+            return response.status, response.read(MAX_ANSWER_BYTES)
+        # ValueError: a header http.client will not send, a host it cannot encode.
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise MetadataUnavailable(f"{type(exc).__name__}: {_shown(str(exc))}") from None
         finally:
             connection.close()
 
@@ -146,5 +188,11 @@ class SpotWatch:
 
     def _watch(self) -> None:
         while not self._closed.wait(self._interval_s):
-            if self.check():
-                return
+            try:
+                if self.check():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a watch that died would miss the notice it is for
+                # The next look tries again, the shutdown too if it was the one that failed: a notice
+                # request may come twice (Shutdown.request).
+                # The type alone: the traceback carries the text, and a str() that fails must not fail here.
+                log.exception("spot_watch.check_failed", error=type(exc).__name__)

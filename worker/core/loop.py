@@ -23,8 +23,9 @@ releases it; ``drain()`` (SIGUSR2) lets it run to its end or its time limit and 
 A message that arrives after either (during the last long poll) is released unworked.
 
 ``activity`` hears ``busy(for_at_most_s)`` when a job starts and ``idle()`` once it is settled, so
-a deployment can keep a busy worker from being scaled in (worker/core/ecs_agent.py); it must not
-raise, and it should answer within seconds: it runs on the loop's thread.
+a deployment can keep a busy worker from being scaled in (worker/core/ecs_agent.py); it should answer
+within seconds: it runs on the loop's thread. A call that raises is logged and the loop goes on: the
+job runs (or the loop takes the next one) as if it had answered.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ class Worker:
         label = None
         lease.start()
         self._in_flight = message.message_id
-        self._activity.busy(busy_for_s(self._config.lease))
+        self._tell_activity("busy", lambda: self._activity.busy(busy_for_s(self._config.lease)))
         self._crash("after_receive")
         try:
             label = self._handler(message, lease)
@@ -298,8 +299,17 @@ class Worker:
             # Only now: until its message is deleted or handed back, the job is not over. In a finally:
             # a settle that raised ends the loop, and the task must not stay protected after it.
             self._in_flight = None
-            self._activity.idle()
+            self._tell_activity("idle", self._activity.idle)
         return decision.action
+
+    def _tell_activity(self, call: str, tell: Callable[[], None]) -> None:
+        try:
+            tell()
+        except Exception as exc:  # noqa: BLE001 - a courtesy to the orchestrator must not end the loop
+            # busy() runs with the heartbeat already started: an error leaving here would leave the
+            # loop with the lease thread renewing a message nobody works on.
+            # The type alone: the traceback carries the text, and a str() that fails must not fail here.
+            log.exception("worker.activity_failed", call=call, error=type(exc).__name__)
 
     def _count_outcome(self, message: Message, action: Action, label: str | None, duration_s: float) -> None:
         outcome = outcome_of(action, label)

@@ -87,7 +87,7 @@ METRIC_NAMES = frozenset({JOB_DURATION, STAGE_DURATION, RECEIVE_COUNT_AT_COMPLET
                           *OUTCOME_METRICS.values(), *RECONCILE_METRICS.values()})
 
 MAX_DIMENSIONS = 30  # per dimension set, CloudWatch's limit
-_DIMENSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,249}$")  # EMF allows 250
+_DIMENSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,249}")  # EMF allows 250
 _RESERVED = METRIC_NAMES | {STAGE_DIMENSION, "_aws"}
 
 
@@ -100,7 +100,7 @@ def parse_dimensions(text: str) -> dict[str, str]:
         name, sep, value = (s.strip() for s in item.partition("="))
         if not sep or not value:
             raise ValueError(f"{item!r} is not Name=Value")
-        if not _DIMENSION_NAME.match(name):
+        if not _DIMENSION_NAME.fullmatch(name):
             raise ValueError(f"dimension name {name!r} must be letters, digits, '_', '.', '-'")
         if name in _RESERVED:
             raise ValueError(f"dimension name {name!r} is reserved (a metric or built-in dimension)")

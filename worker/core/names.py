@@ -4,4 +4,4 @@ Its own module, free of heavy imports, so the reference trainer's subprocesses c
 """
 
 # 1-128 letters, digits, '.', '_' or '-', starting alphanumeric: never empty, '.', '..' or a '/'.
-SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"  # full match only (ASCII classes)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from worker import __version__
-from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, run_worker
+from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, EXIT_OK, Requests, StartUpStopped, relay_signals, run_worker
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
@@ -59,6 +59,17 @@ def cmd_run(settings: Settings, _args) -> int:
     if why_not := make_undumpable():
         log.warning("worker.dumpable", reason=why_not,
                     note="processes of this user can read the worker's environment")
+    # Then, before anything slow: a signal during the start-up is heard, not met by its default action
+    # (SIGUSR1 and SIGUSR2 end a process), and a drain then is not undone by Restart=on-failure.
+    requests = Requests()
+    relay = relay_signals(requests, json_stacks=settings.log_format == "json")
+    try:
+        return _run_daemon(settings, requests)
+    finally:
+        relay.uninstall()
+
+
+def _run_daemon(settings: Settings, requests: Requests) -> int:
     problems = daemon_problems(settings)
     if problems:
         return _fail(problems)
@@ -69,14 +80,23 @@ def cmd_run(settings: Settings, _args) -> int:
     os.umask(WORK_FILES_UMASK)
 
     try:
-        app = build_app(settings)
+        app = build_app(settings, wait=requests.wait)
+    except StartUpStopped as stopped:
+        return _stopped_at_start_up(stopped.reason)
     except ConfigError as exc:
         return _fail(exc.problems)
     except WorkerError as exc:
         log.error("worker.startup_failed", error=str(exc), error_type=exc.error_type)
-        return EXIT_CRASHED
+        # A stop or drain asked for while the step failed still stands: exit 1 would have systemd start
+        # the worker again, and take jobs.
+        return _stopped_at_start_up(reason) if (reason := requests.reason) else EXIT_CRASHED
     app.start()
-    return run_worker(app.worker, close=app.close, pulse=app.pulse, json_stacks=settings.log_format == "json")
+    return run_worker(app.worker, close=app.close, pulse=app.pulse, requests=requests)
+
+
+def _stopped_at_start_up(reason: str) -> int:
+    log.info("worker.stopped", reason=reason, during="start-up")
+    return EXIT_OK
 
 
 def cmd_demo(_settings, args) -> int:
@@ -204,8 +224,11 @@ def _exits(specific: str, store_file: bool = False, usage: str = "") -> str:
 
 COMMANDS = {
     "run": (cmd_run, True, "run the worker daemon (the default)",
-            "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT.\n\n"
-            "exit codes: 0 stopped on SIGTERM/SIGINT; 1 crashed, or could not start (store or queue\n"
+            "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT, or until drained by SIGUSR2 (the job in\n"
+            "flight runs to its end, no other is taken). SIGUSR1 prints every thread's stack. All three\n"
+            "are heard from the start of the start-up on.\n\n"
+            "exit codes: 0 stopped on SIGTERM/SIGINT or drained (SIGUSR2), also during the start-up, even\n"
+            "one that was failing; 1 crashed, or could not start (store or queue\n"
             "unreachable after retries); 2 settings: one line each on stderr (missing region, a queue that\n"
             "does not exist, a bad pipeline config, a clock off from the store's, ...)",
             "SQS_QUEUE_URL=https://sqs.eu-west-1.amazonaws.com/123/jobs MONGO_URI=mongodb://db/voice \\\n"
@@ -246,10 +269,11 @@ COMMANDS = {
     "status": (cmd_status, True, "show a job: status, attempts, progress, error, its files",
                "Print the job and profile records, and the files the job committed (a job that did not\n"
                "complete has none: the profile's belong to another job); --json prints {\"job\": {...},\n"
-               "\"profile\": {...}, \"cost\": {...}, \"files\": {...} or null}. --watch polls until the job\n"
-               "ends: on a terminal the block is redrawn in place, elsewhere printed again only when it\n"
-               "changed, with the time since the watch began. Opens a STORE_URL file read-only and never\n"
-               "creates one.\n\n"
+               "\"profile\": {...}, \"cost\": {...}, \"files\": {...} or null, \"problems\": [...]}. A field\n"
+               "another writer left malformed shows ?, with a warning line naming it on stderr (in\n"
+               "\"problems\" with --json). --watch polls until the job ends: on a terminal the block is\n"
+               "redrawn in place, elsewhere printed again only when it changed, with the time since the\n"
+               "watch began. Opens a STORE_URL file read-only and never creates one.\n\n"
                + _exits("0 shown; 1 store failure; 3 no such job", store_file=True,
                         usage=" or a --watch that is not a positive number"),
                "python -m worker status 665f1c2e9b1e8a0012ab34cd\n"
@@ -428,6 +452,12 @@ def _run_command(func, command: str, args) -> int:
 
         # An operator command: one readable line, not a traceback.
         print(f"{command} failed: {error_line(exc)}", file=sys.stderr)
+        return EXIT_CRASHED
+    except Exception as exc:  # noqa: BLE001 - e.g. a store's decoder refusing another writer's record
+        from worker.ops.commands import error_line
+
+        # Still one line, as docs/operations.md promises for any failure; its type says where to look.
+        print(f"{command} failed: {type(exc).__name__}: {error_line(exc)}", file=sys.stderr)
         return EXIT_CRASHED
 
 

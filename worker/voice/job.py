@@ -65,7 +65,8 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from pipeline.manifest import recorded_outputs
-from pipeline.run import OWN_STEPS
+from pipeline.remote_work import Ledger
+from pipeline.run import ATTEMPTS_DIR, LOGS_DIR, OWN_STEPS, attempt_dir_name
 from worker.core import tracing
 from worker.core.config import DEFAULT_MAX_FAILED_ATTEMPTS
 from worker.core.errors import (
@@ -73,6 +74,7 @@ from worker.core.errors import (
     InvalidMessage,
     JobBusy,
     LeaseLost,
+    MalformedRecord,
     StageFailed,
     StaleWrite,
     Stopped,
@@ -109,6 +111,7 @@ from worker.voice.artifacts import (
 )
 from worker.voice.input_policy import InputPolicy
 from worker.voice.message import Job, job_id_hint, parse_job
+from worker.voice.mirror_ledger import RecordLedger
 from worker.voice.publish import models_dir_for, publish_all, published_rel
 from worker.voice.records import ClaimOutcome, Store
 from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
@@ -122,6 +125,7 @@ from worker.voice.records.rules import (
     usage,
     utc_now,
 )
+from worker.voice.records.view import unworkable
 
 if TYPE_CHECKING:
     from pipeline.run import Progress
@@ -136,15 +140,16 @@ class Trainer(Protocol):
     """What turns a claimed job into its five artifacts: ``pipeline.run.PipelineTrainer`` in production.
 
     A fake is anything with this call shape. ``progress(step, percent)`` writes the record's
-    progress; ``stop`` is the attempt's own stop signal, to be honoured by every step.
+    progress; ``stop`` is the attempt's own stop signal, to be honoured by every step; ``ledger`` is
+    what the job record vouches for of the job's S3 mirror, and where the attempt vouches for its own
+    (``worker.voice.mirror_ledger``).
     """
 
-    def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress, /) -> dict[str, Path]: ...
+    def __call__(self, job: Job, work_dir: Path, stop: StopSignal, progress: Progress, ledger: Ledger,
+                 /) -> dict[str, Path]: ...
 
 
 OUTPUT_DIR = "output"  # the pipeline's artifact directory inside an attempt's work dir
-LOGS_DIR = "logs"  # kept after the commit: what an operator reads when asking how a job went
-ATTEMPTS_DIR = "attempts"  # one directory per attempt inside the job's work dir (pipeline.run)
 # Below WORK_ROOT by default; a name starting with a dot is never an environment name (SAFE_NAME),
 # so the models tree cannot meet a job's work directory.
 DEFAULT_MODELS_DIR = ".models"
@@ -189,11 +194,6 @@ def work_root_problem(first: tuple[int, int] | None, now: tuple[int, int] | None
     if now is None:
         return "is gone (removed, or its file system unmounted)"
     return "is another directory than the one this worker started with (unmounted, remounted or replaced)"
-
-
-def attempt_dir_name(attempt_number: int, token: str) -> str:
-    """``<attempt number, 4 digits>-<first 8 hex of the claim token>``: unique per claim, sorts by number."""
-    return f"{attempt_number:04d}-{token[:8]}"
 
 
 def attempt_dir_for(job_dir: Path, attempt_number: int, token: str) -> Path:
@@ -372,6 +372,7 @@ class VoiceJobHandler:
     def _handle(self, job: Job, message: Message, lease: Lease) -> str:
         store = self._store
         record, profile = store.get_job(job.job_id), store.get_profile(job.profile_id)
+        self._refuse_malformed(job, record, profile)
         if record is not None and record.get("profileId") and str(record["profileId"]) != job.profile_id:
             # Writing this message's paths to another profile than the job's would corrupt both.
             raise InvalidMessage(f"profileId: the job record belongs to profile {record['profileId']}, "
@@ -424,7 +425,7 @@ class VoiceJobHandler:
             # Inside the try: a work dir that escapes WORK_ROOT is this attempt's recorded failure.
             attempt_dir = attempt_dir_for(work_dir_for(self._work_root, job),
                                           int((claim.job or {}).get("attempts") or 0), attempt.token)
-            paths = self._artifacts(job, reused, lease.stop, attempt, attempt_dir)
+            paths = self._artifacts(job, reused, lease.stop, attempt, attempt_dir, RecordLedger(attempt, claim.job))
             with tracing.span("commit"):
                 committed = self._persist(job, attempt, paths, lease, store_lease, attempt_dir)
         except Stopped as exc:
@@ -494,14 +495,14 @@ class VoiceJobHandler:
         return Handled.DUPLICATE
 
     def _artifacts(self, job: Job, reused: dict[str, Path] | None, stop: StopSignal, attempt: Attempt,
-                   attempt_dir: Path) -> dict[str, Path]:
+                   attempt_dir: Path, ledger: Ledger) -> dict[str, Path]:
         self._check_work_root()
         if reused is not None:
             log.info("job.reusing_verified_artifacts")
             return reused
         progress = ProgressReporter(attempt, stop, metrics=self._metrics, own_steps=OWN_STEPS)
         log.info("job.attempt_dir", attempt_dir=attempt_dir.name)
-        return self._train(job, attempt_dir, stop, progress)
+        return self._train(job, attempt_dir, stop, progress, ledger)
 
     def _persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], lease: Lease,
                  store_lease: StoreLease, attempt_dir: Path) -> tuple[dict[str, str], list[str]]:
@@ -739,7 +740,33 @@ class VoiceJobHandler:
         original error."""
         try:
             return attempt.fail(exc.error_type, str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable)
-        except WorkerError as record_exc:
-            log.error("job.record_error_failed", error=str(record_exc), original=str(exc))
+        except Exception as record_exc:  # noqa: BLE001 - a record another writer mangled may fail any way
+            log.error("job.record_error_failed", error=f"{type(record_exc).__name__}: {record_exc}",
+                      original=str(exc))
             return False
+
+    def _refuse_malformed(self, job: Job, record: dict | None, profile: dict | None) -> None:
+        """Dead-letter, before any claim, a job whose records hold a field the worker decides on in a
+        shape it never writes (``MalformedRecord``): no retry mends it, and read further in it would
+        fail as an ``UnexpectedError``, retried until the DLQ.
+
+        The reason goes into the DLQ copy and the log, and onto the job record when that takes the
+        write: the error write replaces a malformed lease, history or failedAttempts, but a record
+        under a live lease elsewhere, final, or holding a time no store can encode, keeps what it holds.
+        """
+        if isinstance(record, dict) and str(record.get("profileId") or job.profile_id) != job.profile_id:
+            return  # a message naming another profile: InvalidMessage, just below, writing nothing
+        problems = unworkable(record, profile)
+        if not problems:
+            return
+        error = MalformedRecord(job.job_id, problems)
+        try:
+            recorded = self._store.record_error(job.job_id, token=None, error_type=error.error_type,
+                                                message=str(error)[:ERROR_MESSAGE_MAX_CHARS], retryable=False)
+        except Exception as exc:  # noqa: BLE001 - the record may be beyond writing: the DLQ copy still says why
+            log.warning("job.malformed_record_not_recorded", error=f"{type(exc).__name__}: {exc}")
+            recorded = False
+        log.error("job.malformed_record", problems=problems, recorded_on_job=recorded,
+                  note="written by something other than the worker: dead-lettered; fix the record, then redrive")
+        raise error
 

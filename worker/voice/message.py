@@ -12,7 +12,9 @@ caller.
 from __future__ import annotations
 
 import json
+import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,9 @@ DEFAULT_LANGUAGE = "en"
 # The language reaches the trainer's argv: a code like "en", "pt-BR" or "zh_Hans", never an option.
 _LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
 _SAFE_NAME = re.compile(SAFE_NAME)
+# C0 and C1 controls and DEL, but tab, newline and carriage return.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_MAX_SHOWN_CODE_POINTS = 5
 
 MAX_PROBLEM_LINES = 20
 
@@ -109,12 +114,23 @@ def language_problem(value: str) -> str | None:
 def text_problem(value: str) -> str | None:
     if not value.strip():
         return "must not be empty or only whitespace"
-    # JSON can carry a lone surrogate ("\\ud800"); the transcript is written out as UTF-8 for the trainer.
+    # A NUL or an escape sequence would reach the trainer's transcript files, and the terminal of
+    # whoever reads them; tab, newline and carriage return are ordinary text.
+    if control := _CONTROL.search(value):
+        return (f"must not contain control characters other than tab, newline and carriage return, "
+                f"got U+{ord(control.group()):04X} at index {control.start()}")
     if not value.isascii():
+        # JSON can carry a lone surrogate ("\\ud800"); the transcript is written out as UTF-8 for the trainer.
         try:
             value.encode()
         except UnicodeEncodeError:
             return "must be valid Unicode text (it holds a lone surrogate)"
+        # Zero-width spaces, joiners, a BOM: text that shows as nothing gives the trainer nothing to learn.
+        if not any(not ch.isspace() and unicodedata.category(ch) != "Cf" for ch in value):
+            invisible = list(dict.fromkeys(f"U+{ord(ch):04X}" for ch in value if not ch.isspace()))
+            more = ", …" if len(invisible) > _MAX_SHOWN_CODE_POINTS else ""
+            return ("must not be empty or only whitespace and invisible characters, got only "
+                    + ", ".join(invisible[:_MAX_SHOWN_CODE_POINTS]) + more)
     return None
 
 
@@ -251,7 +267,7 @@ def _load_json(body: str | bytes) -> Any:
     if problem := body_size_problem(body):
         raise InvalidMessage(problem)
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise InvalidMessage("body is not valid JSON: nested too deeply") from None
     except (ValueError, TypeError) as exc:
@@ -262,6 +278,16 @@ def _load_json(body: str | bytes) -> Any:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in JSON")
+
+
+def _finite_float(text: str) -> float:
+    # Python reads 1e999 as inf, which json.dumps then writes as the Infinity refused above: the body
+    # kept with the job must be JSON that any reader (and this parser) takes back.
+    value = float(text)
+    if math.isinf(value):
+        infinity = "-Infinity" if value < 0 else "Infinity"
+        raise ValueError(f"number {show(text)} is out of range: it would be {infinity}, which is not allowed")
+    return value
 
 
 def _problem_lines(problems: _Problems) -> list[str]:

@@ -108,7 +108,7 @@ def test_claim_once(store, clock):
                             "expiresAt": clock.now + timedelta(seconds=LEASE_S), "messageId": None}
     assert job["lease"]["expiresAt"].tzinfo == UTC
     assert job["heartbeatAt"] == clock.now and job["startedAt"] == clock.now
-    assert job["history"] == [{"worker": "w1", "token": "t1", "start": clock.now, "end": None,
+    assert job["history"] == [{"worker": "w1", "token": "t1", "attempt": 1, "start": clock.now, "end": None,
                                "outcome": "running"}]
     profile = store.get_profile(PROFILE_ID)
     assert profile["status"] == "processing" and profile["claims"] == [{"jobId": JOB_ID, "token": "t1", "epoch": 1}]

@@ -80,6 +80,14 @@ class Attempt:
     def progress(self, stage: str, percent: float) -> None:
         self.store.set_progress(self.job_id, self.token, stage, percent, self.trainer_clock.seconds())
 
+    def note(self, stage: str, text: str) -> None:
+        """Keep a stage's note on the attempt's history entry (``rules.with_note``)."""
+        self.store.record_note(self.job_id, self.token, stage, text)
+
+    def vouch_mirror(self, item: str, sha256_hex: str) -> None:
+        """Record on the attempt's history entry what it mirrored to S3 (see ``MirrorLedger``)."""
+        self.store.record_mirror(self.job_id, self.token, item, sha256_hex)
+
     def write_paths(self, model_paths: dict, s3_paths: dict) -> None:
         self.store.write_paths(self._profile(), self.token, model_paths, s3_paths, job_id=self.job_id)
 
@@ -151,6 +159,14 @@ class ProgressReporter:
             return
         self._last = (stage, now)
         self.writes += 1
+
+    def note(self, stage: str, text: str) -> None:
+        """A stage's note (clips it left out, say) onto the attempt's history entry: what an operator
+        and the product read on the record. Advisory, as progress is: a failed write is a warning."""
+        try:
+            self._attempt.note(stage, text)
+        except (StaleWrite, StoreError) as exc:
+            log.warning("job.note_write_failed", stage=stage, error=str(exc))
 
 
 class StoreLease:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_OBJECT_ID = re.compile(r"^[0-9a-fA-F]{24}$")
+_OBJECT_ID = re.compile(r"[0-9a-fA-F]{24}")
 _REV = "_rev"
 # Each lost swap follows another writer's successful change. Writers that lose together would read
 # and lose together again (on a real server, 8 threads incrementing one record exhausted 8 immediate
@@ -49,7 +49,7 @@ _CAS_BACKOFF_CAP_S = 0.05
 def db_id(record_id: str) -> ObjectId | str:
     """24-hex ids are ObjectIds in MongoDB; anything else is kept as a string."""
     record_id = str(record_id)
-    return ObjectId(record_id) if _OBJECT_ID.match(record_id) else record_id
+    return ObjectId(record_id) if _OBJECT_ID.fullmatch(record_id) else record_id
 
 
 def to_bson(value: Any) -> Any:
@@ -360,6 +360,9 @@ def close_quietly(client: Any) -> None:
 # ---------------------------------------------------------------- connecting: a bounded ping check, then the store
 
 
+CLIENT_DATETIME_CONVERSION = "DATETIME_AUTO"
+
+
 def connect_mongo(uri: str, *, max_attempts: int = 7, retry_delay_s: float = 1.0,
                   client_factory: Callable[..., Any] = pymongo.MongoClient,
                   sleep: Callable[[float], None] = time.sleep) -> Any:
@@ -369,8 +372,12 @@ def connect_mongo(uri: str, *, max_attempts: int = 7, retry_delay_s: float = 1.0
     default, 21 s in all before the 7th and last attempt), which rides out a replica set election.
     """
     try:
-        client = client_factory(uri, tz_aware=True, serverSelectionTimeoutMS=5000, socketTimeoutMS=30_000,
-                                connectTimeoutMS=5000)
+        # DATETIME_AUTO: a date the product's backend stored outside what datetime holds (year 1 at
+        # +05:00 is year 0 in UTC) decodes as DatetimeMS instead of failing the whole read, so the
+        # typed view shows that one field as unreadable (worker.voice.records.view) and every other
+        # job still lists.
+        client = client_factory(uri, tz_aware=True, datetime_conversion=CLIENT_DATETIME_CONVERSION,
+                                serverSelectionTimeoutMS=5000, socketTimeoutMS=30_000, connectTimeoutMS=5000)
     except (ConfigurationError, ValueError) as exc:
         # An unusable URI (pymongo raises ValueError for some, e.g. a bad port) will not heal by
         # retrying; its text may hold credentials, so only the type is said.

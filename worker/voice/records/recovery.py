@@ -15,11 +15,11 @@ from worker.voice.records.rules import (
     ERROR_MESSAGE_MAX_CHARS,
     FAILED_ATTEMPTS,
     FINAL_STATUSES,
-    HISTORY_LIMIT,
     PENDING,
     PROCESSING,
     close_attempt,
     lease_live,
+    with_history,
 )
 
 ENQUEUED, REENQUEUED = "enqueuedAt", "reenqueuedAt"
@@ -45,15 +45,24 @@ def worker_lost(job: dict, now: datetime, stale_after_s: float) -> bool:
     """Processing, and its lease (or, once released, its last heartbeat) ended ``stale_after_s`` ago."""
     if job.get("status") != PROCESSING:
         return False
-    lease = job.get("lease")
-    last = lease["expiresAt"] if lease else (job.get("heartbeatAt") or job.get("startedAt"))
-    return last is not None and last <= cutoff(now, stale_after_s)
+    lease = job.get("lease") if isinstance(job.get("lease"), dict) else None
+    last = lease.get("expiresAt") if lease else (job.get("heartbeatAt") or job.get("startedAt"))
+    try:
+        return isinstance(last, datetime) and last <= cutoff(now, stale_after_s)
+    except TypeError:
+        return False  # a naive time another writer left: no attempt of ours stamped it
 
 
 def may_record_dead_letter(job: dict, message_id: str, now: datetime) -> bool:
     """Not final, not under a live lease, and this DLQ message was not applied to it before."""
     return (job.get("status") not in FINAL_STATUSES and not lease_live(job, now)
-            and message_id not in (job.get(DEAD_LETTERS) or []))
+            and message_id not in _dead_letters(job))
+
+
+def _dead_letters(job: dict) -> list:
+    """The DLQ message ids applied to the job; none when another writer left something else there."""
+    applied = job.get(DEAD_LETTERS)
+    return [item for item in applied if isinstance(item, str)] if isinstance(applied, list) else []
 
 
 def stamped(job: dict, field: str, now: datetime) -> dict:
@@ -65,13 +74,14 @@ def _reconciled(job: dict, *, error: dict, outcome: str, worker: str, now: datet
     history = close_attempt(job.get("history"), "abandoned", now)
     history.append({"worker": worker, "token": None, "start": now, "end": now, "outcome": outcome})
     error = {**error, "message": str(error["message"])[:ERROR_MESSAGE_MAX_CHARS], "at": now}
-    return {**job, "status": ERROR, "error": error, "lease": None,
-            "history": history[-HISTORY_LIMIT:]}
+    return {**with_history(job, history), "status": ERROR, "error": error, "lease": None}
 
 
 def lost(job: dict, *, worker: str, now: datetime) -> dict:
-    lease = job.get("lease") or {}
-    last_owner = lease.get("owner") or ((job.get("history") or [{}])[-1].get("worker")) or "unknown"
+    lease: dict = job["lease"] if isinstance(job.get("lease"), dict) else {}
+    history = job.get("history") if isinstance(job.get("history"), list) else []
+    last = history[-1] if history and isinstance(history[-1], dict) else {}
+    last_owner = lease.get("owner") or last.get("worker") or "unknown"
     ended = lease.get("expiresAt") or job.get("heartbeatAt")
     message = (f"worker lost: {last_owner} stopped renewing its lease (last valid until {ended}) "
                "and no worker took the job over; its files are kept, retrying resumes from them")
@@ -86,7 +96,7 @@ def dead_lettered(job: dict, dead_letter: dict, *, worker: str, now: datetime) -
         reason += f": {dead_letter.get('errorType') or 'error'}: {dead_letter.get('errorMessage') or '-'}"
     error = {"type": dead_letter.get("errorType") or "DeadLettered", "message": reason,
              "retryable": False, "deadLetter": dict(dead_letter)}
-    applied = [*(job.get(DEAD_LETTERS) or []), dead_letter["messageId"]][-DEAD_LETTERS_KEPT:]
+    applied = [*_dead_letters(job), dead_letter["messageId"]][-DEAD_LETTERS_KEPT:]
     # Whatever arrives for the job next is an operator's redrive or a resubmit: a fresh retry budget.
     return {**_reconciled(job, error=error, outcome=DEAD_LETTERED, worker=worker, now=now),
             DEAD_LETTERS: applied, FAILED_ATTEMPTS: 0}

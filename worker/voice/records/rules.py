@@ -9,6 +9,7 @@ UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores ret
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
@@ -49,6 +50,13 @@ FAILED_ATTEMPTS = "failedAttempts"
 # attempt's own fenced writes; entries dropped by HISTORY_LIMIT are folded into these job totals.
 GPU_SECONDS, EARLIER_GPU_SECONDS, EARLIER_WASTED_GPU_SECONDS = (
     "gpuSeconds", "earlierGpuSeconds", "earlierWastedGpuSeconds")
+# An attempt's history entry: what it mirrored to S3, by item, as the SHA-256 of the listing or manifest
+# it wrote there (with_mirror); the only thing a restore from the mirror believes.
+MIRROR = "mirror"
+# An attempt's history entry: its stages' NOTE lines (what they left out of the data, say), the last few.
+NOTES, NOTES_KEPT, NOTE_MAX_CHARS = "notes", 10, 500
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HEX_TOKEN = re.compile(r"[0-9a-f]{8,64}")
 
 
 def utc_now() -> datetime:
@@ -80,19 +88,27 @@ def is_complete(job: dict | None, profile: dict | None) -> bool:
 # ---------------------------------------------------------------- decisions (pure)
 
 def failed_attempts(job: dict | None) -> int:
-    """The job's attempts that ended in a recorded retryable failure (0 on records made before the count)."""
-    return int((job or {}).get(FAILED_ATTEMPTS) or 0)
+    """The job's attempts that ended in a recorded retryable failure (0 on records made before the count,
+    and on a count another writer left that is no count: the error written over it replaces it)."""
+    count = (job or {}).get(FAILED_ATTEMPTS)
+    if isinstance(count, int | float) and not isinstance(count, bool) and 0 <= count < 2**31:
+        return int(count)
+    return 0
 
 
 def lease_live(job: dict, now: datetime) -> bool:
     lease = job.get("lease")
-    return bool(lease and lease["expiresAt"] > now)
+    expires_at = lease.get("expiresAt") if isinstance(lease, dict) else None
+    try:
+        return isinstance(expires_at, datetime) and expires_at > now
+    except TypeError:
+        return False  # a naive time: another writer's, never a claim's, so no attempt holds it
 
 
 def holds_lease(job: dict, token: str) -> bool:
     """The fence of every write made during an attempt: our token, and the job still being worked."""
     lease = job.get("lease")
-    return job.get("status") == PROCESSING and bool(lease and lease.get("token") == token)
+    return job.get("status") == PROCESSING and isinstance(lease, dict) and lease.get("token") == token
 
 
 def claim_refusal(job: dict | None, now: datetime) -> ClaimOutcome | None:
@@ -117,10 +133,14 @@ def may_record_error(job: dict, token: str | None, now: datetime) -> bool:
 
 def committing(job: dict, now: datetime) -> bool:
     """A live attempt has begun persisting (its COMMITTING stage is newer than its claim): too late to cancel."""
-    progress, started = job.get("progress") or {}, job.get("startedAt")
-    return (job.get("status") == PROCESSING and lease_live(job, now) and progress.get("stage") == COMMITTING
-            and started is not None and progress.get("updatedAt") is not None
-            and progress["updatedAt"] >= started)
+    progress, started = job.get("progress"), job.get("startedAt")
+    progress = progress if isinstance(progress, dict) else {}  # another writer's: no attempt wrote it
+    stamped = progress.get("updatedAt")
+    try:
+        return (job.get("status") == PROCESSING and lease_live(job, now) and progress.get("stage") == COMMITTING
+                and isinstance(started, datetime) and isinstance(stamped, datetime) and stamped >= started)
+    except TypeError:
+        return False  # a naive time: another writer's, not the committing stage an attempt wrote
 
 
 def may_request_cancel(job: dict, now: datetime) -> bool:
@@ -133,24 +153,43 @@ def close_attempt(history: list[dict] | None, outcome: str, now: datetime, token
 
     A record without a history (None) has nothing to close: the result is a new, empty list.
     """
-    history = [dict(entry) for entry in history or []]
+    # Another writer's history that is no list, or an entry that is no document, holds no attempt to
+    # close: dropped, so the write that closes the attempt (an error, above all) can still be made.
+    history = [dict(entry) for entry in (history if isinstance(history, list) else []) if isinstance(entry, dict)]
     if history and history[-1].get("outcome") == "running":
         if token is None or history[-1].get("token") == token:
             history[-1].update(end=now, outcome=outcome)
     return history
 
 
-def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
-            message_id: str | None = None) -> dict:
-    # A "running" entry left behind is an attempt that died without saying so.
-    history = close_attempt(job.get("history"), "abandoned", now)
-    history.append({"worker": owner, "token": token, "start": now, "end": None, "outcome": "running"})
+def with_history(job: dict, history: list[dict]) -> dict:
+    """``job`` with ``history`` as its history, cut to the last ``HISTORY_LIMIT`` entries: the GPU-seconds
+    of the entries cut are folded into the job's totals, so ``usage`` is the same before and after.
+
+    The one place a history is trimmed: every write that appends an entry goes through it."""
     dropped, kept = history[:-HISTORY_LIMIT], history[-HISTORY_LIMIT:]
+    if not dropped:
+        return {**job, "history": kept}
     earlier = usage({"history": dropped})
     return {
         **job,
         EARLIER_GPU_SECONDS: _seconds(job.get(EARLIER_GPU_SECONDS)) + earlier["gpuSeconds"],
         EARLIER_WASTED_GPU_SECONDS: _seconds(job.get(EARLIER_WASTED_GPU_SECONDS)) + earlier["wastedGpuSeconds"],
+        "history": kept,
+    }
+
+
+def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
+            message_id: str | None = None) -> dict:
+    # A "running" entry left behind is an attempt that died without saying so.
+    history = close_attempt(job.get("history"), "abandoned", now)
+    number = int(job.get("attempts") or 0) + 1
+    # The attempt's number beside its token: together they name its work (its directory, its mirror in
+    # S3), so a later attempt restores only what an attempt of this record wrote (see with_mirror).
+    history.append({"worker": owner, "token": token, "attempt": number, "start": now, "end": None,
+                    "outcome": "running"})
+    return {
+        **with_history(job, history),
         "status": PROCESSING,
         # messageId tells a second delivery of this same message (our SQS lease lapsed) from a
         # duplicate message for the job (ours is still alive).
@@ -158,8 +197,7 @@ def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
                   "messageId": message_id},
         "heartbeatAt": now,
         "startedAt": now,
-        "attempts": int(job.get("attempts") or 0) + 1,
-        "history": kept,
+        "attempts": number,
     }
 
 
@@ -186,10 +224,57 @@ def _seconds(value: object) -> float:
 def with_gpu_seconds(job: dict, token: str, gpu_seconds: float | None) -> dict:
     """The attempt's trainer time so far on its own history entry (none: unchanged)."""
     history = job.get("history") or []
-    if gpu_seconds is None or not history or history[-1].get("token") != token:
+    last = history[-1] if isinstance(history, list) and history else None
+    if gpu_seconds is None or not isinstance(last, dict) or last.get("token") != token:
         return job
-    entry = {**history[-1], GPU_SECONDS: round(max(0.0, float(gpu_seconds)), 3)}
+    entry = {**last, GPU_SECONDS: round(max(0.0, float(gpu_seconds)), 3)}
     return {**job, "history": [*history[:-1], entry]}
+
+
+def with_mirror(job: dict, token: str, item: str, sha256_hex: str) -> dict:
+    """The attempt's own history entry vouching that it mirrored ``item`` (``checkpoints/<stage>``,
+    ``output/<stage>``) as the object whose bytes hash to ``sha256_hex``; unchanged when the newest
+    entry is not ``token``'s. Written fenced on the token: only the store says what a restore may
+    believe, never an object in the mirror's own prefix, which every worker role can write."""
+    history = job.get("history") or []
+    if not history or history[-1].get("token") != token:
+        return job
+    entry = history[-1]
+    mirror = entry.get(MIRROR) if isinstance(entry.get(MIRROR), dict) else {}
+    entry = {**entry, MIRROR: {**mirror, item: sha256_hex}}
+    return {**job, "history": [*history[:-1], entry]}
+
+
+def with_note(job: dict, token: str, stage: str, text: str) -> dict:
+    """The attempt's own history entry keeping a stage's note (redacted, at most ``NOTE_MAX_CHARS``),
+    the last ``NOTES_KEPT`` of them; unchanged when the newest entry is not ``token``'s."""
+    history = job.get("history") or []
+    if not history or not isinstance(history[-1], dict) or history[-1].get("token") != token:
+        return job
+    entry = history[-1]
+    notes = [n for n in entry.get(NOTES) or [] if isinstance(n, dict)] if isinstance(entry.get(NOTES), list) else []
+    note = {"stage": str(stage)[:NOTE_MAX_CHARS], "text": redact_text(str(text))[:NOTE_MAX_CHARS]}
+    entry = {**entry, NOTES: [*notes, note][-NOTES_KEPT:]}
+    return {**job, "history": [*history[:-1], entry]}
+
+
+def vouched_mirrors(job: dict | None, own_token: str) -> list[tuple[int, str, dict[str, str]]]:
+    """(attempt number, claim token, {item: sha256}) of every other attempt in the record that vouched
+    for a mirror, newest first. Entries of any other shape (a record edited by hand, written before
+    attempt numbers) vouch for nothing."""
+    found = []
+    for entry in (job or {}).get("history") or []:
+        if not isinstance(entry, dict):
+            continue
+        number, token, mirror = entry.get("attempt"), entry.get("token"), entry.get(MIRROR)
+        if (type(number) is not int or number < 1 or not isinstance(token, str) or token == own_token
+                or not _HEX_TOKEN.fullmatch(token) or not isinstance(mirror, dict)):
+            continue
+        items = {item: digest for item, digest in mirror.items()
+                 if isinstance(item, str) and isinstance(digest, str) and _SHA256.fullmatch(digest)}
+        if items:
+            found.append((number, token, items))
+    return sorted(found, key=lambda found_entry: found_entry[0], reverse=True)
 
 
 def renewed(job: dict, lease_s: float, now: datetime, *, token: str = "", gpu_seconds: float | None = None) -> dict:

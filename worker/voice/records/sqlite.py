@@ -48,8 +48,8 @@ _SCHEMA = (
 _SQL_NOW = "SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"
 
 
-def _epoch_ms(moment: datetime | None) -> int | None:
-    return None if moment is None else round(moment.timestamp() * 1000)
+def _epoch_ms(moment: object) -> int | None:
+    return round(moment.timestamp() * 1000) if isinstance(moment, datetime) and moment.tzinfo else None
 
 
 def _default(value: object) -> object:
@@ -60,7 +60,10 @@ def _default(value: object) -> object:
 
 def _decode_hook(obj: dict) -> object:
     if len(obj) == 1 and "$date" in obj:
-        return datetime.fromisoformat(obj["$date"])
+        try:
+            return datetime.fromisoformat(obj["$date"])
+        except (TypeError, ValueError):
+            return obj  # a time no datetime holds (year 0 in UTC): the typed view shows it as unreadable
     return obj
 
 
@@ -154,12 +157,14 @@ class SqliteStore(TransitionStore):
 
     @staticmethod
     def _job_columns(job: dict) -> tuple:
-        lease = job.get("lease") or None
+        # The columns only index the document: a field another writer left in a shape the worker never
+        # writes indexes as nothing (the document keeps it, and the typed view reports it).
+        lease: dict = job["lease"] if isinstance(job.get("lease"), dict) else {}
         return (
             _encode(job),
-            job["status"],
-            lease["token"] if lease else None,
-            _epoch_ms(lease["expiresAt"]) if lease else None,
+            str(job.get("status")),
+            lease.get("token") if isinstance(lease.get("token"), str) else None,
+            _epoch_ms(lease.get("expiresAt")),
             _epoch_ms(job.get("heartbeatAt")),
         )
 
@@ -209,7 +214,9 @@ class SqliteStore(TransitionStore):
                   limit: int = 50) -> list[dict]:
         # ``status`` is a column (the jobs_status_lease index serves it); createdAt lives only in the
         # document, where ``_encode`` writes every time as UTC ISO text, which sorts as the time does.
-        created = "json_extract(doc, '$.createdAt.\"$date\"')"
+        # json_valid first: one document SQLite's JSON cannot read (a NaN another writer left) must not
+        # fail the listing of every job; it sorts as one without a creation time.
+        created = "(CASE WHEN json_valid(doc) THEN json_extract(doc, '$.createdAt.\"$date\"') END)"
         where, params = [], []
         if status is not None:
             where.append("status = ?")

@@ -60,6 +60,14 @@ class Store(ABC):
                      gpu_seconds: float | None = None) -> None: ...
 
     @abstractmethod
+    def record_note(self, job_id: str, token: str, stage: str, text: str) -> None:
+        """Keep a stage's note on the attempt's own history entry (``rules.with_note``)."""
+
+    @abstractmethod
+    def record_mirror(self, job_id: str, token: str, item: str, sha256_hex: str) -> None:
+        """Vouch, on the attempt's own history entry, for what it mirrored to S3 (``rules.with_mirror``)."""
+
+    @abstractmethod
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
                      retryable: bool, gpu_seconds: float | None = None) -> bool: ...
 

@@ -139,6 +139,13 @@ class TransitionStore(Store):
                          lambda j, now: rules.with_progress(j, stage, percent, now, token=token,
                                                             gpu_seconds=gpu_seconds))
 
+    def record_note(self, job_id: str, token: str, stage: str, text: str) -> None:
+        self._fenced_job("record_note", job_id, token, lambda j, _now: rules.with_note(j, token, stage, text))
+
+    def record_mirror(self, job_id: str, token: str, item: str, sha256_hex: str) -> None:
+        self._fenced_job("record_mirror", job_id, token,
+                         lambda j, _now: rules.with_mirror(j, token, item, sha256_hex))
+
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
                      retryable: bool, gpu_seconds: float | None = None) -> bool:
         return self._swap_job(
