@@ -110,7 +110,8 @@ class Job:
 
 def project(urls: list[str], ca_path: str, out: Path) -> float:
     from pipeline.config import load_pipeline_config
-    from pipeline.run import PipelineTrainer, download_all, work_layout
+    from pipeline.run import PipelineTrainer, download_all
+    from pipeline.workdir import work_layout
     from worker.settings import load_settings
 
     settings = load_settings({"DOWNLOAD_ALLOW_PRIVATE_HOSTS": "true"})
@@ -120,10 +121,10 @@ def project(urls: list[str], ca_path: str, out: Path) -> float:
                               limits=settings.job_limits())
     job = Job("bench", "en", tuple(Rec(parse_recording_url(u), "t") for u in urls))
     dirs = work_layout(out / "work")
-    dirs["logs"].mkdir(parents=True)
+    dirs.logs.mkdir(parents=True)
     stop = StopSignal()
     started = time.perf_counter()
-    download_all(job, dirs["downloads"], dirs["logs"], stop, trainer.downloader(stop), lambda _s, _p: None,
+    download_all(job, dirs.downloads, dirs.logs, stop, trainer.downloader(stop), lambda _s, _p: None,
                  trainer.limits.max_job_download_bytes, trainer.download_plan)
     return time.perf_counter() - started
 

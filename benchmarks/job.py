@@ -124,9 +124,9 @@ class StepClock:
 def instrument(clock: StepClock) -> None:
     import pipeline.run
     import pipeline.stages
-    import worker.voice.job
+    import worker.voice.commit
     from worker.voice.artifacts import ArtifactUploader
-    from worker.voice.job import VoiceJobHandler
+    from worker.voice.commit import Commit
 
     clock.wrap(pipeline.run, "download_all", "downloads")
     clock.wrap(pipeline.run, "run_dataset_stage", "dataset")
@@ -134,8 +134,8 @@ def instrument(clock: StepClock) -> None:
     clock.wrap(pipeline.stages, "write_manifest", "manifest hashing")  # on the manifest thread
     clock.wrap(pipeline.stages.ManifestWriter, "wait", "waiting for manifests")  # what the job waits of it
     clock.wrap(ArtifactUploader, "upload_all", "uploads")
-    clock.wrap(worker.voice.job, "publish_all", "publishing")
-    clock.wrap(VoiceJobHandler, "_clean_up_after_commit", "clean-up")
+    clock.wrap(worker.voice.commit, "publish_all", "publishing")
+    clock.wrap(Commit, "clean_up", "clean-up")
 
 
 # --- the job

@@ -11,7 +11,6 @@ top while a worker idles (one per SQS_WAIT_TIME_SECONDS).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 from collections import Counter
@@ -32,8 +31,8 @@ def main() -> int:
     with LocalAws() as aws, tempfile.TemporaryDirectory() as tmp:
         aws_session = session()
         queue_url = provision(aws_session, aws.url)
-        settings = dataclasses.replace(demo_settings(aws.url, queue_url, Path(tmp)),
-                                       sqs_visibility_heartbeat_interval_ms=args.heartbeat_ms)
+        settings = demo_settings(aws.url, queue_url, Path(tmp)).model_copy(
+            update={"sqs_visibility_heartbeat_interval_ms": args.heartbeat_ms})
         configure_logging("ERROR", "console")
         counted: Counter = Counter()
         # Registered before build_app creates its clients, so they inherit the hook.

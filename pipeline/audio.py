@@ -40,8 +40,8 @@ import numpy as np
 import soundfile as sf
 import soxr
 
+from pipeline.errors import BadRecording, DownloadError
 from pipeline.manifest import replaced_atomically
-from worker.core.errors import BadRecording, DownloadError
 
 TARGET_RATE_HZ = 22_050
 SILENCE_PEAK_DBFS = -60.0

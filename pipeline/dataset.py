@@ -33,10 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.errors import BadRecording
 from pipeline.files import fsync_dir
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes, remove_stale_temps
-from worker.core.errors import BadRecording
 from worker.core.stop import StopSignal
 
 METADATA_NAME = "metadata.csv"

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
+from pipeline.errors import BadRecording, StageFailed
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes
-from worker.core.errors import BadRecording, StageFailed
 from worker.core.stop import StopSignal
 
 if TYPE_CHECKING:

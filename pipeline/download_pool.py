@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.download_guard import POLL_S
+from pipeline.errors import BadRecording, DownloadError
 from pipeline.recording_url import RecordingUrl
-from worker.core.errors import BadRecording, DownloadError, Stopped, StopReason
+from worker.core.errors import Stopped, StopReason
 from worker.core.stop import StopSignal
 
 CUT_DETAIL = "an earlier recording failed"

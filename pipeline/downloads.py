@@ -40,10 +40,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline import netguard
 from pipeline.download_guard import Cut, CutReason, Guard, guard_of_this_thread
+from pipeline.errors import BadRecording, DownloadError
 from pipeline.netguard import IPNetwork, Resolver, describe_error
 from pipeline.part_file import part_file
 from pipeline.recording_url import HTTPS, S3, RecordingUrl, parse_recording_url
-from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped, WorkerError
+from worker.core.errors import ConfigError, Stopped, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.redact import redact_url
 from worker.core.stop import StopSignal
@@ -217,7 +218,7 @@ def fetch(
     if stop is not None:
         stop.raise_if_set()
     attempt = _Attempt(settings, stop, clock() + settings.timeout_s, clock)
-    cap = _Cap.of(settings.max_bytes, remaining_job_bytes, reservation)
+    cap = _ByteLimit.of(settings.max_bytes, remaining_job_bytes, reservation)
     log.info("download.started", url=shown)
     try:
         target = url if isinstance(url, RecordingUrl) else _parsed(url)
@@ -279,7 +280,7 @@ class _Attempt:
 
 
 @dataclass(frozen=True)
-class _Cap:
+class _ByteLimit:
     """The most bytes this file may have: its own limit, or less when the job's budget is nearly spent."""
 
     limit: int
@@ -287,17 +288,17 @@ class _Cap:
     reservation: Reservation | None = None  # the job's share still to be taken, once the length is known
 
     @classmethod
-    def of(cls, max_bytes: int, remaining_job_bytes: int | None, reservation: Reservation | None = None) -> _Cap:
+    def of(cls, max_bytes: int, remaining_job_bytes: int | None, reservation: Reservation | None = None) -> _ByteLimit:
         if remaining_job_bytes is not None and remaining_job_bytes < max_bytes:
             return cls(max(remaining_job_bytes, 0), job_wide=True, reservation=reservation)
         return cls(max_bytes, job_wide=False, reservation=reservation)
 
-    def sized(self, declared: int | None, guard: Guard) -> _Cap:
+    def sized(self, declared: int | None, guard: Guard) -> _ByteLimit:
         """This cap once the body's length is known: lowered to the job's share when one is taken."""
         if self.reservation is None:
             return self
         share = self.reservation.take(declared, guard.check)
-        return self if share is None else _Cap.of(self.limit, share)
+        return self if share is None else _ByteLimit.of(self.limit, share)
 
     def refusal(self, url: RecordingUrl, declared: int | None = None) -> BadRecording:
         shown = url.redacted
@@ -312,7 +313,7 @@ class _Cap:
 # --- https
 
 
-def _fetch_https(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard, cap: _Cap,
+def _fetch_https(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard, cap: _ByteLimit,
                  settings: DownloadSettings, resolver: Resolver | None, connections: Connections) -> int:
     current = url
     with guard.own_sockets():
@@ -404,7 +405,7 @@ def _open(target: RecordingUrl, addresses: list[str], guard: Guard, connections:
 # --- s3
 
 
-def _fetch_s3(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard, cap: _Cap, s3_client) -> int:
+def _fetch_s3(url: RecordingUrl, write: Callable[[bytes], None], guard: Guard, cap: _ByteLimit, s3_client) -> int:
     bucket, key = url.bucket, url.key
     if s3_client is None:
         raise ConfigError("an s3:// recording needs an S3 client, and none was given")
@@ -447,7 +448,7 @@ def _guard_s3_send(request, **_kwargs) -> None:
 # --- shared pieces
 
 
-def _copy(read, write, declared: int | None, guard: Guard, cap: _Cap, url: RecordingUrl) -> int:
+def _copy(read, write, declared: int | None, guard: Guard, cap: _ByteLimit, url: RecordingUrl) -> int:
     """Copy a body to ``write`` in chunks of at most CHUNK_BYTES, enforcing the cap, deadline and stop."""
     if declared is not None and declared > cap.limit:
         raise cap.refusal(url, declared)

@@ -13,8 +13,8 @@ import ipaddress
 import socket
 from collections.abc import Callable, Iterable
 
+from pipeline.errors import BadRecording, DownloadError
 from pipeline.recording_url import RecordingUrl
-from worker.core.errors import BadRecording, DownloadError
 from worker.core.redact import withhold
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

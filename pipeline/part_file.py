@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.errors import DownloadError
 from pipeline.files import fsync_dir
-from worker.core.errors import DownloadError
 
 
 @contextmanager

@@ -29,7 +29,7 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 
-from worker.core.errors import BadRecording
+from pipeline.errors import BadRecording
 from worker.core.redact import redact_url, show
 
 HTTPS = "https"

@@ -100,7 +100,7 @@ def ledger_item(kind: str, stage: str) -> str:
 class Ledger(Protocol):
     """What the job record says about the job's mirrors: the one source a restore believes.
 
-    ``vouched()``: attempt name (``pipeline.run.attempt_dir_name``) -> {item: SHA-256 of the listing or
+    ``vouched()``: attempt name (``pipeline.workdir.attempt_dir_name``) -> {item: SHA-256 of the listing or
     manifest bytes that attempt mirrored}, for the job's other attempts, as the record held them when
     this attempt claimed the job. ``vouch(item, sha256_hex)``: record this attempt's own, fenced on
     its claim (raises when it cannot: the mirror is then not vouched for, and nothing restores it).

@@ -1,6 +1,6 @@
 """A retry's head start: copying an earlier attempt's finished work into the new attempt's directory.
 
-Each attempt works in a directory of its own (``pipeline.run.work_layout``), so an attempt that lost
+Each attempt works in a directory of its own (``pipeline.workdir.work_layout``), so an attempt that lost
 its job (its worker stopped, cut off, or killed while its trainer survived) can never write into the
 new attempt's files. What it already finished is still worth having, so before the steps run:
 

@@ -9,7 +9,7 @@ The handler gives each attempt a directory of its own, ``<job dir>/attempts/<att
 attempts never write the same files. Such a directory's logs go to the job's ``logs/`` (timestamped,
 so every attempt's stay), and its siblings are the job's earlier attempts, whose verified work is
 copied in before the steps run (``pipeline.reuse``). Any other directory is a job directory of its
-own (tests, benchmarks): logs inside it, no earlier attempts.
+own (tests, benchmarks): logs inside it, no earlier attempts. ``pipeline.workdir`` draws the tree.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import prestart_dataset, run_dataset_stage
 from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import Downloader, DownloadSettings
+from pipeline.errors import BadRecording, StageFailed
 from pipeline.files import fsync_dir, output_problem
 from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
 from pipeline.recording_url import RecordingUrl
 from pipeline.remote_work import Ledger, RemoteWork, RemoteWorkConfig, job_key
-from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs, attempt_order
+from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs
 from pipeline.stage_env import stage_environment
 from pipeline.stages import (
     DEFAULT_GRACE_S,
@@ -46,8 +47,8 @@ from pipeline.stages import (
     open_step_log,
     run_stage,
 )
+from pipeline.workdir import download_path, earlier_attempts, is_attempt_dir, job_dir_of, work_layout
 from worker.core import tracing
-from worker.core.errors import BadRecording, StageFailed
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.stop import StopSignal
 
@@ -57,8 +58,6 @@ DOWNLOAD_STEP = "download"
 DATASET_STEP = "dataset"
 # The progress steps that are the worker's own work, not a trainer stage's (no GPU time).
 OWN_STEPS = frozenset({DOWNLOAD_STEP, DATASET_STEP})
-ATTEMPTS_DIR = "attempts"
-LOGS_DIR = "logs"
 
 
 class Recording(Protocol):
@@ -175,46 +174,6 @@ class _NoLedger:
 _NO_LEDGER = _NoLedger()
 
 
-def attempt_dir_name(attempt_number: int, token: str) -> str:
-    """``<attempt number, 4 digits>-<first 8 hex of the claim token>``: unique per claim, sorts by number.
-    What names an attempt's directory and its mirror in S3 (``pipeline.remote_work``)."""
-    return f"{attempt_number:04d}-{token[:8]}"
-
-
-def work_layout(work_dir: Path) -> dict[str, Path]:
-    """The step directories of an attempt directory (or a lone job directory), and where logs go."""
-    return {
-        "downloads": work_dir / "downloads",
-        "dataset": work_dir / "dataset",
-        "output": work_dir / "output",
-        "checkpoints": work_dir / "checkpoints",
-        "logs": job_dir_of(work_dir) / LOGS_DIR,
-    }
-
-
-def job_dir_of(work_dir: Path) -> Path:
-    """The job directory an attempt directory belongs to; a lone job directory is its own."""
-    return work_dir.parent.parent if is_attempt_dir(work_dir) else work_dir
-
-
-def is_attempt_dir(work_dir: Path) -> bool:
-    return work_dir.parent.name == ATTEMPTS_DIR
-
-
-def earlier_attempts(work_dir: Path) -> list[Path]:
-    """The job's other attempt directories, newest first; none for a lone job directory."""
-    if not is_attempt_dir(work_dir) or not work_dir.parent.is_dir():
-        return []
-    others = [entry for entry in work_dir.parent.iterdir()
-              if entry != work_dir and entry.is_dir() and not entry.is_symlink()]
-    return sorted(others, key=lambda entry: attempt_order(entry.name), reverse=True)
-
-
-def download_path(downloads_dir: Path, index: int) -> Path:
-    # Named by index only: nothing from the URL reaches the file system.
-    return downloads_dir / f"{index:05d}.audio"
-
-
 def run_pipeline(
     job: Job,
     work_dir: Path,
@@ -258,7 +217,7 @@ def _run(
     remote: RemoteWork | None,
 ) -> dict[str, Path]:
     dirs = work_layout(work_dir)
-    for directory in dirs.values():
+    for directory in dirs.directories():
         directory.mkdir(parents=True, exist_ok=True)
     env = stage_environment(os.environ) if stage_env is None else stage_env
     # Every stage process carries the job's id and attempt, so a later attempt on this host can find
@@ -276,15 +235,15 @@ def _run(
     # Started now, held, so that its interpreter and numpy/soundfile/soxr imports overlap the downloads
     # (after the survivor scan above, which would end it). Whatever ends this attempt before its step
     # (a stop, the deadline, a failed download) ends it too.
-    dataset_child = prestart_dataset([rec.text for rec in job.recordings], dirs["dataset"], dirs["logs"],
+    dataset_child = prestart_dataset([rec.text for rec in job.recordings], dirs.dataset, dirs.logs,
                                      env=env, grace_s=grace_s)
     try:
-        copied = adopt_downloads([d / "downloads" for d in earlier], dirs["downloads"],
-                                 [download_path(dirs["downloads"], i).name for i in range(len(job.recordings))])
+        copied = adopt_downloads([work_layout(d).downloads for d in earlier], dirs.downloads,
+                                 [download_path(dirs.downloads, i).name for i in range(len(job.recordings))])
         if copied:
             log.info("pipeline.downloads_reused", count=len(copied))
         with tracing.span("download", recordings=len(job.recordings), reused=len(copied)):
-            sources = download_all(job, dirs["downloads"], dirs["logs"], stop, fetch, progress,
+            sources = download_all(job, dirs.downloads, dirs.logs, stop, fetch, progress,
                                    limits.max_job_download_bytes, plan)
 
         stop.raise_if_set()
@@ -293,7 +252,7 @@ def _run(
         with tracing.span("dataset", recordings=len(sources)):
             dataset = run_dataset_stage(
                 [(path, rec.text) for path, rec in zip(sources, job.recordings, strict=True)],
-                dirs["dataset"], dirs["logs"], stop, progress, limits=limits, env=env, grace_s=grace_s,
+                dirs.dataset, dirs.logs, stop, progress, limits=limits, env=env, grace_s=grace_s,
                 child=dataset_child,
             )
         log.info("dataset.completed", recordings=len(sources), rebuilt=dataset.rebuilt,
@@ -304,10 +263,10 @@ def _run(
     progress(DATASET_STEP, 100.0)
 
     ctx = StageContext(
-        dataset_dir=dirs["dataset"],
-        output_dir=dirs["output"],
-        checkpoints_root=dirs["checkpoints"],
-        log_dir=dirs["logs"],
+        dataset_dir=dirs.dataset,
+        output_dir=dirs.output,
+        checkpoints_root=dirs.checkpoints,
+        log_dir=dirs.logs,
         job_id=job.job_id,
         language=job.language,
         trainer_python=config.trainer_python,
@@ -338,7 +297,7 @@ def _run(
         manifests.close()
 
     stop.raise_if_set()
-    return verify_artifacts(config, dirs["output"])
+    return verify_artifacts(config, dirs.output)
 
 
 def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remote: RemoteWork | None = None,
@@ -348,7 +307,8 @@ def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remot
     ``checkpoints_from`` for checkpoints)."""
     if manifest_path(ctx.output_dir, stage.name).exists():
         return  # this attempt's own manifest decides (run_stage verifies it)
-    source = adopt_verified_outputs(stage, [d / "output" for d in earlier], ctx.output_dir) if earlier else None
+    outputs = [work_layout(d).output for d in earlier]
+    source = adopt_verified_outputs(stage, outputs, ctx.output_dir) if earlier else None
     if source is not None:
         log.info("pipeline.stage_reused", stage=stage.name, attempt=source.parent.name)
         return

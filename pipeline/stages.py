@@ -59,6 +59,7 @@ from typing import IO
 import structlog
 
 from pipeline.config import StageSpec, render_argv
+from pipeline.errors import StageFailed, StageFailedPermanently
 from pipeline.files import output_problem, real_directory, relative_output, remove_output
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.proctree import (
@@ -75,7 +76,7 @@ from pipeline.proctree import (
 from pipeline.reuse import attempt_order
 from pipeline.stage_env import stage_environment
 from pipeline.stage_keeper import FAILED, SIGNAL, STARTED, keeper_argv
-from worker.core.errors import StageFailed, StageFailedPermanently, Stopped, TimeLimitExceeded, WorkerError
+from worker.core.errors import Stopped, TimeLimitExceeded, WorkerError
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
 

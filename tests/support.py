@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 
 from pipeline.config import load_pipeline_config
 from pipeline.recording_url import RecordingUrl
-from worker.core.errors import StoreError
+from worker.voice.records.errors import StoreError
 
 # The five artifacts where the shipped pipeline puts them: fakes write exactly that layout.
 SHIPPED_ARTIFACTS = dict(load_pipeline_config(Path(__file__).resolve().parents[1] / "config" / "pipeline.toml").artifacts)

@@ -136,7 +136,7 @@ def test_the_app_makes_every_client_from_one_session_and_s3_only_when_used(queue
     app = app_module.build_app(settings)
     try:
         assert len(sessions) == 1 and made == ["sqs", "sqs"]
-        uploader = app.worker._handler._uploader
+        uploader = app.worker._handler._commit._uploader
         _ = uploader._s3.meta  # the first use
         assert made == ["sqs", "sqs", "s3"]
     finally:
@@ -153,7 +153,7 @@ def test_the_apps_job_handler_spends_the_configured_retry_budget(queues, tmp_pat
         "MAX_FAILED_ATTEMPTS": "3"})
     app = build_app(settings)
     try:
-        assert app.worker._handler._max_failed_attempts == 3
+        assert app.worker._handler.config.max_failed_attempts == 3
     finally:
         app.close()
 

@@ -16,7 +16,7 @@ from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
 from worker.core.events import Events, NoEvents, Publisher, target_service
 from worker.core.faults import CrashPoints
-from worker.core.health import Pulse
+from worker.core.health import Liveness
 from worker.core.imds import InstanceMetadata, SpotWatch
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics
@@ -39,7 +39,7 @@ log = structlog.get_logger(__name__)
 class App:
     worker: Worker
     store: Store
-    pulse: Pulse
+    pulse: Liveness
     spot_watch: SpotWatch | None = None
 
     def start(self) -> None:
@@ -118,34 +118,37 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
     def job_handler() -> VoiceJobHandler:
         from pipeline.run import PipelineTrainer
         from worker.voice.artifacts import ArtifactUploader
-        from worker.voice.job import VoiceJobHandler
+        from worker.voice.job import HandlerConfig, VoiceJobHandler
 
         trainer = PipelineTrainer(config, settings.download_settings(), s3_client=s3, limits=limits,
                                   stage_env=stage_env, grace_s=settings.stage_stop_grace_s,
                                   crash_points=crash_points, remote=remote_work(settings))
-        return VoiceJobHandler(
-            store=store,
-            uploader=ArtifactUploader(s3, targets.bucket),
-            train=trainer,
+        handler_config = HandlerConfig(
             work_root=Path(settings.work_root),
             s3_prefix=settings.s3_prefix,
             worker_id=settings.worker_id,
             lease_s=settings.sqs_visibility_timeout_s,
+            models_root=Path(settings.models_root_path),
+            keep_work_files=settings.keep_work_files,
+            max_failed_attempts=settings.max_failed_attempts,
+            policy=policy,
+        )
+        return VoiceJobHandler(
+            handler_config,
+            store=store,
+            uploader=ArtifactUploader(s3, targets.bucket),
+            train=trainer,
             crash_points=crash_points,
             metrics=metrics,
-            policy=policy,
-            keep_work_files=settings.keep_work_files,
-            models_root=Path(settings.models_root_path),
-            max_failed_attempts=settings.max_failed_attempts,
-            forget_remote_work=trainer.forget_remote_work,
             events=events,
+            forget_remote_work=trainer.forget_remote_work,
         )
 
     # Made at start, not at the first message: deferring it would spare an idle worker about 2.5 MiB
     # until then, but a broken install (a module of the job path that does not import) would then
     # crash at a message, holding it invisible, again after every restart, instead of failing here.
     handler = job_handler()
-    pulse = Pulse(settings.liveness_file, settings.notify_socket, max_age_s=settings.liveness_age_limit_s)
+    pulse = Liveness(settings.liveness_file, settings.notify_socket, max_age_s=settings.liveness_age_limit_s)
     lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,

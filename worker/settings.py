@@ -6,10 +6,14 @@ variable is parsed here, once (``METRICS_DIMENSIONS`` is a dict, ``STORE_URL`` t
 the parts of the worker get small values built from these settings (``loop_config``,
 ``aws_config``, ``store_config``, ...) and never see the settings object or parse a variable again.
 
-The parsing is this module's own, not pydantic's: every variable is one scalar or a comma format of
-ours, and the rules between them were ours already, so pydantic only turned text into numbers. It
-cost the idle daemon about 6 MiB (its import, its core, the schema it builds), an eighth of what a
-bare boto3 consumer holds (benchmarks/idle_rss.py).
+``Settings`` is a frozen pydantic model validated from the mapping ``load_settings`` is handed: each
+field's alias is its variable, and pydantic checks the types, the bounds (``ge``/``gt``/``le``), the
+choices and, once every value is valid, the rules between settings. It is a plain model over that
+mapping, not pydantic-settings: an empty value means unset, the comma formats are ours (its sources
+would try to JSON-decode them), and tests and the CLI stay hermetic from the process environment.
+Where pydantic would read text we refuse, a parser of ours turns the text into the value first (each
+says why it is kept). Pydantic's own messages never reach the user: ``load_settings`` translates each
+error into the line ``NAME=value: must be ...``.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import os
 import re
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticUndefined
 
 from pipeline.limits import JobLimits, usable_cpus
 from worker.core.config import (
@@ -39,12 +46,14 @@ from worker.core.events import target_problem
 from worker.core.faults import POINTS, CrashPoint
 from worker.core.healthcheck import MAX_AGE_LIMIT_S
 from worker.core.imds import DEFAULT_ENDPOINT, Endpoint, parse_endpoint
-from worker.core.metrics import parse_dimensions
 from worker.core.names import SAFE_NAME
 from worker.core.queue import MAX_VISIBILITY_S
 from worker.voice.input_policy import InputPolicy, key_prefix_problem
+from worker.voice.metrics import parse_dimensions
 
 if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
+
     from pipeline.downloads import DownloadSettings
     from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.records import StoreConfig
@@ -73,12 +82,13 @@ MONGO_MAX_CONNECT_ATTEMPTS = 100
 _MAX_DIGITS = 40
 
 
-# ---------------------------------------------------------------- parsing one variable
+# ---------------------------------------------------------------- text to values
+# Each parser runs before pydantic's own checks, on a variable's text only: a value that is not text (a
+# default, a value already parsed) goes to pydantic as it is. A parser raises ValueError with our rule
+# ("must be ..."), or ProblemLines with whole lines when its problems name the variable themselves.
 
-Parse = Callable[[str], Any]
 
-
-class Lines(ValueError):
+class ProblemLines(ValueError):
     """A variable's problems as whole lines that name it already (not ``NAME=value: ...``)."""
 
     def __init__(self, *lines: str):
@@ -86,100 +96,43 @@ class Lines(ValueError):
         self.lines = list(lines)
 
 
-def _bounded(value: float, ge: float | None, gt: float | None, le: float | None) -> Any:
-    if ge is not None and value < ge:
-        raise ValueError(f"must be at least {ge}")
-    if gt is not None and value <= gt:
-        raise ValueError(f"must be more than {gt}")
-    if le is not None and value > le:
-        raise ValueError(f"must be at most {le}")
+def _on_text(parse: Callable[[str], Any]) -> BeforeValidator:
+    return BeforeValidator(lambda value: parse(value) if isinstance(value, str) else value)
+
+
+def _whole_number(text: str) -> int:
+    # Kept: pydantic's int reads any Unicode space around the digits ("\u2003 5", "5\xa0"), and refuses
+    # thousands of digits in words about its parser, not about the setting. "600.0" and "1_000" read as
+    # pydantic reads them, so a deployment's values keep working.
+    whole = re.fullmatch(r"\s*([+-]?[0-9](?:_?[0-9])*)(?:\.0+)?\s*", text, re.ASCII)
+    if not whole:
+        raise ValueError("must be a whole number")
+    if len(whole.group(1)) > _MAX_DIGITS:
+        raise ValueError(f"must be a whole number of at most {_MAX_DIGITS} digits")
+    return int(whole.group(1))
+
+
+def _number(text: str) -> float:
+    # Kept: pydantic's float reads underscores float() refuses ("1._5", "+_6", "6E_2") and refuses
+    # spaced ones it reads ("1_9\t"): the values that load stay float()'s. ASCII only, as float() also
+    # reads other scripts' digits.
+    if not text.isascii():
+        raise ValueError("must be a number")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("must be a number") from None
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
     return value
 
 
-def integer(*, ge: int | None = None, gt: int | None = None, le: int | None = None) -> Parse:
-    def parse(text: str) -> int:
-        # "60.0" and "1_000" read as pydantic read them: a deployment's values keep working. ASCII only:
-        # "\s" would otherwise take any Unicode space.
-        whole = re.fullmatch(r"\s*([+-]?[0-9](?:_?[0-9])*)(?:\.0+)?\s*", text, re.ASCII)
-        if not whole:
-            raise ValueError("must be a whole number")
-        if len(whole.group(1)) > _MAX_DIGITS:
-            raise ValueError(f"must be a whole number of at most {_MAX_DIGITS} digits")
-        return _bounded(int(whole.group(1)), ge, gt, le)
-
-    return parse
-
-
-def number(*, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Parse:
-    def parse(text: str) -> float:
-        if not text.isascii():  # float() also reads other scripts' digits
-            raise ValueError("must be a number")
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError("must be a number") from None
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return _bounded(value, ge, gt, le)
-
-    return parse
-
-
-_TRUE, _FALSE = ("1", "true", "t", "yes", "y", "on"), ("0", "false", "f", "no", "n", "off")
-
-
-def boolean(text: str) -> bool:
-    word = text.strip().lower()
-    if word not in _TRUE + _FALSE:
-        raise ValueError("must be true or false")
-    return word in _TRUE
-
-
-def text(*, min_chars: int, max_chars: int) -> Parse:
-    def parse(value: str) -> str:
-        if not min_chars <= len(value) <= max_chars:
-            raise ValueError(f"must be {min_chars}-{max_chars} characters")
-        return value
-
-    return parse
-
-
-def one_of(*choices: str) -> Parse:
-    def parse(value: str) -> str:
-        if value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}")
-        return value
-
-    return parse
-
-
-def _as_is(value: str) -> str:
-    return value
-
-
-def env(name: str, default: Any = None, parse: Parse = _as_is, *, factory: Callable[[], Any] | None = None,
-        secret: bool = False) -> Any:
-    """A setting read from environment variable ``name``: its text through ``parse``, or the default
-    when unset or empty. A secret's value is neither shown in a problem line nor in the repr."""
-    meta = {"env": name, "parse": parse, "secret": secret}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta, repr=not secret)
-    return field(default=default, metadata=meta, repr=not secret)
-
-
-def _default_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _events_target(target: str) -> str:
-    if problem := target_problem(target):
-        raise ValueError(problem)
-    return target
-
-
-def url(*schemes: str) -> Parse:
+def url(*schemes: str) -> Callable[[str], str]:
     """A URL, with one of ``schemes`` when given: checked here once, so that a bad one (a port past
-    65535) is a settings line, not an error where a client is made or each time it is called."""
+    65535) is a settings line, not an error where a client is made or each time it is called.
+
+    Kept rather than pydantic's URL types: those rewrite the text (``http://h:80`` becomes ``http://h/``)
+    where the settings keep it as given, and take a user, a query and a fragment."""
     kind = f"an {' or '.join(f'{scheme}://' for scheme in schemes)} URL" if schemes else "a URL with a scheme"
     rule = f"must be {kind}, a host, no user, query or fragment, and a port (if any) from 1 to 65535"
 
@@ -199,10 +152,20 @@ def url(*schemes: str) -> Parse:
     return parse
 
 
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _events_target(target: str) -> str:
+    if problem := target_problem(target):
+        raise ValueError(problem)
+    return target
+
+
 def _sqlite_path(url: str) -> str:
     path = url.removeprefix(SQLITE_URL_PREFIX) if url.startswith(SQLITE_URL_PREFIX) else ""
     if not path or "?" in path or "\x00" in path:
-        raise Lines(f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}")
+        raise ProblemLines(f"STORE_URL must look like sqlite:///path/to/file.db, got {url!r}")
     return path
 
 
@@ -210,7 +173,7 @@ def _stage_env_names(value: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in value.split(",") if n.strip())
     if bad := [f"STAGE_ENV_PASSTHROUGH: {name!r} is not an environment variable name"
                for name in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)]:
-        raise Lines(*bad)
+        raise ProblemLines(*bad)
     return names
 
 
@@ -218,149 +181,175 @@ def _dimensions(value: str) -> dict[str, str]:
     try:
         return parse_dimensions(value)
     except ValueError as exc:
-        raise Lines(f"METRICS_DIMENSIONS: {exc}") from None
+        raise ProblemLines(f"METRICS_DIMENSIONS: {exc}") from None
 
 
 def _key_prefix(prefix: str) -> str:
     if problem := key_prefix_problem(prefix):
-        raise Lines(f"RECORDINGS_S3_KEY_PREFIX={prefix!r} {problem}")
+        raise ProblemLines(f"RECORDINGS_S3_KEY_PREFIX={prefix!r} {problem}")
     return prefix
 
 
 def _crash_point(name: str) -> CrashPoint:
     if name not in POINTS:
-        raise Lines(f"VOICE_WORKER_CRASH_AT={name} is not one of {', '.join(POINTS)}")
+        raise ProblemLines(f"VOICE_WORKER_CRASH_AT={_shown(name)} is not one of {', '.join(POINTS)}")
     return CrashPoint(name)
+
+
+def _shown(value: object) -> str:
+    """A value as a problem line shows it: quoted when it holds a line break or another unprintable
+    character, so that one problem stays one line."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
+# The value types of the fields below: pydantic's type, after our parser where one is kept.
+WholeNumber = Annotated[int, _on_text(_whole_number)]
+Number = Annotated[float, Field(allow_inf_nan=False), _on_text(_number)]
+# pydantic's bool reads the words we read (1/0, true/false, t/f, yes/no, y/n, on/off, in any case);
+# it only refuses the spaces around them that we allow.
+Switch = Annotated[bool, _on_text(str.strip)]
+UrlText = Annotated[str, _on_text(url())]
+HttpUrlText = Annotated[str, _on_text(url("http", "https"))]
 
 
 # ---------------------------------------------------------------- the settings
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    # Built by load_settings from the mapping it is handed (tests and the CLI stay hermetic from the
-    # process environment); an empty value means unset. Constructed directly (tests), nothing is parsed.
+class Settings(BaseModel):
+    # Validated from the mapping load_settings hands in, keyed by the variables (the aliases); an empty
+    # value means unset. The defaults are validated too, so a default outside its own bounds cannot load.
+    # Secrets are the fields with repr=False: not in the repr, and their value is not in a problem line.
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, hide_input_in_errors=True)
 
     # --- queue
-    sqs_queue_url: str | None = env("SQS_QUEUE_URL", None, url())
-    sqs_visibility_timeout_s: int = env("SQS_VISIBILITY_TIMEOUT_SECONDS", 300, integer(ge=1, le=SQS_MAX_VISIBILITY_S))
-    sqs_visibility_heartbeat_interval_ms: int = env("SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS", 60_000,
-                                                    integer(ge=1, le=SQS_MAX_VISIBILITY_S * 1000))
-    sqs_retry_visibility_base_s: int = env("SQS_RETRY_VISIBILITY_BASE_SECONDS", 30,
-                                           integer(ge=0, le=SQS_MAX_VISIBILITY_S))
-    sqs_retry_visibility_max_s: int = env("SQS_RETRY_VISIBILITY_MAX_SECONDS", 900,
-                                          integer(ge=0, le=SQS_MAX_VISIBILITY_S))
-    sqs_wait_time_s: int = env("SQS_WAIT_TIME_SECONDS", 20, integer(ge=0, le=SQS_MAX_WAIT_S))
+    sqs_queue_url: UrlText | None = Field(None, alias="SQS_QUEUE_URL")
+    sqs_visibility_timeout_s: WholeNumber = Field(300, alias="SQS_VISIBILITY_TIMEOUT_SECONDS",
+                                                  ge=1, le=SQS_MAX_VISIBILITY_S)
+    sqs_visibility_heartbeat_interval_ms: WholeNumber = Field(60_000, alias="SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS",
+                                                              ge=1, le=SQS_MAX_VISIBILITY_S * 1000)
+    sqs_retry_visibility_base_s: WholeNumber = Field(30, alias="SQS_RETRY_VISIBILITY_BASE_SECONDS",
+                                                     ge=0, le=SQS_MAX_VISIBILITY_S)
+    sqs_retry_visibility_max_s: WholeNumber = Field(900, alias="SQS_RETRY_VISIBILITY_MAX_SECONDS",
+                                                    ge=0, le=SQS_MAX_VISIBILITY_S)
+    sqs_wait_time_s: WholeNumber = Field(20, alias="SQS_WAIT_TIME_SECONDS", ge=0, le=SQS_MAX_WAIT_S)
     # Recorded retryable failures before the worker dead-letters a job; releases and crashes spend none.
-    max_failed_attempts: int = env("MAX_FAILED_ATTEMPTS", DEFAULT_MAX_FAILED_ATTEMPTS, integer(ge=1))
+    max_failed_attempts: WholeNumber = Field(DEFAULT_MAX_FAILED_ATTEMPTS, alias="MAX_FAILED_ATTEMPTS", ge=1)
 
     # --- records
-    mongo_uri: str | None = env("MONGO_URI", secret=True)
-    mongo_database: str = env("MONGO_DATABASE", "voice")
-    mongo_jobs_collection: str = env("MONGO_JOBS_COLLECTION", "voiceclonings")
-    mongo_profiles_collection: str = env("MONGO_PROFILES_COLLECTION", "useraudioprofiles")
-    mongo_connect_max_attempts: int = env("MONGO_CONNECT_MAX_ATTEMPTS", 7,
-                                          integer(ge=1, le=MONGO_MAX_CONNECT_ATTEMPTS))
-    mongo_connect_retry_delay_ms: int = env("MONGO_CONNECT_RETRY_DELAY_MS", 1000,
-                                            integer(ge=0, le=MONGO_MAX_RETRY_DELAY_MS))
+    mongo_uri: str | None = Field(None, alias="MONGO_URI", repr=False)
+    mongo_database: str = Field("voice", alias="MONGO_DATABASE")
+    mongo_jobs_collection: str = Field("voiceclonings", alias="MONGO_JOBS_COLLECTION")
+    mongo_profiles_collection: str = Field("useraudioprofiles", alias="MONGO_PROFILES_COLLECTION")
+    mongo_connect_max_attempts: WholeNumber = Field(7, alias="MONGO_CONNECT_MAX_ATTEMPTS",
+                                                    ge=1, le=MONGO_MAX_CONNECT_ATTEMPTS)
+    mongo_connect_retry_delay_ms: WholeNumber = Field(1000, alias="MONGO_CONNECT_RETRY_DELAY_MS",
+                                                      ge=0, le=MONGO_MAX_RETRY_DELAY_MS)
     # STORE_URL=sqlite:///path/to/file.db, kept as the file's path.
-    sqlite_path: str | None = env("STORE_URL", None, _sqlite_path)
+    sqlite_path: Annotated[str, _on_text(_sqlite_path)] | None = Field(None, alias="STORE_URL")
 
     # --- artifacts and files
-    s3_bucket: str | None = env("S3_BUCKET")
-    s3_prefix: str = env("S3_PREFIX", "")
-    work_root: str = env("WORK_ROOT", "var/work")
-    pipeline_config: str = env("PIPELINE_CONFIG", "config/pipeline.toml")
+    s3_bucket: str | None = Field(None, alias="S3_BUCKET")
+    s3_prefix: str = Field("", alias="S3_PREFIX")
+    work_root: str = Field("var/work", alias="WORK_ROOT")
+    pipeline_config: str = Field("config/pipeline.toml", alias="PIPELINE_CONFIG")
     # What a config's {trainer_python} stands for: the interpreter of the trainers' own virtualenv
     # (trainers/), never the worker's. Checked at start when the config uses it.
-    trainer_python: str = env("TRAINER_PYTHON", "")
+    trainer_python: str = Field("", alias="TRAINER_PYTHON")
     # Mirror each attempt's checkpoints and finished stages to S3 this often (pipeline/remote_work.py),
     # so a retry on another host resumes instead of starting over. 0: off. Off anyway on a shared work root.
-    checkpoint_s3_sync_s: float = env("CHECKPOINT_S3_SYNC_SECONDS", 0.0,
-                                      number(ge=0, le=SQS_MAX_VISIBILITY_S))
+    checkpoint_s3_sync_s: Number = Field(0.0, alias="CHECKPOINT_S3_SYNC_SECONDS", ge=0, le=SQS_MAX_VISIBILITY_S)
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
-    stage_env_passthrough: tuple[str, ...] = env("STAGE_ENV_PASSTHROUGH", parse=_stage_env_names, factory=tuple)
+    stage_env_passthrough: Annotated[tuple[str, ...], _on_text(_stage_env_names)] = Field(
+        default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
-    keep_work_files: bool = env("KEEP_WORK_FILES", False, boolean)
+    keep_work_files: Switch = Field(False, alias="KEEP_WORK_FILES")
     # Where the five artifacts are published for the profile's modelPaths (unset: <WORK_ROOT>/.models).
-    models_root: str | None = env("MODELS_ROOT")
+    models_root: str | None = Field(None, alias="MODELS_ROOT")
 
     # --- time
-    job_time_limit_s: int = env("JOB_TIME_LIMIT_SECONDS", 21_600, integer(ge=1, le=SQS_MAX_VISIBILITY_S))
-    shutdown_grace_s: float = env("SHUTDOWN_GRACE_SECONDS", 60.0, number(ge=0, le=SQS_MAX_VISIBILITY_S))
+    job_time_limit_s: WholeNumber = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1, le=SQS_MAX_VISIBILITY_S)
+    shutdown_grace_s: Number = Field(60.0, alias="SHUTDOWN_GRACE_SECONDS", ge=0, le=SQS_MAX_VISIBILITY_S)
     # The reconciler: a processing job whose lease ended this long ago lost its worker (unset: the job
     # time limit + visibility timeout + longest backoff + 1 h); a pending job never enqueued this long
     # after its creation is enqueued again, once.
-    reconcile_stale_after_s: int | None = env("RECONCILE_STALE_AFTER_SECONDS", None,
-                                              integer(ge=1, le=SQS_MAX_RETENTION_S))
-    reconcile_pending_after_s: int = env("RECONCILE_PENDING_AFTER_SECONDS", 1800,
-                                         integer(ge=1, le=SQS_MAX_RETENTION_S))
+    reconcile_stale_after_s: WholeNumber | None = Field(None, alias="RECONCILE_STALE_AFTER_SECONDS",
+                                                        ge=1, le=SQS_MAX_RETENTION_S)
+    reconcile_pending_after_s: WholeNumber = Field(1800, alias="RECONCILE_PENDING_AFTER_SECONDS",
+                                                   ge=1, le=SQS_MAX_RETENTION_S)
     # Leases are judged on the store's clock; a host whose clock is further off than this from the
     # store's refuses to start (AWS refuses requests signed more than 15 min off, hence the cap).
-    max_clock_skew_s: float = env("MAX_CLOCK_SKEW_SECONDS", 10.0, number(gt=0, le=900))
+    max_clock_skew_s: Number = Field(10.0, alias="MAX_CLOCK_SKEW_SECONDS", gt=0, le=900)
 
     # --- downloads
-    download_timeout_s: float = env("DOWNLOAD_TIMEOUT_SECONDS", 60.0, number(gt=0, le=SQS_MAX_VISIBILITY_S))
-    download_max_bytes: int = env("DOWNLOAD_MAX_BYTES", 2 * 1024**3, integer(ge=1))
+    download_timeout_s: Number = Field(60.0, alias="DOWNLOAD_TIMEOUT_SECONDS", gt=0, le=SQS_MAX_VISIBILITY_S)
+    download_max_bytes: WholeNumber = Field(2 * 1024**3, alias="DOWNLOAD_MAX_BYTES", ge=1)
     # Recordings on the wire at once for a job (each takes its declared length of MAX_JOB_DOWNLOAD_BYTES,
     # or DOWNLOAD_MAX_BYTES when it declares none).
-    download_concurrency: int = env("DOWNLOAD_CONCURRENCY", 8, integer(ge=1, le=64))
+    download_concurrency: WholeNumber = Field(8, alias="DOWNLOAD_CONCURRENCY", ge=1, le=64)
     # Local runs only: lets recordings come from loopback/private hosts (never in production).
-    download_allow_private_hosts: bool = env("DOWNLOAD_ALLOW_PRIVATE_HOSTS", False, boolean)
+    download_allow_private_hosts: Switch = Field(False, alias="DOWNLOAD_ALLOW_PRIVATE_HOSTS")
     # s3:// recordings must be in this bucket (unset: s3:// recordings are refused), under this key
     # prefix, in which {profileId} stands for the message's profileId: no job reads another's files.
-    recordings_s3_bucket: str | None = env("RECORDINGS_S3_BUCKET")
-    recordings_s3_key_prefix: str = env("RECORDINGS_S3_KEY_PREFIX", "recordings/{profileId}/", _key_prefix)
+    recordings_s3_bucket: str | None = Field(None, alias="RECORDINGS_S3_BUCKET")
+    recordings_s3_key_prefix: Annotated[str, _on_text(_key_prefix)] = Field(
+        "recordings/{profileId}/", alias="RECORDINGS_S3_KEY_PREFIX")
 
     # --- limits: what one job may ask for; past a limit the job fails permanently
-    max_recordings_per_job: int = env("MAX_RECORDINGS_PER_JOB", 500, integer(ge=1, le=100_000))
-    max_text_chars: int = env("MAX_TEXT_CHARS", 2000, integer(ge=1))
-    max_job_download_bytes: int = env("MAX_JOB_DOWNLOAD_BYTES", 8 * 1024**3, integer(ge=1))
-    max_recording_seconds: float = env("MAX_RECORDING_SECONDS", 1800.0, number(gt=0, le=MAX_AUDIO_S))
-    max_job_audio_seconds: float = env("MAX_JOB_AUDIO_SECONDS", 36_000.0, number(gt=0, le=MAX_AUDIO_S))
+    max_recordings_per_job: WholeNumber = Field(500, alias="MAX_RECORDINGS_PER_JOB", ge=1, le=100_000)
+    max_text_chars: WholeNumber = Field(2000, alias="MAX_TEXT_CHARS", ge=1)
+    max_job_download_bytes: WholeNumber = Field(8 * 1024**3, alias="MAX_JOB_DOWNLOAD_BYTES", ge=1)
+    max_recording_seconds: Number = Field(1800.0, alias="MAX_RECORDING_SECONDS", gt=0, le=MAX_AUDIO_S)
+    max_job_audio_seconds: Number = Field(36_000.0, alias="MAX_JOB_AUDIO_SECONDS", gt=0, le=MAX_AUDIO_S)
 
     # --- dataset
     # Recordings the dataset step converts at once (unset: the CPUs this process may run on).
-    dataset_workers: int = env("DATASET_WORKERS", parse=integer(ge=1), factory=usable_cpus)
+    dataset_workers: WholeNumber = Field(default_factory=usable_cpus, alias="DATASET_WORKERS", ge=1)
 
     # --- observability and identity
-    sentry_dsn: str | None = env("SENTRY_DSN", secret=True)
-    log_level: str = env("LOG_LEVEL", "INFO", one_of("DEBUG", "INFO", "WARNING", "ERROR"))
-    log_format: str = env("LOG_FORMAT", "json", one_of("json", "console"))
-    worker_id: str = env("WORKER_ID", factory=_default_worker_id)
+    sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", alias="LOG_LEVEL")
+    log_format: Literal["json", "console"] = Field("json", alias="LOG_FORMAT")
+    worker_id: str = Field(default_factory=_default_worker_id, alias="WORKER_ID")
     # A file the loop and the heartbeat touch while alive; `python -m worker health` checks its age.
-    liveness_file: str | None = env("LIVENESS_FILE")
-    liveness_max_age_s: float | None = env("LIVENESS_MAX_AGE_SECONDS", None,
-                                           number(gt=0, le=MAX_AGE_LIMIT_S))
+    liveness_file: str | None = Field(None, alias="LIVENESS_FILE")
+    liveness_max_age_s: Number | None = Field(None, alias="LIVENESS_MAX_AGE_SECONDS", gt=0, le=MAX_AGE_LIMIT_S)
     # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
-    notify_socket: str | None = env("NOTIFY_SOCKET")
+    notify_socket: str | None = Field(None, alias="NOTIFY_SOCKET")
     # CloudWatch embedded metric format, one JSON object per line on stdout (worker/core/metrics.py).
-    metrics_enabled: bool = env("METRICS_ENABLED", True, boolean)
-    metrics_namespace: str = env("METRICS_NAMESPACE", "VoiceWorker", text(min_chars=1, max_chars=255))
+    metrics_enabled: Switch = Field(True, alias="METRICS_ENABLED")
+    metrics_namespace: str = Field("VoiceWorker", alias="METRICS_NAMESPACE", min_length=1, max_length=255)
     # Name=Value pairs added to every metric, e.g. "Environment=production,Queue=jobs".
-    metrics_dimensions: dict[str, str] = env("METRICS_DIMENSIONS", parse=_dimensions, factory=dict)
+    metrics_dimensions: Annotated[dict[str, str], _on_text(_dimensions)] = Field(
+        default_factory=dict, alias="METRICS_DIMENSIONS")
     # Job state-change events (worker/core/events.py): an SNS topic ARN or an EventBridge bus ARN; empty: none.
-    events_target: str = env("EVENTS_TARGET", "", _events_target)
+    events_target: Annotated[str, _on_text(_events_target)] = Field("", alias="EVENTS_TARGET")
     # OpenTelemetry spans for each job, its trace carried from `submit` (worker/core/tracing.py; the
     # `tracing` extra). Off by default.
-    tracing_enabled: bool = env("TRACING_ENABLED", False, boolean)
+    tracing_enabled: Switch = Field(False, alias="TRACING_ENABLED")
 
     # --- testing only: kill the process at a named point (see worker/core/faults.py); unset in production
-    crash_at: CrashPoint | None = env("VOICE_WORKER_CRASH_AT", None, _crash_point)
+    crash_at: Annotated[CrashPoint, _on_text(_crash_point)] | None = Field(None, alias="VOICE_WORKER_CRASH_AT")
 
     # --- AWS
-    aws_endpoint_url: str | None = env("AWS_ENDPOINT_URL", None, url("http", "https"))
-    aws_region: str | None = env("AWS_REGION")
+    aws_endpoint_url: HttpUrlText | None = Field(None, alias="AWS_ENDPOINT_URL")
+    aws_region: str | None = Field(None, alias="AWS_REGION")
     # Set by ECS in every task's containers: the agent's local endpoint, used for scale-in protection
     # while a job runs (worker/core/ecs_agent.py). Absent elsewhere, and then nothing is protected.
-    ecs_agent_uri: str | None = env("ECS_AGENT_URI", None, url("http", "https"))
+    ecs_agent_uri: HttpUrlText | None = Field(None, alias="ECS_AGENT_URI")
     # On EC2 spot: read the interruption notice from instance metadata this often and shut down as for
     # SIGTERM at the first one (worker/core/imds.py). 0: off (the default; ECS's spot draining sends
     # SIGTERM itself).
-    spot_interruption_check_s: float = env("SPOT_INTERRUPTION_CHECK_SECONDS", 0.0,
-                                           number(ge=0, le=SPOT_NOTICE_S))
+    spot_interruption_check_s: Number = Field(0.0, alias="SPOT_INTERRUPTION_CHECK_SECONDS", ge=0, le=SPOT_NOTICE_S)
     # Parsed here: the watch is handed the host and port.
-    imds_endpoint: Endpoint = env("IMDS_ENDPOINT", DEFAULT_ENDPOINT, parse_endpoint)
+    imds_endpoint: Annotated[Endpoint, _on_text(parse_endpoint)] = Field(DEFAULT_ENDPOINT, alias="IMDS_ENDPOINT")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        # Run by pydantic only once every field is valid on its own.
+        if problems := consistency_problems(self):
+            raise ProblemLines(*problems)
+        return self
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -368,7 +357,10 @@ class Settings:
 
     @property
     def models_root_path(self) -> str:
-        return self.models_root or os.path.join(self.work_root, ".models")
+        # Here, not at the top: the idle worker loads none of the work directory's machinery.
+        from pipeline.workdir import DEFAULT_MODELS_DIR
+
+        return self.models_root or os.path.join(self.work_root, DEFAULT_MODELS_DIR)
 
     @property
     def stage_stop_grace_s(self) -> float:
@@ -515,35 +507,97 @@ def models_root_problem(work_root: str, models_root: str) -> str | None:
     return None
 
 
-# Each environment variable's field, in the order above.
-FIELD_OF_ENV: dict[str, Field] = {f.metadata["env"]: f for f in fields(Settings)}
+@dataclass(frozen=True, slots=True)
+class EnvSetting:
+    """What one environment variable fills: the settings' field, its default (``MISSING`` when a
+    factory makes it) or its ``default_factory`` (``MISSING`` when none), and whether it is a secret."""
+
+    name: str
+    env: str
+    default: Any
+    default_factory: Any
+    secret: bool
+
+
+def _env_setting(name: str, info: FieldInfo) -> EnvSetting:
+    if info.alias is None:
+        raise TypeError(f"Settings.{name} names no environment variable (its alias)")
+    return EnvSetting(name=name, env=info.alias,
+                      default=MISSING if info.default is PydanticUndefined else info.default,
+                      default_factory=MISSING if info.default_factory is None else info.default_factory,
+                      secret=not info.repr)
+
+
+# Each environment variable's setting, in the order of the fields above.
+FIELD_OF_ENV: dict[str, EnvSetting] = {
+    setting.env: setting for setting in (_env_setting(name, info) for name, info in Settings.model_fields.items())}
 ENV_NAMES = tuple(FIELD_OF_ENV)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from ``environ`` (default: the process environment) or raise ConfigError."""
     source = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    problems: list[str] = []
-    for name, spec in FIELD_OF_ENV.items():
-        raw = source.get(name, "")
-        if raw == "":
+    values = {name: raw for name in ENV_NAMES if (raw := source.get(name, "")) != ""}
+    try:
+        return Settings.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(problem_lines(exc, values)) from None
+
+
+# pydantic's error types in our words; a bound is shown as the field declares it (pydantic's context
+# has a float field's bound as a float: "at most 43200.0").
+_RULES = {
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be more than {gt}",
+    "int_type": "must be a whole number",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be text",
+}
+
+
+def problem_lines(exc: ValidationError, values: Mapping[str, Any]) -> list[str]:
+    """Pydantic's errors as our lines, one per problem: ``NAME=value: must be ...`` (a secret's value and
+    pydantic's own wording never shown; a value with a line break quoted, so one problem stays one line),
+    or the whole lines a rule of ours wrote."""
+    lines: list[str] = []
+    for error in exc.errors(include_url=False):
+        cause = error.get("ctx", {}).get("error")
+        if isinstance(cause, ProblemLines):
+            lines.extend(cause.lines)
             continue
-        try:
-            values[spec.name] = spec.metadata["parse"](raw)
-        except Lines as exc:
-            problems.extend(exc.lines)
-        except ValueError as exc:
-            # A value with a line break in it is quoted: one problem, one line.
-            shown = "" if spec.metadata["secret"] else f"={raw}" if raw.isprintable() else f"={raw!r}"
-            problems.append(f"{name}{shown}: {exc}")
-    if problems:
-        raise ConfigError(problems)
-    settings = Settings(**values)
-    # The rules between settings only once each one is valid on its own.
-    if problems := consistency_problems(settings):
-        raise ConfigError(problems)
-    return settings
+        name = str(error["loc"][0]) if error["loc"] else ""
+        setting = FIELD_OF_ENV.get(name)
+        if setting is None:  # not a variable's error: the model's own (a key no setting reads, say)
+            lines.append(f"{name or 'settings'}: is not a setting" if error["type"] == "extra_forbidden"
+                         else f"{name or 'settings'}: invalid")
+            continue
+        rule = str(cause) if cause is not None else _rule(error["type"], error.get("ctx", {}), setting)
+        shown = "" if setting.secret else f"={_shown(values.get(name, error.get('input')))}"
+        lines.append(f"{name}{shown}: {rule}")
+    return lines
+
+
+def _rule(kind: str, context: dict[str, Any], setting: EnvSetting) -> str:
+    info = Settings.model_fields[setting.name]
+    declared = {key: value for m in info.metadata for key in ("ge", "gt", "le", "lt", "min_length", "max_length")
+                if (value := getattr(m, key, None)) is not None}
+    if kind in ("string_too_short", "string_too_long"):
+        low, high = declared.get("min_length"), declared.get("max_length")
+        return f"must be {low}-{high} characters" if low is not None and high is not None else (
+            f"must be at least {low} characters" if low is not None else f"must be at most {high} characters")
+    if kind == "literal_error":
+        return f"must be one of {', '.join(map(str, get_args(info.annotation)))}"
+    if kind in _RULES:
+        return _RULES[kind].format(**{**context, **declared})
+    return "is not a valid value"
 
 
 _REQUIRED = {

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from worker.core.health import Pulse
+from worker.core.health import Liveness
 from worker.core.healthcheck import FALLBACK_MAX_AGE_S, MAX_AGE_LIMIT_S, main, problem
 from worker.settings import SQS_MAX_VISIBILITY_S, load_settings
 
@@ -17,9 +17,9 @@ A_DAY_IN_2001_S = 1_000_000_000.0
 
 
 def test_the_worker_writes_its_limit_and_the_check_reads_it(tmp_path):
-    """A ready Pulse writes its age limit into the liveness file; the check holds a file to that limit."""
+    """A ready Liveness writes its age limit into the liveness file; the check holds a file to that limit."""
     path = tmp_path / "alive"
-    Pulse(str(path), max_age_s=45).ready()
+    Liveness(str(path), max_age_s=45).ready()
     assert problem(str(path), None) is None
     old = time.time() - 60
     os.utime(path, (old, old))
@@ -41,7 +41,7 @@ def test_a_file_without_a_limit_gets_the_fallback_and_a_missing_one_is_unhealthy
 def test_the_entry_point_answers_with_exit_codes_and_a_line(tmp_path, capsys):
     """main() prints healthy or the reason and exits 0 or 1; a malformed limit is unhealthy."""
     path = tmp_path / "alive"
-    Pulse(str(path), max_age_s=30).ready()
+    Liveness(str(path), max_age_s=30).ready()
     assert main({"LIVENESS_FILE": str(path)}) == 0
     assert main({"LIVENESS_FILE": str(path), "LIVENESS_MAX_AGE_SECONDS": "soon"}) == 1
     assert main({}) == 1
@@ -85,7 +85,7 @@ def test_the_longest_limit_the_worker_computes_is_one_the_check_accepts(tmp_path
                               "SQS_RETRY_VISIBILITY_BASE_SECONDS": "1"})
     assert settings.liveness_age_limit_s <= MAX_AGE_LIMIT_S
     path = tmp_path / "alive"
-    Pulse(str(path), max_age_s=settings.liveness_age_limit_s).ready()
+    Liveness(str(path), max_age_s=settings.liveness_age_limit_s).ready()
     old = time.time() - settings.liveness_age_limit_s - 60
     os.utime(path, (old, old))
     assert f"limit {settings.liveness_age_limit_s:.0f} s" in problem(str(path), None)
@@ -94,7 +94,7 @@ def test_the_longest_limit_the_worker_computes_is_one_the_check_accepts(tmp_path
 def test_the_check_imports_nothing_of_the_worker_beyond_itself(tmp_path):
     """python -m worker.core.healthcheck loads no boto3, pydantic, structlog or worker module but its own."""
     path = tmp_path / "alive"
-    Pulse(str(path), max_age_s=30).ready()
+    Liveness(str(path), max_age_s=30).ready()
     probe = ("import runpy, sys\n"
              "sys.argv = ['healthcheck']\n"
              "try:\n    runpy.run_module('worker.core.healthcheck', run_name='__main__')\n"

@@ -6,8 +6,9 @@ import boto3
 import pytest
 
 from tests.support import client_error
-from worker.core.errors import LeaseLost, QueueError, Stopped, StoreError
+from worker.core.errors import LeaseLost, QueueError, Stopped
 from worker.core.queue import is_lease_lost_error
+from worker.voice.records.errors import StoreError
 
 
 def extends(queue) -> list:

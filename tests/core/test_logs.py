@@ -8,7 +8,7 @@ import json
 import pytest
 import structlog
 
-from worker.core.errors import DownloadError
+from pipeline.errors import DownloadError
 from worker.core.logs import configure_logging, scrub
 from worker.core.reporting import Reporter
 

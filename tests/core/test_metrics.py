@@ -12,20 +12,23 @@ import boto3
 import jsonschema
 import pytest
 
+from pipeline.errors import BadRecording, DownloadError
 from tests.deploy.cfn import Resolver
 from tests.deploy.files import REPO
 from tests.voice.conftest import message_body
 from tests.voice.records.conftest import WallClock, make_store
 from worker.core import metrics as m
 from worker.core.config import LeaseTimings
-from worker.core.errors import BadRecording, ConfigError, DownloadError, QueueError, Stopped, StoreError
+from worker.core.errors import ConfigError, QueueError, Stopped
 from worker.core.lease import Lease, Shutdown
 from worker.core.metrics import Metrics, parse_dimensions
 from worker.core.queue import Message, Queue
 from worker.core.stop import StopSignal
 from worker.core.testing import FakeClock
 from worker.settings import load_settings
+from worker.voice import metrics as vm
 from worker.voice.records.attempt import Attempt, ProgressReporter
+from worker.voice.records.errors import StoreError
 
 # The EMF document structure, restated from CloudWatch's specification.
 _UNITS = ["Seconds", "Microseconds", "Milliseconds", "Bytes", "Kilobytes", "Megabytes", "Gigabytes",
@@ -167,6 +170,8 @@ def test_default_stream_is_stdout(capsys):
     ("Env ironment=x", "letters, digits"),
     ("Stage=x", "reserved"),
     ("JobsCompleted=x", "reserved"),
+    ("JobGpuSeconds=x", "reserved"),
+    ("ReconcileFailures=x", "reserved"),
     ("A=1,A=2", "given twice"),
     (",".join(f"D{n}=v" for n in range(30)), "at most 29"),
 ])
@@ -175,6 +180,22 @@ def test_bad_dimensions_are_refused_at_start(text, problem):
     with pytest.raises(ConfigError) as caught:
         load_settings({"METRICS_DIMENSIONS": text})
     assert any(line.startswith("METRICS_DIMENSIONS") and problem in line for line in caught.value.problems)
+
+
+def test_the_core_reserves_its_own_names_and_those_it_is_given():
+    """The core's parse refuses its own metric names and ``reserved``, and knows no layer's; the voice
+    worker's parse (the one the settings use) reserves its metrics and its Stage dimension too."""
+    with pytest.raises(ValueError, match="reserved"):
+        parse_dimensions("JobDuration=x")
+    assert parse_dimensions("Stage=x,JobGpuSeconds=y") == {"Stage": "x", "JobGpuSeconds": "y"}
+    with pytest.raises(ValueError, match="'Stage' is reserved"):
+        parse_dimensions("Stage=x", reserved={"Stage"})
+    for name in ("Stage", "StageDuration", "JobGpuSeconds", "WastedGpuSeconds", "ReconciledWorkerLost",
+                 "JobsCompleted"):
+        with pytest.raises(ValueError, match="reserved"):
+            vm.parse_dimensions(f"{name}=x")
+    assert vm.parse_dimensions("Environment=production") == {"Environment": "production"}
+    assert not (vm.VOICE_METRIC_NAMES | vm.DIMENSIONS) & (m.METRIC_NAMES | {"Stage"} - vm.DIMENSIONS)
 
 
 def test_metrics_and_reconcile_defaults():
@@ -349,7 +370,7 @@ def test_the_handler_times_stages_through_its_metrics(aws, tmp_path):
     """VoiceJobHandler hands its Metrics to the progress reporter, so a real attempt emits StageDuration."""
     from tests.voice.conftest import FakeTrain
     from worker.voice.artifacts import ArtifactUploader
-    from worker.voice.job import VoiceJobHandler
+    from worker.voice.job import HandlerConfig, VoiceJobHandler
     from worker.voice.records.sqlite import SqliteStore
 
     s3 = boto3.client("s3", region_name="us-east-1")
@@ -359,8 +380,8 @@ def test_the_handler_times_stages_through_its_metrics(aws, tmp_path):
     train = FakeTrain()
     train.during = lambda job, work_dir, stop, progress: progress("train_full", 0)
     out = io.StringIO()
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, "models"), train=train,
-                              work_root=tmp_path / "work", s3_prefix="", worker_id="w", lease_s=60,
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="", worker_id="w", lease_s=60),
+                              store=store, uploader=ArtifactUploader(s3, "models"), train=train,
                               metrics=Metrics(stream=out))
     message = Message("m-1", "-", message_body("a" * 24, "b" * 24), 1, time.monotonic())
     timings = LeaseTimings(visibility_timeout_s=60, interval_s=10, time_limit_s=600, shutdown_grace_s=1)
@@ -391,7 +412,7 @@ def test_dashboard_graphs_every_metric_the_code_emits_and_nothing_else():
             namespaces.add(found.group(1))
             named.add(found.group(2))
     assert namespaces == {m.DEFAULT_NAMESPACE}
-    assert named == set(m.METRIC_NAMES)
+    assert named == set(vm.METRIC_NAMES)
 
 
 def test_alarms_template_is_lint_clean_and_watches_emitted_metrics():
@@ -413,16 +434,23 @@ def test_alarms_template_is_lint_clean_and_watches_emitted_metrics():
               if spec["Type"] == "AWS::CloudWatch::Alarm" and "MetricName" in spec["Properties"]]
     assert alarms
     for props in alarms:
-        assert props["MetricName"] in m.METRIC_NAMES
+        assert props["MetricName"] in vm.METRIC_NAMES
         assert props["Namespace"] == m.DEFAULT_NAMESPACE
         assert [d["Name"] for d in props["Dimensions"]] == ["Environment", "Queue"]
     # The documented METRICS_DIMENSIONS produces exactly the dimension names the alarms match.
-    assert list(parse_dimensions("Environment=production,Queue=voice-worker-jobs")) == ["Environment", "Queue"]
+    assert list(vm.parse_dimensions("Environment=production,Queue=voice-worker-jobs")) == ["Environment", "Queue"]
     assert "METRICS_DIMENSIONS=Environment=<Environment>,Queue=<QueueName>" in path.read_text()
 
 
 def test_every_emitted_metric_name_is_a_known_constant():
-    """The names the code uses are all listed in METRIC_NAMES (which the config files are checked against)."""
-    source = Path(m.__file__).read_text()
-    literal_names = set(re.findall(r'"((?:Jobs|Reconcile)[A-Za-z]+)"', source))
-    assert literal_names <= set(m.METRIC_NAMES)
+    """The names the code uses are all listed in METRIC_NAMES (which the config files are checked against):
+    the core's in worker/core/metrics.py, the voice worker's in worker/voice/metrics.py and the stage
+    metric where the records emit it."""
+    from worker.voice.records import attempt
+
+    literal = re.compile(r'"((?:Jobs?|Reconcile|Stage|Wasted)[A-Za-z]+)"')
+    core_names = set(literal.findall(Path(m.__file__).read_text()))
+    assert core_names and core_names <= set(m.METRIC_NAMES)
+    voice_names = {name for module in (vm, attempt) for name in literal.findall(Path(module.__file__).read_text())}
+    assert voice_names and voice_names <= set(vm.VOICE_METRIC_NAMES)
+    assert vm.METRIC_NAMES == m.METRIC_NAMES | vm.VOICE_METRIC_NAMES

@@ -11,7 +11,7 @@ import pytest
 import structlog
 
 from worker.core.daemon import install_signal_handlers
-from worker.core.health import Pulse
+from worker.core.health import Liveness
 
 
 class Supervisor:
@@ -43,8 +43,8 @@ def supervisor(tmp_path):
     listening.close()
 
 
-def _pulse(supervisor) -> Pulse:
-    return Pulse(None, supervisor.path)
+def _pulse(supervisor) -> Liveness:
+    return Liveness(None, supervisor.path)
 
 
 class RecordingActivity:

@@ -8,11 +8,14 @@ import threading
 
 import pytest
 
+from pipeline.errors import BadRecording, DownloadError
 from tests.support import FAST, FaultyClient, client_error, create_queues
-from worker.core.errors import BadRecording, DownloadError, InvalidMessage, JobBusy, Stopped, StoreError
+from worker.core.errors import InvalidMessage, Stopped
 from worker.core.loop import Worker, retry_ceiling_s, retry_delay_for, retry_delay_s
 from worker.core.queue import Queue
 from worker.settings import load_settings
+from worker.voice.errors import JobBusy
+from worker.voice.records.errors import StoreError
 
 
 def heartbeat_threads() -> list[threading.Thread]:

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.core.errors import (
-    Action,
-    BadRecording,
-    DownloadError,
-    RetriesExhausted,
-    StageFailed,
-    Stopped,
-    WorkerError,
-)
+from pipeline.errors import BadRecording, DownloadError, StageFailed
+from worker.core.errors import Action, RetriesExhausted, Stopped, WorkerError
 from worker.core.loop import retry_budget, spend_retry
 
 

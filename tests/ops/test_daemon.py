@@ -110,10 +110,10 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
 
 def test_no_notify_socket_means_no_datagrams(tmp_path):
     """Without NOTIFY_SOCKET the worker sends nothing (and does not fail)."""
-    from worker.core.health import Pulse, notify
+    from worker.core.health import Liveness, notify
 
     assert notify(None, "READY=1") is False
-    Pulse(None, None).ready()
+    Liveness(None, None).ready()
 
 
 def test_demo_completes_and_lists_five_s3_objects():

@@ -153,10 +153,10 @@ def test_dev_stack_on_mongo_keeps_the_records_on_its_server_across_a_restart(tmp
 
 def test_the_dev_loop_environment_names_a_liveness_file_that_health_reads(tmp_path):
     """env.sh sets LIVENESS_FILE under the stack's directory, so `health` works in the dev loop."""
-    from worker.core.health import Pulse
+    from worker.core.health import Liveness
     from worker.core.healthcheck import main as healthcheck
 
     env = dev_environment("http://127.0.0.1:4566", "http://127.0.0.1:4566/000000000000/jobs", tmp_path)
     assert Path(env["LIVENESS_FILE"]).parent == tmp_path.resolve()
-    Pulse(env["LIVENESS_FILE"], max_age_s=30).ready()
+    Liveness(env["LIVENESS_FILE"], max_age_s=30).ready()
     assert healthcheck({"LIVENESS_FILE": env["LIVENESS_FILE"]}) == 0

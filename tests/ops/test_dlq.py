@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from pipeline.errors import BadRecording
 from tests.support import FaultyClient, client_error, create_queues
 from tests.voice.conftest import message_body
-from worker.core.errors import BadRecording, QueueError
+from worker.core.errors import QueueError
 from worker.core.queue import Message, Queue
 from worker.ops.commands import cmd_dlq_list, cmd_dlq_redrive, format_age
 from worker.ops.dlq import RECEIVE_SEND_DELETE, DeadLetterQueue, dead_letter_receives

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from pipeline.errors import BadRecording
 from tests.ops.test_dlq import dead_letter, ops, source_messages
 from tests.support import FaultyClient, create_queues
-from worker.core.errors import BadRecording
 from worker.core.queue import Message, Queue
 from worker.ops.commands import cmd_dlq_redrive
 from worker.ops.dlq import DeadLetterQueue

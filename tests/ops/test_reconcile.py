@@ -9,11 +9,12 @@ import time
 
 import pytest
 
+from pipeline.errors import BadRecording
 from tests.deploy.files import REPO, read_unit, timespan_s
 from tests.support import FaultyClient, client_error
 from tests.voice.conftest import message_body
 from tests.voice.records.conftest import WallClock, make_store
-from worker.core.errors import BadRecording, QueueError
+from worker.core.errors import QueueError
 from worker.core.queue import Message, Queue
 from worker.ops.reconcile import Reconciler, cmd_reconcile, message_body_for
 from worker.settings import load_settings

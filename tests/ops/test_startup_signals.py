@@ -16,9 +16,9 @@ from structlog.testing import capture_logs
 
 from tests.support import create_queues, events_after, events_until
 from worker.core.daemon import StartUpStopped
-from worker.core.errors import StoreError
 from worker.ops import cli
 from worker.settings import load_settings
+from worker.voice.records.errors import StoreError
 
 REPO = Path(__file__).resolve().parents[2]
 # Nothing listens on the discard port: each ping waits out pymongo's 5 s server selection, then the

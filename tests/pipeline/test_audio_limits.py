@@ -18,9 +18,10 @@ import soundfile as sf
 import pipeline.audio
 from pipeline.audio import AudioHeader, convert
 from pipeline.dataset import build_dataset
+from pipeline.errors import BadRecording
 from pipeline.limits import JobLimits
 from tests.pipeline.test_dataset import voice_like
-from worker.core.errors import BadRecording, ConfigError
+from worker.core.errors import ConfigError
 from worker.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[2]

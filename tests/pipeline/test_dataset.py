@@ -22,8 +22,9 @@ from pipeline.dataset import (
     split_metadata_line,
     unescape_text,
 )
+from pipeline.errors import BadRecording
 from pipeline.limits import JobLimits
-from worker.core.errors import BadRecording, Stopped
+from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
 
 

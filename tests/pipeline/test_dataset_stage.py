@@ -15,13 +15,14 @@ import pytest
 
 from pipeline.config import ASSET_KEYS, PipelineConfig
 from pipeline.dataset_stage import HELD_LINE, prestart_dataset, run_dataset_stage, start_dataset_child
+from pipeline.errors import BadRecording, DownloadError, StageFailed
 from pipeline.limits import JobLimits
 from pipeline.proctree import JOB_NAME, job_processes
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from pipeline.run import run_pipeline
 from pipeline.stage_env import stage_environment
 from tests.pipeline.test_dataset import write_inputs
-from worker.core.errors import BadRecording, DownloadError, StageFailed, Stopped
+from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]

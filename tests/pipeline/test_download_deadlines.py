@@ -20,8 +20,9 @@ import pytest
 from botocore.config import Config
 
 from pipeline.downloads import DownloadSettings, fetch
+from pipeline.errors import DownloadError
 from tests.pipeline.tls_server import LOOPBACK, ca, ca_path, leftovers  # noqa: F401  (ca, ca_path are fixtures)
-from worker.core.errors import DownloadError, Stopped
+from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
 
 DEADLINE_S = 0.4

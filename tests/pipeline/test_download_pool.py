@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.download_pool import DownloadPool, Item
+from pipeline.errors import BadRecording
 from pipeline.recording_url import parse_recording_url
-from worker.core.errors import BadRecording
 from worker.core.stop import StopSignal
 
 GIVE_UP_S = 10.0  # a broken pool fails a test instead of hanging it

@@ -13,6 +13,7 @@ from moto import mock_aws
 from structlog.testing import capture_logs
 
 from pipeline.downloads import fetch
+from pipeline.errors import BadRecording, DownloadError
 from pipeline.netguard import LOCAL_RUN_NETWORKS
 from tests.pipeline.tls_server import (  # noqa: F401  (ca, ca_path, server, base, ds are fixtures)
     LOOPBACK,
@@ -27,7 +28,7 @@ from tests.pipeline.tls_server import (  # noqa: F401  (ca, ca_path, server, bas
     server,
     with_changes,
 )
-from worker.core.errors import BadRecording, ConfigError, DownloadError, Stopped
+from worker.core.errors import ConfigError, Stopped
 from worker.core.stop import StopSignal
 
 # --- success

@@ -15,12 +15,13 @@ import pytest
 from pipeline.config import load_pipeline_config
 from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import Connections, DownloadSettings
+from pipeline.errors import BadRecording
 from pipeline.recording_url import parse_recording_url
 from pipeline.run import PipelineTrainer, download_all
 from tests.pipeline.tls_server import LOOPBACK, ca, ca_path, leftovers  # noqa: F401  (ca, ca_path are fixtures)
 from tests.support import FakeJob as Job
 from tests.support import FakeRecording as Rec
-from worker.core.errors import BadRecording, Stopped
+from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
 from worker.settings import load_settings
 

@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.downloads import classify_status, s3_error_is_permanent
+from pipeline.errors import BadRecording, DownloadError
 from pipeline.netguard import checked_addresses, default_resolver, describe_error, refusal_reason
 from pipeline.recording_url import parse_recording_url
 from tests.pipeline.tls_server import LOOPBACK, SECRET, resolver
-from worker.core.errors import BadRecording, DownloadError
 from worker.settings import load_settings
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.errors import BadRecording
 from pipeline.recording_url import RecordingUrl, parse_recording_url
-from worker.core.errors import BadRecording
 
 SECRET = "X-Amz-Signature=SIGSECRET"
 

@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 
 import pipeline.remote_work as remote_work_module
-from pipeline.config import load_pipeline_config
-from pipeline.downloads import DownloadSettings
 from pipeline.manifest import manifest_path, write_manifest
-from pipeline.recording_url import parse_recording_url
 from pipeline.remote_work import MAX_LISTING_FILES, MemoryLedger, listing_problem
 from pipeline.reuse import attempt_order
-from pipeline.run import PipelineTrainer, earlier_attempts, run_pipeline
+from pipeline.run import run_pipeline
+from pipeline.workdir import earlier_attempts
 from tests.pipeline.test_remote_work import (
     BUCKET,
     CONFIG,
@@ -25,12 +23,11 @@ from tests.pipeline.test_remote_work import (
     _fresh_record,  # noqa: F401 - the autouse fixture: each test starts with an empty record
     finished_outputs,
     mirror,
+    run_on_host_a,
     s3,  # noqa: F401 - the fixture
     tree,
     write,
 )
-from tests.pipeline.test_run import FakeFetch, Rec, write_inputs
-from tests.support import FakeJob
 from worker.core.stop import StopSignal
 
 ATTEMPTS = f"voice/.work/{JOB}/attempts"
@@ -190,16 +187,7 @@ def test_a_listing_of_too_many_files_is_refused_before_any_download(s3, tmp_path
 def test_the_last_stages_outputs_are_never_taken_from_the_mirror(s3, tmp_path):
     """Even vouched for, mirrored outputs of the last stage (the artifacts) are not adopted: the stage
     runs, and the artifacts are its own."""
-    config = load_pipeline_config(Path(__file__).resolve().parents[2] / "config" / "pipeline.toml")
-    trainer = PipelineTrainer(config, DownloadSettings(), s3_client=s3, remote=CONFIG)
-    inputs = write_inputs(tmp_path / "media")
-    recordings = tuple(Rec(parse_recording_url(f"https://media.example.com/{i}.wav"), t)
-                       for i, (_, t, _) in enumerate(inputs))
-    fetch = FakeFetch({rec.url: path for rec, (path, _, _) in zip(recordings, inputs, strict=True)})
-    job = FakeJob(recordings, job_id="665f1c2e9b1e8a0012ab34cd")
-    host_a = tmp_path / "a" / JOB / "attempts" / "1-aaaa"
-    run_pipeline(job, host_a, StopSignal(), config=config, fetch=fetch, progress=lambda *_: None,
-                 remote=trainer.remote_work(host_a, MemoryLedger("1-aaaa", VOUCHED)))
+    config, trainer, job, fetch = run_on_host_a(s3, tmp_path)
     last = config.stages[-1]
     planted = {rel: b"ATTACKER " + rel.encode() for rel in last.outputs}
     body = plant_outputs(s3, "1-aaaa", planted, stage=last, tmp=tmp_path / "planted")

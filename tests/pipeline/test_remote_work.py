@@ -346,9 +346,8 @@ def test_a_work_root_on_nfs_is_seen_as_shared():
     assert shared_file_system(Path("/mnt/efsx"), MOUNTINFO) is None
 
 
-def test_a_retry_on_an_empty_work_root_skips_the_stages_another_host_finished(s3, tmp_path):
-    """Attempt 1 on host A mirrors its finished stages; attempt 2 on host B with an empty work root
-    restores them and runs only the last stage (whose outputs the commit would send anyway)."""
+def run_on_host_a(s3, tmp_path):
+    """The reference pipeline run whole by attempt 1 on host A, mirroring to S3: (config, trainer, job, fetch)."""
     config = load_pipeline_config(Path(__file__).resolve().parents[2] / "config" / "pipeline.toml")
     trainer = PipelineTrainer(config, DownloadSettings(), s3_client=s3, remote=CONFIG)
     inputs = write_inputs(tmp_path / "media")
@@ -359,6 +358,13 @@ def test_a_retry_on_an_empty_work_root_skips_the_stages_another_host_finished(s3
     host_a = tmp_path / "a" / JOB / "attempts" / "1-aaaa"
     run_pipeline(job, host_a, StopSignal(), config=config, fetch=fetch, progress=lambda *_: None,
                  remote=trainer.remote_work(host_a, MemoryLedger("1-aaaa", VOUCHED)))
+    return config, trainer, job, fetch
+
+
+def test_a_retry_on_an_empty_work_root_skips_the_stages_another_host_finished(s3, tmp_path):
+    """Attempt 1 on host A mirrors its finished stages; attempt 2 on host B with an empty work root
+    restores them and runs only the last stage (whose outputs the commit would send anyway)."""
+    config, trainer, job, fetch = run_on_host_a(s3, tmp_path)
     host_b = tmp_path / "b" / JOB / "attempts" / "2-bbbb"
     ran: list[str] = []
     paths = run_pipeline(job, host_b, StopSignal(), config=config, fetch=fetch,

@@ -10,8 +10,9 @@ import pytest
 from pipeline.config import StageSpec, load_pipeline_config
 from pipeline.manifest import manifest_path, manifest_problem
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs
-from pipeline.run import earlier_attempts, run_pipeline, work_layout
+from pipeline.run import run_pipeline
 from pipeline.stages import StageContext, run_stage
+from pipeline.workdir import earlier_attempts, work_layout
 from tests.pipeline.test_run import REPO, job_and_fetch  # noqa: F401 - the fixture
 from tests.pipeline.test_stages import no_progress, runs, writer_stage
 from worker.core.stop import StopSignal
@@ -24,8 +25,8 @@ def default_config():
 
 def attempt_ctx(job_dir: Path, name: str) -> StageContext:
     dirs = work_layout(job_dir / "attempts" / name)
-    return StageContext(dataset_dir=dirs["dataset"], output_dir=dirs["output"], checkpoints_root=dirs["checkpoints"],
-                        log_dir=dirs["logs"], job_id="job-r", language="en")
+    return StageContext(dataset_dir=dirs.dataset, output_dir=dirs.output, checkpoints_root=dirs.checkpoints,
+                        log_dir=dirs.logs, job_id="job-r", language="en")
 
 
 def attempt_dir(ctx: StageContext) -> Path:
@@ -57,7 +58,7 @@ def test_a_lone_job_dir_has_no_earlier_attempts_and_keeps_its_logs(tmp_path):
     """A directory outside attempts/ is a job directory of its own: logs inside, nothing to reuse."""
     (tmp_path / "job").mkdir()
     assert earlier_attempts(tmp_path / "job") == []
-    assert work_layout(tmp_path / "job")["logs"] == tmp_path / "job" / "logs"
+    assert work_layout(tmp_path / "job").logs == tmp_path / "job" / "logs"
 
 
 def test_earlier_attempts_order(tmp_path):

@@ -11,11 +11,12 @@ import pytest
 
 from pipeline.config import load_pipeline_config, parse_pipeline_config
 from pipeline.downloads import Downloader, DownloadSettings
+from pipeline.errors import BadRecording, DownloadError, StageFailed
 from pipeline.limits import JobLimits
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from pipeline.run import DATASET_STEP, PipelineTrainer, run_pipeline, verify_artifacts
 from tests.pipeline.test_dataset import write_inputs
-from worker.core.errors import BadRecording, DownloadError, StageFailed, Stopped
+from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
 from worker.voice.records.rules import ASSET_KEYS as ARTIFACT_KEYS
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import StageSpec
+from pipeline.errors import StageFailed
 from pipeline.proctree import JOB_NAME
 from pipeline.stage_keeper import exit_status_code, parse_argv
 from pipeline.stages import StageContext, is_newer_attempt, run_stage
 from tests.pipeline.test_stages import process_alive
-from worker.core.errors import StageFailed
 from worker.core.stop import StopSignal
 
 WAIT_S = 30.0

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import StageSpec
+from pipeline.errors import StageFailed, StageFailedPermanently
 from pipeline.manifest import manifest_path
 from pipeline.stages import (
     StageContext,
@@ -21,8 +22,9 @@ from pipeline.stages import (
     parse_progress,
     run_stage,
 )
-from worker.core.errors import StageFailed, StageFailedPermanently, StaleWrite, Stopped, TimeLimitExceeded
+from worker.core.errors import Stopped, TimeLimitExceeded
 from worker.core.stop import StopSignal
+from worker.voice.records.errors import StaleWrite
 
 # Records what it saw at start (outputs, checkpoints), then succeeds or fails as told.
 WRITER = """

@@ -15,7 +15,7 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
@@ -29,7 +29,7 @@ from worker.core.loop import Worker
 from worker.core.queue import Queue
 from worker.settings import Settings, load_settings
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.records.sqlite import SqliteStore
 
 VISIBILITY_S = 2
@@ -185,10 +185,11 @@ class Rig:
     s3_faults: BotoFaults
 
     def handler(self, store=None, worker_id: str = "rig-worker") -> VoiceJobHandler:
-        return VoiceJobHandler(store=store or self.store, uploader=ArtifactUploader(self.s3, self.bucket),
-                               train=self.train, work_root=self.root / "work", s3_prefix="models",
-                               worker_id=worker_id, lease_s=self.settings.sqs_visibility_timeout_s,
-                               policy=self.settings.input_policy())
+        return VoiceJobHandler(HandlerConfig(work_root=self.root / "work", s3_prefix="models", worker_id=worker_id,
+                                             lease_s=self.settings.sqs_visibility_timeout_s,
+                                             policy=self.settings.input_policy()),
+                               store=store or self.store, uploader=ArtifactUploader(self.s3, self.bucket),
+                               train=self.train)
 
     def worker(self, handler=None, store=None, worker_id: str = "rig-worker") -> Worker:
         return Worker(self.settings.loop_config(), Queue(self.sqs, self.queues.url),
@@ -238,7 +239,7 @@ def make_rig(root: Path, endpoint: str, **env: str) -> Rig:
     sqs = make_client("sqs", settings.aws_config(), session)
     s3 = make_client("s3", settings.aws_config(), session)
     queues = create_queues(sqs, name=f"faults-{suffix}")
-    settings = replace(settings, sqs_queue_url=queues.url)
+    settings = settings.model_copy(update={"sqs_queue_url": queues.url})
     s3.create_bucket(Bucket=settings.s3_bucket)
     s3.put_bucket_versioning(Bucket=settings.s3_bucket, VersioningConfiguration={"Status": "Enabled"})
     store = FlakyStore(SqliteStore(str(root / "records.db")))

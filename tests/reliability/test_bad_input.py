@@ -30,7 +30,7 @@ from worker.core.loop import Worker
 from worker.core.queue import Queue
 from worker.settings import load_settings
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.message import is_safe_name
 from worker.voice.records.rules import is_complete
 from worker.voice.records.sqlite import SqliteStore
@@ -71,9 +71,9 @@ class Probe:
             return run_pipeline(job, work_dir, stop, config=config, fetch=fetch_one, progress=progress, grace_s=2)
 
         self.store = SqliteStore(str(root / "records.db"))
-        self.handler = VoiceJobHandler(store=self.store, uploader=ArtifactUploader(s3, "prop-models"), train=train,
-                                       work_root=self.work_root, s3_prefix="models", worker_id="prop",
-                                       lease_s=30, policy=self.settings.input_policy())
+        self.handler = VoiceJobHandler(HandlerConfig(work_root=self.work_root, s3_prefix="models", worker_id="prop",
+                                                     lease_s=30, policy=self.settings.input_policy()),
+                                       store=self.store, uploader=ArtifactUploader(s3, "prop-models"), train=train)
         self.baseline = self._outside_files()
         # The test's own directory and pytest's session directory above it: an escape lands in one of them.
         self.neighbours = {d: set(os.listdir(d)) for d in (root.parent, root.parent.parent)}

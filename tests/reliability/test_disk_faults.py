@@ -26,11 +26,12 @@ from pipeline.downloads import fetch as download
 from pipeline.files import sha256_and_size
 from pipeline.manifest import TEMP_MARKER, manifest_path, manifest_problem
 from pipeline.run import run_pipeline
+from pipeline.workdir import work_root_problem
 from tests.reliability.small_fs import SmallFs, small_fs  # noqa: F401  (small_fs is a fixture)
 from tests.support import SHIPPED_ARTIFACTS
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.input_policy import InputPolicy
-from worker.voice.job import VoiceJobHandler, work_root_problem
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.records.rules import ASSET_KEYS
 from worker.voice.records.sqlite import SqliteStore
 
@@ -110,11 +111,10 @@ class DiskRig:
 
     def restart(self) -> None:
         """A new worker process, as an operator's restart gives: nothing remembered from the old one."""
-        handler = VoiceJobHandler(
-            store=self.store, uploader=ArtifactUploader(self.s3, MODELS), train=self._train,
-            work_root=self.fs.work_root, s3_prefix="models", worker_id="disk-worker", lease_s=LEASE_S,
-            policy=InputPolicy(recordings_bucket=RECORDINGS),
-        )
+        handler = VoiceJobHandler(HandlerConfig(work_root=self.fs.work_root, s3_prefix="models",
+                                                worker_id="disk-worker", lease_s=LEASE_S,
+                                                policy=InputPolicy(recordings_bucket=RECORDINGS)),
+                                  store=self.store, uploader=ArtifactUploader(self.s3, MODELS), train=self._train)
         # No backoff: the retried message is back at once.
         self.worker, _ = self._make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=LEASE_S,
                                            SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS=500,

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from voice_trainers.cli import parse_args, resolve_profile, stage_environment, torch_threads
+from voice_trainers.cli import parse_args, resolve_profile, stage_environment
 from voice_trainers.profiles import PROFILES
+from voice_trainers.threads import torch_threads
 
 from tests.trainers.conftest import TRAINERS_DIR
 from tests.trainers.test_dataset import write_dataset

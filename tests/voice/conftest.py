@@ -16,7 +16,7 @@ from worker.core.config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message, Queue
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.records.mongo import MongoStore
 from worker.voice.records.sqlite import SqliteStore
 
@@ -160,7 +160,6 @@ def train():
 
 @pytest.fixture
 def handler(store, s3, train, tmp_path):
-    return VoiceJobHandler(
-        store=store, uploader=ArtifactUploader(s3, BUCKET), train=train, work_root=tmp_path / "work",
-        s3_prefix="models", worker_id="test-worker", lease_s=2,
-    )
+    return VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
+                                         lease_s=2),
+                           store=store, uploader=ArtifactUploader(s3, BUCKET), train=train)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from pipeline.run import job_dir_of
+from pipeline.workdir import job_dir_of
 from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, message_body
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.records.rules import is_complete
 
 # message_body's environment, directoryName and jobId, under the handler fixture's WORK_ROOT.
@@ -45,9 +45,9 @@ def assert_only_logs_left_and_complete(tmp_path: Path, raw_store) -> None:
 
 @pytest.fixture
 def keeping_handler(store, s3, train, tmp_path):
-    return VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                           work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
-                           lease_s=2, keep_work_files=True)
+    return VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
+                                         lease_s=2, keep_work_files=True),
+                           store=store, uploader=ArtifactUploader(s3, BUCKET), train=train)
 
 
 def test_committed_job_keeps_only_its_logs(queues, make_worker, handler, train, raw_store, tmp_path):
@@ -90,7 +90,7 @@ def test_keep_work_files_keeps_every_file(queues, make_worker, keeping_handler, 
 def test_files_of_an_uncommitted_attempt_are_kept_for_its_retry(queues, make_worker, handler, store, train,
                                                                 tmp_path):
     """An attempt that fails before the commit leaves its files, so the retry can resume from them."""
-    from worker.core.errors import StoreError
+    from worker.voice.records.errors import StoreError
 
     train.during = write_work_files
     store.faults["mark_job_completed"] = lambda: StoreError("store unavailable")
@@ -104,13 +104,13 @@ def test_files_of_an_uncommitted_attempt_are_kept_for_its_retry(queues, make_wor
 def test_a_failed_removal_is_logged_and_the_job_still_acknowledged(queues, make_worker, handler, train, raw_store,
                                                                    monkeypatch, tmp_path):
     """A removal that raises is a warning: the committed job is still acknowledged and stays complete."""
-    import worker.voice.job as job_module
+    import pipeline.workdir as workdir_module
 
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
     train.during = write_work_files
-    monkeypatch.setattr(job_module.shutil, "rmtree", refuse)
+    monkeypatch.setattr(workdir_module.shutil, "rmtree", refuse)
     worker, client = make_worker(handler)
     queues.send(message_body())
     with capture_logs() as logs:
@@ -127,12 +127,12 @@ def test_a_failed_removal_is_logged_and_the_job_still_acknowledged(queues, make_
 
 def test_an_unexpected_error_while_removing_never_fails_the_job(queues, make_worker, handler, monkeypatch):
     """Even a non-OSError from the removal (a bug) is logged, not raised: the commit already happened."""
-    import worker.voice.job as job_module
+    import worker.voice.commit as commit_module
 
     def broken(_work_dir, _models_root=None):
         raise RuntimeError("bug in cleanup")
 
-    monkeypatch.setattr(job_module, "remove_work_files", broken)
+    monkeypatch.setattr(commit_module, "remove_work_files", broken)
     worker, _ = make_worker(handler)
     queues.send(message_body())
     with capture_logs() as logs:
@@ -177,10 +177,10 @@ def test_published_copies_no_committed_path_names_are_removed(queues, make_worke
 def test_a_redelivery_of_a_committed_job_redoes_the_skipped_cleanup(queues, make_worker, handler, train,
                                                                     raw_store, tmp_path, monkeypatch):
     """A worker that died right after the commit left scratch behind; the redelivery removes it, work-free."""
-    import worker.voice.job as job_module
+    import worker.voice.commit as commit_module
 
     train.during = write_work_files
-    monkeypatch.setattr(job_module.VoiceJobHandler, "_clean_up_after_commit", lambda *args: None)
+    monkeypatch.setattr(commit_module.Commit, "clean_up", lambda *args: None)
     worker, _ = make_worker(handler)
     queues.send(message_body())
     assert worker.run_once() == "ack"

@@ -15,10 +15,11 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
+from pipeline.errors import StageFailed
 from pipeline.files import FileIdentity
 from pipeline.manifest import Recorded
 from tests.support import CountingHashlib
-from worker.core.errors import LeaseLost, StageFailed, StorageError
+from worker.core.errors import LeaseLost
 from worker.voice.artifacts import (
     ArtifactUploader,
     artifact_key,
@@ -28,6 +29,7 @@ from worker.voice.artifacts import (
     unreferenced,
     verify_local,
 )
+from worker.voice.errors import StorageError
 from worker.voice.records.rules import ASSET_KEYS as ASSET_NAMES
 
 BUCKET = "voice-artifacts"

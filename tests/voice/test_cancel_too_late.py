@@ -43,20 +43,20 @@ def test_a_cancel_that_landed_just_before_the_commit_is_honoured(handler, raw_st
 def test_the_committing_stage_is_written_before_the_first_upload(handler, raw_store, monkeypatch):
     """When the uploads begin, the job record already says the attempt is committing."""
     seen = []
-    upload_all = handler._uploader.upload_all
+    upload_all = handler._commit._uploader.upload_all
 
     def upload_and_look(*args, **kwargs):
         seen.append(raw_store.get_job(JOB_ID)["progress"]["stage"])
         return upload_all(*args, **kwargs)
 
-    monkeypatch.setattr(handler._uploader, "upload_all", upload_and_look)
+    monkeypatch.setattr(handler._commit._uploader, "upload_all", upload_and_look)
     assert deliver(handler, receive_count=1) == "completed"
     assert seen == [COMMITTING]
 
 
 def test_a_cancel_after_an_attempt_died_mid_commit_lets_the_next_attempt_finish_it(handler, store, raw_store):
     """Once an earlier attempt wrote its published paths, a later cancel is too late: the retry commits."""
-    from worker.core.errors import StoreError
+    from worker.voice.records.errors import StoreError
 
     store.faults["mark_job_completed"] = lambda: StoreError("the worker died here")
     with pytest.raises(StoreError):

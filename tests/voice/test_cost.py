@@ -9,12 +9,12 @@ from datetime import UTC, datetime
 
 import pytest
 
+from pipeline.errors import StageFailed
 from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, deliver
-from worker.core.errors import StageFailed
 from worker.core.metrics import Metrics
 from worker.ops.commands import render_status, status_document
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.records import rules
 from worker.voice.records.attempt import TrainerClock
 
@@ -94,8 +94,8 @@ def test_a_failed_attempt_is_wasted_and_the_commit_reports_the_whole_cost(store,
     """The failed attempt's trainer time is its WastedGpuSeconds and reaches the record; the commit emits
     the job's GPU-seconds over both attempts, the wasted part and the attempts; status shows them."""
     out = io.StringIO()
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                              work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=60,
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=60),
+                              store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
                               metrics=Metrics(stream=out))
 
     def fails_after_30_s(job, work_dir, stop, progress):

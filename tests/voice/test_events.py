@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.errors import BadRecording, StageFailed
 from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, deliver
-from worker.core.errors import BadRecording, StageFailed
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 
 
 class Collected:
@@ -21,9 +21,9 @@ class Collected:
 @pytest.fixture
 def announced(store, s3, train, tmp_path):
     events = Collected()
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                              work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=60,
-                              events=events, max_failed_attempts=2)
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="w",
+                                            lease_s=60, max_failed_attempts=2),
+                              store=store, uploader=ArtifactUploader(s3, BUCKET), train=train, events=events)
     return handler, events
 
 

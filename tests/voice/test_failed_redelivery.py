@@ -3,8 +3,10 @@ job (a redrive's copy, a resubmit) and a job the reconciler marked dead-lettered
 
 from __future__ import annotations
 
+from pipeline.errors import BadRecording
 from tests.voice.conftest import JOB_ID, PROFILE_ID, deliver, message_body
-from worker.core.errors import AlreadyFailed, BadRecording, QueueError
+from worker.core.errors import QueueError
+from worker.voice.errors import AlreadyFailed
 from worker.voice.records.rules import is_complete
 
 

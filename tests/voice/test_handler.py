@@ -8,8 +8,10 @@ from datetime import timedelta
 
 import pytest
 
+from pipeline.errors import BadRecording
 from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, deliver, message_body
-from worker.core.errors import BadRecording, QueueError, StaleWrite, StoreError
+from worker.core.errors import QueueError
+from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.rules import ASSET_KEYS, is_complete
 
 

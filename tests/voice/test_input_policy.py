@@ -179,11 +179,11 @@ def test_handler_dead_letters_another_profiles_recording_without_work(queues, ma
     """The handler applies its injected policy: another profile's s3:// key is dead-lettered, untrained."""
     from tests.voice.conftest import BUCKET
     from worker.voice.artifacts import ArtifactUploader
-    from worker.voice.job import VoiceJobHandler
+    from worker.voice.job import HandlerConfig, VoiceJobHandler
 
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                              work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=2,
-                              policy=SCOPED)
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=2,
+                                            policy=SCOPED),
+                              store=store, uploader=ArtifactUploader(s3, BUCKET), train=train)
     worker, _ = make_worker(handler)
     queues.send(body_with(f"s3://{RECORDINGS}/recordings/665f1c2e9b1e8a0012ab9999/take-1.wav"))
     assert worker.run_once() == "dead_letter"
@@ -211,8 +211,8 @@ def test_the_app_gives_the_handler_the_settings_policy_and_file_retention(queues
     app = build_app(settings)
     try:
         handler = app.worker._handler
-        assert handler._policy == settings.input_policy()
-        assert handler._policy.recordings_bucket == RECORDINGS and handler._keep_work_files is True
+        assert handler.config.policy == settings.input_policy()
+        assert handler.config.policy.recordings_bucket == RECORDINGS and handler.config.keep_work_files is True
     finally:
         app.close()
 

@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from pipeline.errors import BadRecording
 from tests.voice.conftest import JOB_ID, PROFILE_ID, deliver, message_body
-from worker.core.errors import Action, BadRecording, InvalidMessage, MalformedRecord, UnexpectedError
+from worker.core.errors import Action, InvalidMessage, UnexpectedError
+from worker.voice.errors import MalformedRecord
 from worker.voice.records.mongo import db_id
 from worker.voice.records.sqlite import SqliteStore
 

@@ -572,3 +572,130 @@ def test_property_any_number_literal_is_finite_or_refused(literal):
         assert math.isinf(float(literal))
         return
     json.dumps(job.body, allow_nan=False)
+
+
+# ---------------------------------------------------------------- hostile bodies, refused quickly
+
+SCOPED = InputPolicy(recordings_bucket="voice-media")
+PREFIX = "recordings/665f1c2e9b1e8a0012ab34ce/"
+NAME_ECHO = "must be 1-128 letters, digits, '.', '_' or '-', starting alphanumeric, got "
+
+
+def in_scope(path: tuple = ("extra",), value=None, literal: str | None = None) -> str:
+    """A body valid under SCOPED but for ``value`` (or the JSON ``literal``) at ``path``."""
+    body = valid_body()
+    body["input"][1]["recordingUrl"] = f"s3://voice-media/{PREFIX}2.wav"
+    target = body
+    for part in path[:-1]:
+        target = target[part]
+    target[path[-1]] = "@@literal@@" if literal is not None else value
+    text = json.dumps(body)
+    return text.replace('"@@literal@@"', literal) if literal is not None else text
+
+
+DIGITS = "Exceeds the limit (4300 digits) for integer string conversion"
+URL0 = ("input", 0, "recordingUrl")
+HOSTILE = {
+    "deep-array-100k": ("[" * 100_000 + "]" * 100_000, JSON_ERR + "nested too deeply"),
+    "deep-object-100k": ('{"a":' * 100_000 + "1" + "}" * 100_000, JSON_ERR + "nested too deeply"),
+    "deep-in-doc-100k": (in_scope(("_doc", "n"), literal="[" * 100_000 + "]" * 100_000), JSON_ERR + "nested too deeply"),
+    "deep-unclosed-200k": ("[" * 200_000, JSON_ERR + "nested too deeply"),
+    "deep-in-extra-5000": (in_scope(literal="[" * 5000 + "]" * 5000), JSON_ERR + "nested too deeply"),
+    "int-5000-extra": (in_scope(literal="1" * 5000), JSON_ERR + DIGITS),
+    "int-5000-doc": (in_scope(("_doc", "n"), literal="9" * 5000), JSON_ERR + DIGITS),
+    "int-5000-jobId": (in_scope(("jobId",), literal="1" * 5000), JSON_ERR + DIGITS),
+    "int-5000-nested": (in_scope(("input", 1, "n"), literal="[" + "7" * 5000 + "]"), JSON_ERR + DIGITS),
+    "port-5000-digits": (in_scope(URL0, "https://h.example:" + "9" * 5000 + "/a.wav"),
+                         "input[0].recordingUrl: has an invalid port in 'https://h.example:999"),
+    "1e999": (in_scope(literal="1e999"), OUT_OF_RANGE.format("'1e999'", "Infinity")),
+    "-1e999": (in_scope(("_doc", "n"), literal="-1e999"), OUT_OF_RANGE.format("'-1e999'", "-Infinity")),
+    "nan": (in_scope(literal="NaN"), JSON_ERR + "NaN is not allowed in JSON"),
+    "infinity": (in_scope(("_doc", "n"), literal="Infinity"), JSON_ERR + "Infinity is not allowed in JSON"),
+    "-infinity": (in_scope(("input", 0, "n"), literal="-Infinity"), JSON_ERR + "-Infinity is not allowed in JSON"),
+    "nan-as-jobId": (in_scope(("jobId",), literal="NaN"), JSON_ERR + "NaN is not allowed in JSON"),
+    "surrogate-jobId": (in_scope(("jobId",), "a\ud800"), "jobId: " + NAME_ECHO + "'a\\ud800'"),
+    "surrogate-profileId": (in_scope(("profileId",), "\udfff"), "profileId: " + NAME_ECHO + "'\\udfff'"),
+    "surrogate-dir": (in_scope(("metadata", "directoryName"), "x\ud83d"), "metadata.directoryName: " + NAME_ECHO),
+    "surrogate-language": (in_scope(("metadata", "language"), "e\ud800"),
+                           "metadata.language: must be a language code like 'en' or 'pt-BR', got 'e\\ud800'"),
+    "surrogate-env": (in_scope(("environment",), "\ud800"), "environment: must be one of development, staging, "
+                      "production, got '\\ud800'"),
+    "surrogate-text": (in_scope(("input", 0, "originalText"), "caf\ud800e"),
+                       "input[0].originalText: must be valid Unicode text (it holds a lone surrogate)"),
+    "surrogate-url": (in_scope(URL0, "https://h.example/\ud800.wav"), f"input[0].recordingUrl: {SPACE}"),
+    "bom-body": ("\ufeff" + json.dumps(valid_body()), JSON_ERR + "Unexpected UTF-8 BOM (decode using utf-8-sig)"),
+    "bom-env": (in_scope(("environment",), "\ufeffproduction"), "environment: must be one of development"),
+    "bom-jobId": (in_scope(("jobId",), "\ufeffabc"), "jobId: " + NAME_ECHO + "'\\ufeffabc'"),
+    "bom-only-text": (in_scope(("input", 0, "originalText"), "\ufeff"), f"input[0].originalText: {INVISIBLE}U+FEFF"),
+    "bom-url": (in_scope(URL0, "\ufeffhttps://h.example/a.wav"), f"input[0].recordingUrl: {SPACE}"),
+    "bom-bucket": (in_scope(URL0, f"s3://\ufeffvoice-media/{PREFIX}a.wav"), f"input[0].recordingUrl: {SPACE}"),
+    "fullwidth-jobId": (in_scope(("jobId",), "ａｂｃ"), "jobId: " + NAME_ECHO + "'ａｂｃ'"),
+    "fullwidth-slash-dir": (in_scope(("metadata", "directoryName"), "dir／x"),
+                            "metadata.directoryName: " + NAME_ECHO + "'dir／x'"),
+    "fullwidth-slash-url": (in_scope(URL0, "https://h.example／a.wav"),
+                            "input[0].recordingUrl: has an invalid host 'h.example／a.wav'"),
+    "fullwidth-scheme": (in_scope(URL0, "ｈｔｔｐｓ://h.example/a.wav"), "input[0].recordingUrl: " + URL_FORM),
+    "fullwidth-host": (in_scope(URL0, "https://ｈ.example/a.wav"), "input[0].recordingUrl: has an invalid host"),
+    "fullwidth-port": (in_scope(URL0, "https://h.example:４４３/a.wav"), "input[0].recordingUrl: has an invalid port"),
+    "fullwidth-language": (in_scope(("metadata", "language"), "ｅｎ"), "metadata.language: must be a language code"),
+    "fullwidth-env": (in_scope(("environment",), "ｐｒｏｄｕｃｔｉｏｎ"), "environment: must be one of"),
+    "%2F-jobId": (in_scope(("jobId",), "a%2Fb"), "jobId: " + NAME_ECHO + "'a%2Fb'"),
+    "%2F-dir": (in_scope(("metadata", "directoryName"), "..%2F..%2Fetc"), "metadata.directoryName: " + NAME_ECHO),
+    "%2F-host": (in_scope(URL0, "https://h.example%2Fevil.com/a.wav"),
+                 "input[0].recordingUrl: has an invalid host 'h.example%2Fevil.com'"),
+    "%2F-bucket": (in_scope(URL0, "s3://voice-media%2Fx/recordings/a.wav"),
+                   "input[0].recordingUrl: has an invalid S3 bucket name 'voice-media%2Fx'"),
+    "%2F-key-scope": (in_scope(URL0, "s3://voice-media/recordings%2F665f1c2e9b1e8a0012ab34ce%2Fa.wav"),
+                      f"input[0].recordingUrl: S3 key must start with '{PREFIX}'"),
+    "dotdot-key": (in_scope(URL0, f"s3://voice-media/{PREFIX}../other/a.wav"),
+                   "input[0].recordingUrl: S3 key must not have empty, '.' or '..' path segments"),
+    "not-utf8": (b'{"jobId": "\xff"}', JSON_ERR + "'utf-8' codec can't decode byte 0xff"),
+    "truncated": (in_scope()[:-1], JSON_ERR + "Expecting ',' delimiter"),
+    "array-body": ("[1, 2]", "body: must be a JSON object, got array"),
+    "null-body": ("null", "body: must be a JSON object, got null"),
+    "too-big": (in_scope(value="x" * (1024 * 1024)), "body: larger than 1048576 bytes"),
+    "2000-bad-recordings": (json.dumps(changed(("input",), [{"recordingUrl": "x" * 300, "originalText": ""}] * 2000)),
+                            "input: must list at most 500 recordings (MAX_RECORDINGS_PER_JOB), got 2000"),
+    "escape-in-text": (in_scope(("input", 0, "originalText"), "\x1b[31mred"),
+                       "input[0].originalText: " + CONTROL.format("U+001B", 0)),
+}
+
+
+def test_the_hostile_bodies_are_fifty():
+    """The table below is the measured set: 50 malformed bodies (and its valid base body passes SCOPED)."""
+    assert len(HOSTILE) == 50
+    assert parse_job(in_scope(), SCOPED).recordings[1].url.key == f"{PREFIX}2.wav"
+
+
+def test_fifty_hostile_bodies_are_each_refused_in_one_line_and_quickly():
+    """Deep nesting, 5,000-digit numbers, NaN and 1e999, lone surrogates, BOMs, fullwidth and %2F escapes:
+    each body is one problem line naming its fault, and all fifty take well under a second (about 5 ms
+    when measured; the bound leaves room for a loaded machine)."""
+    import time
+
+    start = time.perf_counter()
+    lines = {}
+    for name, (body, _expected) in HOSTILE.items():
+        with pytest.raises(InvalidMessage) as info:
+            parse_job(body, SCOPED)
+        lines[name] = info.value.problems
+    elapsed = time.perf_counter() - start
+    wrong = {name: found for name, found in lines.items()
+             if len(found) != 1 or not found[0].startswith(HOSTILE[name][1])}
+    assert not wrong, wrong
+    assert elapsed < 2.0, f"{elapsed:.2f} s for 50 hostile bodies"
+
+
+def test_the_message_model_is_strict_also_for_values_json_never_gives():
+    """The model converts nothing: bytes are not a string, a tuple not an array, a number not a name
+    (json.loads gives neither bytes nor tuples, so only a direct caller of the model can tell)."""
+    from pydantic import ValidationError
+
+    from worker.voice.message import JobMessage
+
+    body = valid_body()
+    body["jobId"], body["input"], body["metadata"]["directoryName"] = b"abc", tuple(body["input"]), 7
+    with pytest.raises(ValidationError) as info:
+        JobMessage.model_validate(body)
+    assert [(e["loc"], e["type"]) for e in info.value.errors()] == [
+        (("jobId",), "string_type"), (("metadata", "directoryName"), "string_type"), (("input",), "list_type")]

@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.config import load_pipeline_config
 from pipeline.downloads import DownloadSettings
+from pipeline.errors import StageFailed
 from pipeline.manifest import manifest_path, write_manifest
 from pipeline.recording_url import parse_recording_url
 from pipeline.remote_work import RemoteWorkConfig
@@ -16,9 +17,8 @@ from pipeline.run import PipelineTrainer, run_pipeline
 from tests.pipeline.test_dataset import write_inputs
 from tests.pipeline.test_run import FakeFetch
 from tests.voice.conftest import BUCKET, JOB_ID, deliver
-from worker.core.errors import StageFailed
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.records.rules import MIRROR
 
 CONFIG = load_pipeline_config(Path(__file__).resolve().parents[2] / "config" / "pipeline.toml")
@@ -33,8 +33,9 @@ class Host:
         self.root, self.store, self.s3, self.fetch = root, store, s3, fetch
         self.pipeline = PipelineTrainer(CONFIG, DownloadSettings(), s3_client=s3, remote=MIRROR_AT)
         self.fail_after_training = False
-        self.handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=self.train,
-                                       work_root=root, s3_prefix="models", worker_id=root.name, lease_s=60)
+        self.handler = VoiceJobHandler(HandlerConfig(work_root=root, s3_prefix="models", worker_id=root.name,
+                                                     lease_s=60),
+                                       store=store, uploader=ArtifactUploader(s3, BUCKET), train=self.train)
 
     def train(self, job, work_dir, stop, progress, ledger):
         paths = run_pipeline(job, work_dir, stop, config=CONFIG, fetch=self.fetch, progress=progress,

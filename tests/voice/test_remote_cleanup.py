@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from tests.voice.conftest import BUCKET, deliver
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 
 
 def test_the_mirror_is_forgotten_after_the_commit_and_only_then(store, s3, train, tmp_path):
     """A committed job's work directory is handed to the mirror's clean-up; a failed one keeps its mirror."""
     forgotten = []
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                              work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=60,
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=60),
+                              store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
                               forget_remote_work=forgotten.append)
 
     def fails(*_args):
@@ -34,8 +34,8 @@ def test_a_failing_clean_up_does_not_fail_the_committed_job(store, s3, train, tm
     def broken(_job_dir):
         raise RuntimeError("S3 gone")
 
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                              work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=60,
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="w", lease_s=60),
+                              store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
                               forget_remote_work=broken)
     assert deliver(handler, 1) == "completed"
 

@@ -7,11 +7,13 @@ from datetime import timedelta
 
 import pytest
 
+from pipeline.errors import StageFailed
 from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, message_body
-from worker.core.errors import QueueError, StageFailed, Stopped, StoreError
+from worker.core.errors import QueueError, Stopped
 from worker.core.testing import MemoryQueue
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
+from worker.voice.records.errors import StoreError
 from worker.voice.records.rules import failed_attempts, is_complete
 
 # The template's RedrivePolicy: SQS moves a message only after this many receives.
@@ -82,9 +84,9 @@ def test_a_job_failing_retryably_every_time_is_dead_lettered_by_the_worker_after
 
 def test_the_limit_is_the_setting(queue, make_memory_worker, store, s3, train, tmp_path):
     """With MAX_FAILED_ATTEMPTS=2 the second recorded failure dead-letters the message."""
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                              work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
-                              lease_s=2, max_failed_attempts=2)
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
+                                            lease_s=2, max_failed_attempts=2),
+                              store=store, uploader=ArtifactUploader(s3, BUCKET), train=train)
     train.during = failing
     worker = make_memory_worker(handler, queue=queue, **NO_BACKOFF)
     queue.send(message_body())

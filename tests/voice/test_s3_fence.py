@@ -130,7 +130,7 @@ def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, ma
     aborted, and nothing is written to the store."""
     import os
 
-    from worker.voice.job import VoiceJobHandler
+    from worker.voice.job import HandlerConfig, VoiceJobHandler
 
     def big_full_model(job, work_dir, stop, progress, ledger=None):
         paths = train(job, work_dir, stop, progress, ledger)
@@ -139,8 +139,9 @@ def test_a_lease_lost_during_a_multipart_upload_sends_no_further_part(queues, ma
 
     uploader = ArtifactUploader(s3, BUCKET, multipart_threshold_bytes=5 * 1024 * 1024,
                                 multipart_chunk_bytes=5 * 1024 * 1024, max_concurrency=1)
-    inner = VoiceJobHandler(store=store, uploader=uploader, train=big_full_model, work_root=tmp_path / "work",
-                            s3_prefix="models", worker_id="test-worker", lease_s=30)
+    inner = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
+                                          lease_s=30),
+                            store=store, uploader=uploader, train=big_full_model)
     leases = []
 
     def handler(message, lease):
@@ -166,11 +167,12 @@ def test_a_store_outage_during_the_uploads_is_left_to_the_local_lease_deadline(q
                                                                               train, raw_store, tmp_path):
     """A renewal before an upload that cannot reach the store does not fail the job while the record lease
     is still far from lapsing: the uploads go on and the job commits."""
-    from worker.core.errors import StoreError
-    from worker.voice.job import VoiceJobHandler
+    from worker.voice.job import HandlerConfig, VoiceJobHandler
+    from worker.voice.records.errors import StoreError
 
-    handler = VoiceJobHandler(store=store, uploader=ArtifactUploader(s3, BUCKET), train=train,
-                              work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker", lease_s=30)
+    handler = VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
+                                            lease_s=30),
+                              store=store, uploader=ArtifactUploader(s3, BUCKET), train=train)
     renewals = []
 
     def unreachable_after_the_committing_renewal():

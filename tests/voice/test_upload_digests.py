@@ -11,12 +11,12 @@ import pytest
 
 import pipeline.files
 import worker.voice.artifacts
+from pipeline.errors import StageFailed
 from pipeline.manifest import manifest_path, write_manifest
 from tests.support import CountingHashlib
 from tests.voice.conftest import BUCKET, PROFILE_ID, deliver
-from worker.core.errors import StageFailed
 from worker.voice.artifacts import ArtifactUploader
-from worker.voice.job import VoiceJobHandler
+from worker.voice.job import HandlerConfig, VoiceJobHandler
 
 MIB = 1024 * 1024
 
@@ -46,8 +46,9 @@ def small_parts_handler(store, s3, tmp_path):
     """A handler whose uploader sends files of 5 MiB and more in 5 MiB parts."""
     def make(train):
         uploader = ArtifactUploader(s3, BUCKET, multipart_threshold_bytes=5 * MIB, multipart_chunk_bytes=5 * MIB)
-        return VoiceJobHandler(store=store, uploader=uploader, train=train, work_root=tmp_path / "work",
-                               s3_prefix="models", worker_id="test-worker", lease_s=30)
+        return VoiceJobHandler(HandlerConfig(work_root=tmp_path / "work", s3_prefix="models", worker_id="test-worker",
+                                             lease_s=30),
+                               store=store, uploader=uploader, train=train)
     return make
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.files import FileIdentity
+from pipeline.workdir import attempt_dir_name, published_path
 from tests.voice.conftest import JOB_ID, PROFILE_ID, message_body
-from worker.core.errors import StorageError, StoreError
-from worker.voice.job import artifact_rels, attempt_dir_name
-from worker.voice.publish import publish_all, publish_file, published_path
+from worker.voice.commit import artifact_rels
+from worker.voice.errors import StorageError
+from worker.voice.publish import publish_all, publish_file
+from worker.voice.records.errors import StoreError
 
 WORK_DIR = Path("production", "user-123-voice-1", JOB_ID)
 FAST_RETRY = {"SQS_VISIBILITY_TIMEOUT_SECONDS": 1, "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": 300,
@@ -282,7 +284,7 @@ def test_a_linked_publish_never_replaces_a_file_someone_else_published_first(tmp
 
 def test_the_cleanup_never_removes_a_models_root_inside_the_work_dir(tmp_path):
     """Scratch removal skips an entry that is MODELS_ROOT (or holds it), whatever the settings chose."""
-    from worker.voice.job import remove_work_files
+    from pipeline.workdir import remove_work_files
 
     work = tmp_path / "job"
     (work / "attempts" / "0001-aaaaaaaa" / "output").mkdir(parents=True)
@@ -295,12 +297,12 @@ def test_the_cleanup_never_removes_a_models_root_inside_the_work_dir(tmp_path):
 
 def test_a_failed_publish_writes_no_model_paths(queues, make_worker, handler, raw_store, monkeypatch):
     """Publishing comes before the profile's paths: when it fails, no modelPaths name missing files."""
-    import worker.voice.job as job_module
+    import worker.voice.commit as commit_module
 
     def full_disk(*_args, **_kwargs):
         raise StorageError("publishing the models failed at model.pth: No space left on device")
 
-    monkeypatch.setattr(job_module, "publish_all", full_disk)
+    monkeypatch.setattr(commit_module, "publish_all", full_disk)
     worker, _ = make_worker(handler)
     queues.send(message_body())
     assert worker.run_once() == "retry"

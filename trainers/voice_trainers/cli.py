@@ -68,15 +68,6 @@ def stage_environment(checkpoints: Path, environ: Mapping[str, str]) -> dict[str
     return {key: value for key, value in updates.items() if key not in environ or key.endswith("OFFLINE")}
 
 
-def torch_threads(environ: Mapping[str, str]) -> int | None:
-    """Intra-op threads from OMP_NUM_THREADS (the worker passes it through), None to let torch decide."""
-    try:
-        threads = int(environ.get("OMP_NUM_THREADS", ""))
-    except ValueError:
-        return None
-    return threads if threads > 0 else None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signals = StageSignals().install()

@@ -9,6 +9,7 @@ from typing import Any
 
 from voice_trainers.dataset import SAMPLE_RATE_HZ
 from voice_trainers.profiles import Profile
+from voice_trainers.threads import torch_threads
 
 # Coqui's model keys the exported full model keeps; the discriminator only matters for training.
 DISCRIMINATOR_PREFIX = "disc."
@@ -17,8 +18,6 @@ DISCRIMINATOR_PREFIX = "disc."
 def import_torch() -> Any:
     """torch, with its intra-op threads taken from OMP_NUM_THREADS."""
     import torch
-
-    from voice_trainers.cli import torch_threads
 
     threads = torch_threads(os.environ)
     if threads is not None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from worker.core.health import Pulse
+from worker.core.health import Liveness
 from worker.core.loop import Worker
 
 log = structlog.get_logger(__name__)
@@ -118,7 +118,7 @@ class Requests:
         self._made = threading.Event()
         self._kept: list[str] = []
         self._worker: Worker | None = None
-        self._pulse: Pulse | None = None
+        self._pulse: Liveness | None = None
 
     def stop(self) -> None:
         self._request("shutdown")
@@ -137,7 +137,7 @@ class Requests:
         if self._made.wait(seconds) and (reason := self.reason):
             raise StartUpStopped(reason)
 
-    def attach(self, worker: Worker, pulse: Pulse | None = None) -> None:
+    def attach(self, worker: Worker, pulse: Liveness | None = None) -> None:
         """From now on requests go to ``worker``, the kept ones first; with a ``pulse``, systemd hears
         STOPPING=1 (or the drain's STATUS) the moment a signal arrives, not when the loop ends."""
         with self._lock:
@@ -184,7 +184,7 @@ def relay_signals(requests: Requests, *, json_stacks: bool = False) -> SignalRel
     return relay
 
 
-def install_signal_handlers(worker: Worker, pulse: Pulse | None = None, *, json_stacks: bool = False) -> SignalRelay:
+def install_signal_handlers(worker: Worker, pulse: Liveness | None = None, *, json_stacks: bool = False) -> SignalRelay:
     """``relay_signals`` for a worker that already exists: SIGTERM/SIGINT to ``worker.stop``, SIGUSR2 to
     ``worker.drain``, with ``pulse`` told first (``Requests.attach``)."""
     requests = Requests()
@@ -202,7 +202,7 @@ def log_stacks() -> None:
     log.warning("worker.stacks", threads=threads)
 
 
-def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Pulse | None = None, *,
+def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: Liveness | None = None, *,
                json_stacks: bool = False, requests: Requests | None = None) -> int:
     """Run until shutdown, then leave in this order:
     1. the loop has settled its last message (``run`` returned: deleted, released or left to SQS;
@@ -214,7 +214,7 @@ def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: P
 
     With ``requests``, the relay was installed before the start-up by the caller, who uninstalls it
     (step 4); what was requested since reaches the worker before its first receive."""
-    pulse = pulse or Pulse()
+    pulse = pulse or Liveness()
     code = EXIT_OK
     relay = None
     if requests is None:

@@ -1,41 +1,29 @@
-"""The project's one error tree. Each class names the ``Action`` the loop takes with a message whose
-handler ended with it (``action``; the most specific class wins), so ``decide`` is a look-up.
+"""The core's error tree: the branches every layer's errors hang on. Each class names the ``Action``
+the loop takes with a message whose handler ended with it (``action``; the most specific class wins),
+so ``decide`` is a look-up on the branch and knows no class of a layer above.
 
     WorkerError                retry: an error of no branch below (a ConfigError met inside a job)
-    ├── ConfigError            settings or pipeline config unusable: stop at start-up, exit non-zero
-    ├── RetryableError         retry: leave the message; SQS redelivers it after the backoff for its
-    │   │                      receive count. Recorded on the job as ``retryable: true``
-    │   ├── QueueError         SQS throttling, 5xx, network (after botocore's own retries)
-    │   ├── StorageError       S3 upload/read failed
-    │   ├── StoreError         the records store is unavailable
-    │   ├── StaleWrite         an update matched no record (not ours any more, or gone): never acknowledge
-    │   ├── UnknownJob         no job record for the message (yet): the redrive policy bounds the retries
-    │   ├── JobBusy            this very message is being worked on under a lapsed SQS lease: come back
-    │   │                      when that record lease ends (``retry_after_s``)
-    │   ├── UnexpectedError    a bug or an unforeseen library error inside the job: retried, reported
-    │   ├── DownloadError      a recording could not be fetched this time (timeout, 5xx, network)
-    │   └── StageFailed        a pipeline stage exited with a code not declared permanent, or the job's
-    │                          work files could not be written (disk full, read-only, WORK_ROOT gone)
+    ├── ConfigError            settings unusable: stop at start-up, exit non-zero
+    ├── RetryableError         retry: leave the message; the queue redelivers it after the backoff for
+    │   │                      its receive count. Recorded on the job as ``retryable: true``
+    │   ├── QueueError         the queue's throttling, 5xx, network (after the client's own retries)
+    │   └── UnexpectedError    a bug or an unforeseen library error inside the handler: retried, reported
     ├── PermanentError         dead_letter: retrying cannot help: record it, move the body to the DLQ,
     │   │                      then delete
     │   ├── InvalidMessage     body not JSON or not the schema; one line per violation
-    │   ├── BadRecording       a recording is gone, too large, or not decodable audio
-    │   ├── StageFailedPermanently   a stage exited with a code listed in permanent_exit_codes
-    │   ├── TimeLimitExceeded  one attempt ran past JOB_TIME_LIMIT_SECONDS
-    │   ├── MalformedRecord    the job's or profile's record holds a field the worker decides on in a
-    │   │                      shape it never writes (another writer's): fixed by hand, not by retrying
-    │   ├── RetriesExhausted   a retryable failure that spent the job's last failed attempt
-    │   │                      (MAX_FAILED_ATTEMPTS): dead-lettered under the type of the error it wraps
-    │   └── AlreadyFailed      a redelivery of a message whose permanent failure is recorded: back to
-    │                          the DLQ unworked, under the recorded error type
+    │   ├── TimeLimitExceeded  one attempt ran past its time limit (JOB_TIME_LIMIT_SECONDS)
+    │   └── RetriesExhausted   a retryable failure that spent the job's last failed attempt
+    │                          (MAX_FAILED_ATTEMPTS): dead-lettered under the type of the error it wraps
     ├── LeaseLost              abandon: our claim on the message or the record is gone: commit nothing,
     │                          delete nothing
     └── Stopped                the handler was told to stop; its ``reason`` (a ``StopReason``) names the
                                action: shutdown -> release, cancelled -> retry (the redelivery records
                                it), lease_lost -> abandon, time_limit -> dead_letter as TimeLimitExceeded
 
-Adapters translate third-party exceptions (botocore, pymongo, urllib3, sqlite3) into these at their
-boundary, so the loop and the handler only ever catch the project's own types.
+The layers above add classes of their own on these branches, each layer drawing its tree in the
+docstring of its own errors module; nothing here imports them. Adapters translate third-party
+exceptions (botocore, pymongo, urllib3, sqlite3) into the project's errors at their boundary, so the
+loop and the handler only ever catch the project's own types.
 """
 
 from __future__ import annotations
@@ -100,37 +88,7 @@ class QueueError(RetryableError):
     pass
 
 
-class StorageError(RetryableError):
-    pass
-
-
-class StoreError(RetryableError):
-    pass
-
-
-class StaleWrite(RetryableError):
-    pass
-
-
-class UnknownJob(RetryableError):
-    pass
-
-
-class JobBusy(RetryableError):
-    def __init__(self, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
 class UnexpectedError(RetryableError):
-    pass
-
-
-class DownloadError(RetryableError):
-    pass
-
-
-class StageFailed(RetryableError):
     pass
 
 
@@ -146,28 +104,8 @@ class InvalidMessage(PermanentError):
         super().__init__("; ".join(self.problems))
 
 
-class BadRecording(PermanentError):
-    pass
-
-
-class StageFailedPermanently(PermanentError):
-    pass
-
-
 class TimeLimitExceeded(PermanentError):
     pass
-
-
-class MalformedRecord(PermanentError):
-    """A record holds fields the worker decides on in a shape the worker never writes: some other
-    writer (the product's backend, a hand edit) wrote them, and no retry can mend them. ``problems``
-    holds one line per field ("job attempts: text ('three'), not a count ...")."""
-
-    def __init__(self, job_id: str, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__(f"the records of job {job_id} hold fields the worker cannot read, written by "
-                         "something other than the worker; fix or remove them, then redrive the "
-                         "message: " + "; ".join(self.problems))
 
 
 class RetriesExhausted(PermanentError):
@@ -184,21 +122,6 @@ class RetriesExhausted(PermanentError):
     @property
     def error_type(self) -> str:
         return self.error.error_type
-
-
-class AlreadyFailed(PermanentError):
-    """A redelivery of a message whose permanent failure is recorded: dead-lettered again, unworked.
-
-    ``error_type`` is the recorded one, so the DLQ copy says what actually went wrong.
-    """
-
-    def __init__(self, error_type: str, message: str):
-        super().__init__(message)
-        self.recorded_type = error_type
-
-    @property
-    def error_type(self) -> str:
-        return self.recorded_type
 
 
 class LeaseLost(WorkerError):

@@ -13,11 +13,14 @@ from enum import StrEnum
 
 
 class CrashPoint(StrEnum):
+    """Where a handler's work may be cut short. The loop reaches AFTER_RECEIVE itself; the handler
+    reaches the others, in its commit order, by these names."""
+
     AFTER_RECEIVE = "after_receive"  # the loop holds the message, nothing else happened
-    DURING_DOWNLOAD = "during_download"  # the first recording is being fetched
-    AFTER_UPLOAD = "after_upload"  # all five objects are in S3, no record written
-    AFTER_PATHS = "after_paths"  # the profile holds the paths, nothing marked completed
-    AFTER_PROFILE_COMPLETED = "after_profile_completed"  # the profile is completed, the job is not
+    DURING_DOWNLOAD = "during_download"  # the handler is fetching its first input
+    AFTER_UPLOAD = "after_upload"  # every output is stored, nothing recorded yet
+    AFTER_PATHS = "after_paths"  # where the outputs are is recorded, nothing marked completed
+    AFTER_PROFILE_COMPLETED = "after_profile_completed"  # the result's record is completed, the job's is not
     AFTER_JOB_COMPLETED = "after_job_completed"  # the commit marker is written, the message not yet deleted
 
 

@@ -1,6 +1,6 @@
 """Signs of life for supervisors: a liveness file for container health checks, sd_notify for systemd.
 
-Both are fed by one ``Pulse``: the loop beats after every receive, the heartbeat after every successful
+Both are fed by one ``Liveness``: the loop beats after every receive, the heartbeat after every successful
 renewal (a three-hour job is alive as long as its lease is). Nothing happens when neither is configured.
 
 ``systemctl status`` shows the last ``STATUS=`` line: "idle", "working on message <id>", "draining: ...",
@@ -41,7 +41,10 @@ def notify(socket_path: str | None, state: str) -> bool:
         return False
 
 
-class Pulse:
+class Liveness:
+    """What tells the outside the worker is alive: the liveness file (``worker health``, the container's
+    check) and systemd's notify socket (READY, WATCHDOG=1), each beat at most every ``min_interval_s``."""
+
     def __init__(self, liveness_file: str | None = None, notify_socket: str | None = None,
                  min_interval_s: float = 1.0, clock=time.monotonic, max_age_s: float | None = None):
         self._file = Path(liveness_file) if liveness_file else None
@@ -109,7 +112,7 @@ class Pulse:
 
 
 class _Announcing:
-    def __init__(self, pulse: Pulse, inner: Activity):
+    def __init__(self, pulse: Liveness, inner: Activity):
         self._pulse, self.inner = pulse, inner
 
     def busy(self, for_at_most_s: float) -> None:

@@ -4,7 +4,7 @@ Run by the orchestrator every 30 s, so it imports nothing of the worker (no sett
 no CLI): ``python -m worker health`` costs ~2 s of CPU and ~38 MiB each time; this reads one file.
 The worker is alive while its liveness file (``LIVENESS_FILE``) is fresh: the loop and the heartbeat
 touch it. How fresh it must be comes from ``LIVENESS_MAX_AGE_SECONDS`` when set, otherwise from
-the file itself: the worker writes its limit into it when it starts (``worker.core.health.Pulse``),
+the file itself: the worker writes its limit into it when it starts (``worker.core.health.Liveness``),
 computed from its own settings, so the check needs none of them.
 
 Exit codes: 0 healthy, 1 unhealthy (with the reason on stdout, which Docker keeps in its health log).

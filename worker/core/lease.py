@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 import structlog
 
+from worker.core.broker import Message, Queue
 from worker.core.config import LeaseTimings
 from worker.core.errors import LeaseLost, Stopped, WorkerError
 from worker.core.metrics import HEARTBEAT_FAILURES, NULL_METRICS, Metrics
-from worker.core.queue import Message, Queue
 from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)

@@ -16,7 +16,8 @@ Each error class names its own action (``WorkerError.action``, see ``worker.core
 
 A handler is any callable ``handler(message, lease) -> str | None``: it returns to acknowledge (the
 optional string names the outcome for the logs), raises a project error otherwise, and waits on
-``lease.stop`` to learn that it must stop.
+``lease.stop`` to learn that it must stop. The queue is any ``worker.core.broker.Queue``: the SQS
+adapter (``worker.core.queue.Queue``) in production, ``worker.core.testing.MemoryQueue`` in tests.
 
 Two ways to stop receiving: ``stop()`` (SIGTERM) gives the job in flight the shutdown grace, then
 releases it; ``drain()`` (SIGUSR2) lets it run to its end or its time limit and settles it as usual.
@@ -39,6 +40,7 @@ from typing import Protocol
 
 import structlog
 
+from worker.core.broker import Message, Queue
 from worker.core.config import Backoff, LeaseTimings, LoopConfig
 from worker.core.errors import Action, QueueError, RetriesExhausted, WorkerError
 from worker.core.faults import NEVER, CrashPoints
@@ -54,7 +56,6 @@ from worker.core.metrics import (
     Outcome,
     outcome_of,
 )
-from worker.core.queue import Message, Queue
 from worker.core.reporting import Reporter
 
 log = structlog.get_logger(__name__)

@@ -13,8 +13,11 @@ written whole under a lock, so the heartbeat thread and the loop never interleav
      "Environment": "production", "Queue": "jobs", "JobDuration": 812.4, "outcome": "completed"}
 
 Namespace: METRICS_NAMESPACE. Dimensions: METRICS_DIMENSIONS ("Name=Value,..."), added to every metric;
-stage durations add ``Stage``. METRICS_ENABLED=false writes nothing. The metric names below are the
-ones config/cloudwatch-dashboard.json and config/cloudwatch-alarms.yaml refer to.
+a caller may add a dimension of its own to one document (``emit(dimensions=...)``). METRICS_ENABLED=false
+writes nothing. The metric names below are the loop's and the heartbeat's; a layer above names its own
+next to its code and passes them to ``parse_dimensions`` as ``reserved``, so that no configured
+dimension shadows them. The names config/cloudwatch-dashboard.json and config/cloudwatch-alarms.yaml
+refer to are the core's and those.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Any, TextIO
 
@@ -40,16 +43,8 @@ DEFAULT_NAMESPACE = "VoiceWorker"
 SECONDS, COUNT = "Seconds", "Count"
 
 JOB_DURATION = "JobDuration"                            # the completing attempt: receipt to delete
-STAGE_DURATION = "StageDuration"                        # first progress report to 100 %, per Stage
 RECEIVE_COUNT_AT_COMPLETION = "ReceiveCountAtCompletion"
-HEARTBEAT_FAILURES = "HeartbeatFailures"                # a renewal (queue or store) that failed
-# What a job cost in trainer-stage time (GPU-seconds); at the commit, over all its attempts:
-JOB_GPU_SECONDS = "JobGpuSeconds"
-JOB_WASTED_GPU_SECONDS = "JobWastedGpuSeconds"          # of its attempts that did not commit
-JOB_ATTEMPTS = "JobAttempts"
-# At the end of each attempt that did not commit (failed, stopped, released, lease lost): its time.
-WASTED_GPU_SECONDS = "WastedGpuSeconds"
-STAGE_DIMENSION = "Stage"
+HEARTBEAT_FAILURES = "HeartbeatFailures"                # a renewal (the queue's or a callback's) that failed
 
 # What the loop did with a message -> the count it adds 1 to.
 class Outcome(StrEnum):
@@ -74,25 +69,21 @@ OUTCOME_METRICS: dict[str, str] = {
     Outcome.SKIPPED: "JobsSkipped",
     Outcome.LEASE_LOST: "JobsLeaseLost",
 }
-# What one reconcile pass changed -> its count (0 included, so alarms see a steady series).
-RECONCILE_METRICS = {
-    "worker_lost": "ReconciledWorkerLost",
-    "reenqueued": "ReconciledReenqueued",
-    "unenqueueable": "ReconciledUnenqueueable",
-    "dead_lettered": "ReconciledDeadLettered",
-    "failed": "ReconcileFailures",
-}
-METRIC_NAMES = frozenset({JOB_DURATION, STAGE_DURATION, RECEIVE_COUNT_AT_COMPLETION, HEARTBEAT_FAILURES,
-                          JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS, JOB_ATTEMPTS, WASTED_GPU_SECONDS,
-                          *OUTCOME_METRICS.values(), *RECONCILE_METRICS.values()})
+# The core's metric names: what the loop and the heartbeat emit.
+METRIC_NAMES = frozenset({JOB_DURATION, RECEIVE_COUNT_AT_COMPLETION, HEARTBEAT_FAILURES, *OUTCOME_METRICS.values()})
 
 MAX_DIMENSIONS = 30  # per dimension set, CloudWatch's limit
 _DIMENSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,249}")  # EMF allows 250
-_RESERVED = METRIC_NAMES | {STAGE_DIMENSION, "_aws"}
+_RESERVED = METRIC_NAMES | {"_aws"}
 
 
-def parse_dimensions(text: str) -> dict[str, str]:
-    """``"Environment=production,Queue=jobs"`` -> a dict; ValueError with a readable reason."""
+def parse_dimensions(text: str, reserved: Iterable[str] = ()) -> dict[str, str]:
+    """``"Environment=production,Queue=jobs"`` -> a dict; ValueError with a readable reason.
+
+    No name may be one of the core's metrics or ``reserved`` (the metric and dimension names of the
+    layers above): a dimension of that name would shadow them in the document.
+    """
+    taken = _RESERVED | frozenset(reserved)
     dims: dict[str, str] = {}
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -102,14 +93,14 @@ def parse_dimensions(text: str) -> dict[str, str]:
             raise ValueError(f"{item!r} is not Name=Value")
         if not _DIMENSION_NAME.fullmatch(name):
             raise ValueError(f"dimension name {name!r} must be letters, digits, '_', '.', '-'")
-        if name in _RESERVED:
+        if name in taken:
             raise ValueError(f"dimension name {name!r} is reserved (a metric or built-in dimension)")
         if len(value) > 1024:
             raise ValueError(f"dimension {name} has a value longer than 1024 characters")
         if name in dims:
             raise ValueError(f"dimension {name} is given twice")
         dims[name] = value
-    if len(dims) > MAX_DIMENSIONS - 1:  # one place is kept for Stage
+    if len(dims) > MAX_DIMENSIONS - 1:  # one place is kept for a dimension a caller adds (emit's)
         raise ValueError(f"at most {MAX_DIMENSIONS - 1} dimensions, got {len(dims)}")
     return dims
 

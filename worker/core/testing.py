@@ -13,10 +13,11 @@
 time, bounded by ``settle_timeout_s``) until every thread it woke is parked on the clock again or has
 ended. So a heartbeat test reads the same every run: no sleeps, no "at least 4 and at most 6 renewals".
 
-``MemoryQueue`` is the interface the loop uses from ``worker.core.queue.Queue`` (receive, extend, set
-the visibility, release, delete, dead-letter) over a ``FakeClock``: a received message is invisible
-until its visibility runs out on that clock, each receive counts and hands out a new receipt handle, and
-a handle that no longer holds the message is refused with ``LeaseLost``, as SQS refuses it.
+``MemoryQueue`` implements ``worker.core.broker.Queue``, the queue the loop and the heartbeat take
+(receive, extend, set the visibility, release, delete, dead-letter), as the SQS adapter does, over a
+``FakeClock``: a received message is invisible until its visibility runs out on that clock, each
+receive counts and hands out a new receipt handle, and a handle that no longer holds the message is
+refused with ``LeaseLost``, as SQS refuses it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from worker.core.broker import Message, Queue
 from worker.core.errors import LeaseLost, QueueError, WorkerError
-from worker.core.queue import MAX_VISIBILITY_S, Message, dead_letter_attributes
+from worker.core.queue import MAX_VISIBILITY_S, dead_letter_attributes
 
 # How often, in real time, a parked wait looks at its event: an Event cannot wake a Condition, and
 # ``close()`` joins the heartbeat after setting one. Time-driven wake-ups do not wait for this.
@@ -165,7 +167,7 @@ class FakeClock:
 
 
 @dataclass
-class Held:
+class QueuedMessage:
     """One message as the queue holds it; ``MemoryQueue.messages`` returns copies of these."""
 
     message_id: str
@@ -178,7 +180,7 @@ class Held:
 
 
 @dataclass(frozen=True)
-class Call:
+class QueueCall:
     """One call the queue answered (or refused): what, for which message, with which timeout, when."""
 
     op: str
@@ -192,7 +194,7 @@ Fault = Callable[[Message | None], "Exception | None"]
 
 
 class MemoryQueue:
-    """The loop's queue interface in memory, its visibility timed by a ``FakeClock``.
+    """The loop's ``Queue`` (``worker.core.broker``) in memory, its visibility timed by a ``FakeClock``.
 
     ``faults[op](message)`` runs before ``op`` (``receive`` gets None); an exception it returns is raised
     instead of the call, as ``tests.support.FaultyClient`` does for botocore. It may also take time with
@@ -207,8 +209,8 @@ class MemoryQueue:
         # SQS's redrive policy: a message received this many times goes to the DLQ on the next receive.
         self.max_receive_count = max_receive_count
         self.faults: dict[str, Fault] = {}
-        self.calls: list[Call] = []
-        self._held: dict[str, Held] = {}
+        self.calls: list[QueueCall] = []
+        self._held: dict[str, QueuedMessage] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
 
@@ -218,12 +220,12 @@ class MemoryQueue:
         visible_at_s = self.clock() + delay_s  # read before the lock: see _holding
         with self._lock:
             message_id = f"m-{next(self._ids)}"
-            self._held[message_id] = Held(message_id, body, dict(message_attributes or {}),
+            self._held[message_id] = QueuedMessage(message_id, body, dict(message_attributes or {}),
                                           visible_at_s=visible_at_s)
         return message_id
 
     @property
-    def messages(self) -> list[Held]:
+    def messages(self) -> list[QueuedMessage]:
         with self._lock:
             return [replace(held) for held in self._held.values()]
 
@@ -292,7 +294,7 @@ class MemoryQueue:
 
     # --- internals
     def _enter(self, op: str, message: Message | None, timeout_s: int | None) -> None:
-        self.calls.append(Call(op, message.message_id if message else None, timeout_s, self.clock(),
+        self.calls.append(QueueCall(op, message.message_id if message else None, timeout_s, self.clock(),
                                threading.current_thread().name))
         fault = self.faults.get(op)
         if fault is not None:
@@ -302,7 +304,7 @@ class MemoryQueue:
 
     def _take(self, visibility_timeout_s: int) -> Message | None:
         now_s = self.clock()
-        redriven: list[Held] = []
+        redriven: list[QueuedMessage] = []
         taken: Message | None = None
         with self._lock:
             for held in list(self._held.values()):
@@ -344,7 +346,7 @@ class MemoryQueue:
                                 f"total VisibilityTimeout beyond the limit [{MAX_VISIBILITY_S} seconds])")
             held.visible_at_s = now_s + timeout_s
 
-    def _holding(self, message: Message, action: str, now_s: float, *, in_flight: bool) -> Held:
+    def _holding(self, message: Message, action: str, now_s: float, *, in_flight: bool) -> QueuedMessage:
         """The held message when ``message``'s receipt handle is still its latest; LeaseLost otherwise.
 
         Stricter than SQS on delete, which may accept an old handle without deleting anything: here an
@@ -357,3 +359,8 @@ class MemoryQueue:
         if in_flight and held.visible_at_s <= now_s:
             raise LeaseLost(f"{action}: receipt handle no longer valid (MessageNotInflight)")
         return held
+
+
+if TYPE_CHECKING:
+    # mypy holds MemoryQueue to the protocol the loop takes: a method that drifts fails the type check.
+    _IS_A_QUEUE: type[Queue] = MemoryQueue

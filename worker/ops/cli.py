@@ -215,6 +215,17 @@ def cmd_dlq(settings: Settings, args) -> int:
         return 1
 
 
+def cmd_schema(_settings, _args) -> int:
+    from worker.voice.message import message_schema_text
+
+    try:
+        sys.stdout.write(message_schema_text())
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+    return EXIT_OK
+
+
 def _exits(specific: str, store_file: bool = False, usage: str = "") -> str:
     """The exit-code paragraph of an operator command's help: its own codes, then the shared ones."""
     settings = f"2 settings{usage}, one line each on stderr" + (
@@ -312,6 +323,13 @@ COMMANDS = {
             + _exits("0 listed, moved, or move task started; 1 an SQS call failed (redrive says how far it got)",
                      usage=", no dead-letter queue, or --max below 1"),
             "python -m worker dlq list --json\n  python -m worker dlq redrive --max 10"),
+    "schema": (cmd_schema, False, "print the job message's JSON Schema, for the teams that send jobs",
+               "Print the JSON Schema (draft 2020-12) of the SQS message body, generated from the model the\n"
+               "worker validates every message with (worker/voice/message.py); docs/job-message.schema.json is\n"
+               "this output. Needs no configuration. The deployment's input policy (the s3:// scope,\n"
+               "MAX_RECORDINGS_PER_JOB, MAX_TEXT_CHARS) is a setting: the schema describes it, not its values.\n\n"
+               "exit codes: 0 printed; 141 quietly, when the reader of stdout went away (`| head`)",
+               "python -m worker schema > docs/job-message.schema.json"),
 }
 
 

@@ -36,10 +36,11 @@ import structlog
 
 from worker.core.errors import InvalidMessage, WorkerError
 from worker.core.logs import scrub
-from worker.core.metrics import COUNT, NULL_METRICS, RECONCILE_METRICS, Metrics
+from worker.core.metrics import COUNT, NULL_METRICS, Metrics
 from worker.core.queue import Queue
 from worker.ops.dlq import DeadLetterQueue
 from worker.voice.message import parse_job
+from worker.voice.metrics import RECONCILE_METRICS
 from worker.voice.records import Store
 from worker.voice.records.recovery import may_record_dead_letter, worker_lost
 

@@ -57,6 +57,7 @@ from typing import Any, BinaryIO
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
+from pipeline.errors import StageFailed
 from pipeline.files import (
     FileIdentity,
     OutputRefused,
@@ -67,8 +68,8 @@ from pipeline.files import (
     sha256_and_size_of,
 )
 from pipeline.manifest import Recorded
-from worker.core.errors import StageFailed, StorageError
 from worker.core.redact import redact_urls_in_text
+from worker.voice.errors import StorageError
 from worker.voice.message import is_safe_name
 from worker.voice.records.rules import ASSET_KEYS
 

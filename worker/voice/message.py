@@ -7,6 +7,13 @@ Each is parsed once, here, into a ``RecordingUrl`` (``pipeline.recording_url``):
 input policy scopes is the value the downloader fetches. Where s3:// recordings may live and how
 much input a job may list is an ``InputPolicy`` (worker/voice/input_policy.py), passed in by the
 caller.
+
+The message is one pydantic model tree, ``JobMessage``: the one validation of a body, and the source
+of the JSON Schema producers get (``python -m worker schema``, ``docs/job-message.schema.json``).
+Its constraints (types, patterns, lengths, choices) are pydantic's, so the schema shows what is
+checked; the rules a schema cannot say (a transcript that shows nothing, a URL's grammar, the
+deployment's input policy) are validators of its fields. ``Job`` is built from a validated model,
+and only there: nothing checks a ``Job`` a second time.
 """
 
 from __future__ import annotations
@@ -15,30 +22,54 @@ import json
 import math
 import re
 import unicodedata
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import InitVar, dataclass, field
+from typing import Annotated, Any, Literal, get_args
 
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
+from pydantic.config import JsonDict
+from pydantic_core import ErrorDetails, PydanticCustomError, PydanticKnownError
+
+from pipeline.errors import BadRecording
 from pipeline.recording_url import RecordingUrl, parse_recording_url
-from worker.core.errors import BadRecording, InvalidMessage
+from worker.core.errors import InvalidMessage
 from worker.core.names import SAFE_NAME
 from worker.core.redact import MAX_SHOWN_CHARS, show
-from worker.voice.input_policy import SHAPE_ONLY, InputPolicy, body_size_problem
+from worker.voice.input_policy import SHAPE_ONLY, SQS_MAX_BODY_BYTES, InputPolicy, body_size_problem
 
-ENVIRONMENTS = ("development", "staging", "production")
+Environment = Literal["development", "staging", "production"]
+ENVIRONMENTS: tuple[str, ...] = get_args(Environment)
 DEFAULT_ENVIRONMENT = "production"
 DEFAULT_LANGUAGE = "en"
 
 # The language reaches the trainer's argv: a code like "en", "pt-BR" or "zh_Hans", never an option.
-_LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
+LANGUAGE = r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}"
+_LANGUAGE = re.compile(LANGUAGE)
 _SAFE_NAME = re.compile(SAFE_NAME)
+SAFE_NAME_MAX_CHARS = 128  # what SAFE_NAME allows: one character and up to 127 more
 # C0 and C1 controls and DEL, but tab, newline and carriage return.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _MAX_SHOWN_CODE_POINTS = 5
 
 MAX_PROBLEM_LINES = 20
+SCHEMA_COMMAND = "python -m worker schema"
 
 
 # ---------------------------------------------------------------- the parsed job
+
+_VALIDATED = object()  # the key Job.from_message holds: no other caller can make a Job
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +84,8 @@ class Recording:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A validated job. Construction re-checks the rules: no Job can carry an unsafe path part."""
+    """A validated job: made only by ``Job.from_message`` from a ``JobMessage`` that pydantic validated
+    (``parse_job``), so no Job can carry an unsafe path part. Built by hand, it is refused."""
 
     job_id: str
     profile_id: str
@@ -63,22 +95,33 @@ class Job:
     language: str = DEFAULT_LANGUAGE
     doc: dict = field(default_factory=dict)
     body: dict = field(default_factory=dict)
+    validated: InitVar[object] = None
 
-    def __post_init__(self) -> None:
-        checks = (
-            ("jobId", name_problem(self.job_id)),
-            ("profileId", name_problem(self.profile_id)),
-            ("metadata.directoryName", name_problem(self.directory_name)),
-            ("environment", environment_problem(self.environment)),
-            ("metadata.language", language_problem(self.language)),
-            ("input", None if self.recordings else "must not be empty"),
+    def __post_init__(self, validated: object) -> None:
+        if validated is not _VALIDATED:
+            raise ValueError("a Job is made only from a validated message (parse_job): its jobId, profileId "
+                             "and metadata.directoryName must have passed the message's rules")
+
+    @classmethod
+    def from_message(cls, message: JobMessage, body: dict) -> Job:
+        """The job of ``message``, which pydantic validated from ``body`` (kept whole, extras and all)."""
+        return cls(
+            job_id=message.job_id,
+            profile_id=message.profile_id,
+            environment=message.environment or DEFAULT_ENVIRONMENT,
+            directory_name=message.metadata.directory_name,
+            language=message.metadata.language or DEFAULT_LANGUAGE,
+            recordings=tuple(Recording(url=r.recording_url, text=r.original_text) for r in message.input),
+            doc=body["_doc"],  # the very object in the body kept with the job
+            body=body,
+            validated=_VALIDATED,
         )
-        problems = [f"{label}: {problem}" for label, problem in checks if problem]
-        if problems:
-            raise ValueError("; ".join(problems))
 
 
-# ---------------------------------------------------------------- the rules, as pure functions
+# ---------------------------------------------------------------- the rules' words
+# A refusal names the rule and echoes the value shortened and redacted (``show``). The name, choice
+# and language rules are the model's constraints, and these functions only word their refusals
+# (``is_safe_name`` also serves callers that check one name); ``text_problem`` is a rule of the model's.
 
 
 def is_safe_name(value: object) -> bool:
@@ -134,82 +177,224 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-def recording_url(text: str) -> RecordingUrl:
-    """``text`` parsed (``pipeline.recording_url``), its refusal re-raised as a schema problem."""
-    try:
-        return parse_recording_url(text)
-    except BadRecording as exc:
-        raise ValueError(str(exc)) from None
+# ---------------------------------------------------------------- the model's validators
+
+# The error type of every refusal worded here; _problem_line prints its words as they are.
+_RULE = "message_rule"
 
 
-# ---------------------------------------------------------------- the wire shape
-
-# Hand-written, not pydantic: pydantic's import and schema building were ~6-9 MiB of the idle daemon's
-# memory, and the rules were already the pure functions above; pydantic only walked the shape.
-# Strict: a number is not a string, a list is not an object. Extras are ignored (kept in the raw
-# body). Problems are (location, words) pairs in field order, every field's, not only the first.
-
-_MISSING = object()
-_Problems = list[tuple[tuple, str]]
+def _refusal(words: str) -> PydanticCustomError:
+    return PydanticCustomError(_RULE, "{words}", {"words": words})
 
 
-def _typed(value: object, kind: type, loc: tuple, problems: _Problems) -> bool:
-    if isinstance(value, kind):
-        return True
-    problems.append((loc, f"{_TYPE_WORDING[kind]}, got {_json_type(value)}"))
-    return False
+def _worded(words_for: Callable[[str], str | None]) -> WrapValidator:
+    """pydantic's check of a string field (strict type and constraints), its refusal in our words.
 
-
-def _field(obj: dict, loc: tuple, problems: _Problems, kind: type, *rules, optional: bool = False) -> Any:
-    """``obj[loc[-1]]`` when present, a ``kind`` and passing each rule in turn; else None, its problem noted.
-
-    An optional field absent or null is None with no problem. The first failure ends the checks: a
-    value of the wrong type never reaches a rule, a rule's problem is the field's only line.
+    A value that is not a string is refused as such; a string that breaks a constraint (pattern,
+    length, choice, or text pydantic cannot read: a lone surrogate) gets ``words_for(value)``.
     """
-    value = obj.get(loc[-1], _MISSING)
-    if value is _MISSING or (optional and value is None):
-        if not optional:
-            problems.append((loc, "is required"))
-        return None
-    if not _typed(value, kind, loc, problems):
-        return None
-    for rule in rules:
-        if problem := rule(value):
-            problems.append((loc, problem))
-            return None
-    return value
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, str):
+                # pydantic's own refusal for a str field; a Literal's (literal_error) is worded the same
+                raise PydanticKnownError("string_type") from None
+            if words := words_for(value):
+                raise _refusal(words) from None
+            raise
+
+    return WrapValidator(check)
 
 
-def _recordings(raw: dict, policy: InputPolicy, profile_id: str | None, problems: _Problems) -> list[Recording]:
-    # The count first: an over-long list is refused without validating each of its entries.
-    items = _field(raw, ("input",), problems, list, lambda items: policy.recordings_count_problem(len(items)),
-                   lambda items: None if items else "must not be empty")
-    recordings = []
-    for index, item in enumerate(items or ()):
-        loc = ("input", index)
-        if not _typed(item, dict, loc, problems):
-            continue
-        url = _recording_url(item, (*loc, "recordingUrl"), policy, profile_id, problems)
-        text = _field(item, (*loc, "originalText"), problems, str, text_problem, policy.text_length_problem)
-        if url is not None and text is not None:
-            recordings.append(Recording(url=url, text=text))
-    return recordings
+def _rule(problem_of: Callable[[str], str | None]) -> AfterValidator:
+    """A rule no JSON Schema keyword says, checked once the value has passed the field's constraints."""
+
+    def check(value: str) -> str:
+        if problem := problem_of(value):
+            raise _refusal(problem)
+        return value
+
+    return AfterValidator(check)
 
 
-def _recording_url(item: dict, loc: tuple, policy: InputPolicy, profile_id: str | None,
-                   problems: _Problems) -> RecordingUrl | None:
-    if (text := _field(item, loc, problems, str)) is None:
-        return None
+def _policy(info: ValidationInfo) -> InputPolicy:
+    """The caller's input policy (``parse_job``'s validation context); without one, the shape only."""
+    return (info.context or {}).get("policy", SHAPE_ONLY)
+
+
+def _parsed_url(value: Any) -> RecordingUrl:
+    if not isinstance(value, str):
+        raise PydanticKnownError("string_type")  # strict, as every field: JSON gives only str for a URL
     try:
-        url = recording_url(text)
-    except ValueError as exc:
-        problems.append((loc, str(exc)))
-        return None
-    # Parsed first, so the scope checks the value that is fetched, and only a URL that parsed.
-    if problem := policy.recording_url_problem(url, profile_id):
-        problems.append((loc, problem))
-        return None
+        return parse_recording_url(value)
+    except BadRecording as exc:
+        raise _refusal(str(exc)) from None
+
+
+def _in_scope(url: RecordingUrl, info: ValidationInfo) -> RecordingUrl:
+    # After the parse, so the scope checks the value that is fetched, and only a URL that parsed.
+    context = info.context or {}
+    if problem := _policy(info).recording_url_problem(url, context.get("profile_id")):
+        raise _refusal(problem)
     return url
+
+
+def _text_not_too_long(text: str, info: ValidationInfo) -> str:
+    if problem := _policy(info).text_length_problem(text):
+        raise _refusal(problem)
+    return text
+
+
+def _not_too_many(items: Any, info: ValidationInfo) -> Any:
+    # Before the list's own validation: an over-long list is refused without validating each entry.
+    if isinstance(items, list) and (problem := _policy(info).recordings_count_problem(len(items))):
+        raise _refusal(problem)
+    return items
+
+
+# ---------------------------------------------------------------- the wire model
+
+SafeName = Annotated[
+    str,
+    Field(min_length=1, max_length=SAFE_NAME_MAX_CHARS, pattern=f"^{SAFE_NAME}$"),
+    _worded(name_problem),
+]
+Language = Annotated[str, Field(pattern=f"^{LANGUAGE}$"), _worded(language_problem)]
+# The URL's JSON type is a string; its value is the parse: a str in, a RecordingUrl out.
+ParsedRecordingUrl = Annotated[RecordingUrl, PlainValidator(_parsed_url, json_schema_input_type=str)]
+
+_NAME_RULE = ("1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter or digit (so never "
+              "'.', '..' or a path).")
+
+
+def _unwrapped(schema: JsonDict) -> None:
+    """A model's description (its docstring) as a producer reads it: each paragraph one line."""
+    if isinstance(description := schema.get("description"), str):
+        schema["description"] = "\n\n".join(" ".join(part.split()) for part in description.split("\n\n"))
+
+
+class _Wire(BaseModel):
+    # Strict: a number is not a string, a list is not an object. Fields the model does not name are
+    # allowed, and kept in the body stored with the job.
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra=_unwrapped)
+
+
+class RecordingInput(_Wire):
+    """One recording of the speaker and the words said in it."""
+
+    model_config = ConfigDict(title="Recording")
+
+    recording_url: Annotated[ParsedRecordingUrl, AfterValidator(_in_scope)] = Field(
+        alias="recordingUrl", title="Recording URL",
+        description=(
+            "https://host[:port]/path[?query] (a presigned URL is fine; its query is never shown in an error) or "
+            "s3://bucket/key. No whitespace, control characters, backslashes or user:password@; an https host "
+            "is a DNS name or an IP address (IPv6 in brackets), the path is more than '/'; an s3 bucket is a "
+            "valid bucket name, the key is not empty and has no '?' or '#'. An s3:// recording must be in the "
+            "deployment's RECORDINGS_S3_BUCKET, under RECORDINGS_S3_KEY_PREFIX for this job's profileId "
+            "(default recordings/{profileId}/), with no empty, '.' or '..' key segments."),
+        examples=["s3://voice-recordings/recordings/665f1c2e9b1e8a0012ab34ce/1.wav"],
+    )
+    original_text: Annotated[
+        str, Field(min_length=1), _worded(text_problem), _rule(text_problem), AfterValidator(_text_not_too_long)
+    ] = Field(
+        alias="originalText", title="Original text",
+        description=(
+            "What is said in the recording (the transcript the voice is trained on). Not empty, and not only "
+            "whitespace and invisible format characters (Unicode Cf: zero-width spaces, joiners, BOM); no "
+            "control characters other than tab, newline and carriage return; valid Unicode (no lone "
+            "surrogate). At most MAX_TEXT_CHARS characters, a deployment setting (default 2000)."),
+        examples=["Hello there."],
+    )
+
+
+class JobMetadata(_Wire):
+    """The voice's directory and language."""
+
+    model_config = ConfigDict(title="Metadata")
+
+    directory_name: SafeName = Field(
+        alias="directoryName", title="Directory name",
+        description="The directory the voice's files are published under: " + _NAME_RULE,
+        examples=["user-123-voice-1"],
+    )
+    language: Language | None = Field(
+        default=None, title="Language",
+        description=("The language of the recordings, a code like 'en', 'pt-BR' or 'zh_Hans': 2-3 letters, then "
+                     "up to three '-' or '_' parts of 1-8 letters or digits. Absent or null: 'en'."),
+        examples=["en"],
+    )
+
+
+class JobMessage(_Wire):
+    """The body of one SQS message that asks the voice worker to train a voice from recordings.
+
+    One JSON object, UTF-8, of at most 1 MiB (the most one SQS message carries). Types are strict: a
+    number is never read as a string, nor an array as an object. Fields not named here are allowed
+    and kept with the job. Numbers anywhere in the body must be finite: NaN, Infinity and numbers
+    that overflow a double (1e999) are refused. A refused body gets one problem line per violation
+    (at most 20), naming the field and the rule.
+    """
+
+    model_config = ConfigDict(title="Voice job message")
+
+    doc: dict[str, Any] = Field(
+        alias="_doc", title="Document",
+        description="The job's document as its producer keeps it: any JSON object, kept with the job as it is.",
+        examples=[{"_id": "665f1c2e9b1e8a0012ab34cd"}],
+    )
+    job_id: SafeName = Field(
+        alias="jobId", title="Job id",
+        description="The job's id, the key of its record and part of its files' paths: " + _NAME_RULE,
+        examples=["665f1c2e9b1e8a0012ab34cd"],
+    )
+    profile_id: SafeName = Field(
+        alias="profileId", title="Profile id",
+        description=("The voice profile the job trains, part of its files' paths and of the s3:// scope of its "
+                     "recordings: " + _NAME_RULE + " Must equal the job record's profileId when it has one."),
+        examples=["665f1c2e9b1e8a0012ab34ce"],
+    )
+    environment: Annotated[Environment, _worded(environment_problem)] | None = Field(
+        default=None, title="Environment",
+        description="Which deployment stage the voice is for. Absent or null: 'production'.",
+    )
+    metadata: JobMetadata = Field(
+        title="Metadata", description="Where the trained voice is published, and the language it speaks.")
+    input: Annotated[list[RecordingInput], BeforeValidator(_not_too_many)] = Field(
+        min_length=1, title="Recordings",
+        description=("The recordings to train on, at least one and at most MAX_RECORDINGS_PER_JOB, a deployment "
+                     "setting (default 500)."),
+    )
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _scoped_to_the_profile(cls, value: Any, handler: ValidatorFunctionWrapHandler,
+                               info: ValidationInfo) -> Any:
+        # The fields are validated in order: the profileId the recordings are scoped to is the one that
+        # passed its rule, or none (the bucket and the key's segments are still checked without it).
+        if info.context is not None:
+            info.context["profile_id"] = info.data.get("profile_id")
+        return handler(value)
+
+
+def message_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of ``JobMessage``, as producers get it."""
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$comment": (f"Generated from worker/voice/message.py by `{SCHEMA_COMMAND} > docs/job-message.schema.json`; "
+                     "do not edit by hand. The worker also applies its deployment's input policy (the "
+                     "s3:// scope, MAX_RECORDINGS_PER_JOB, MAX_TEXT_CHARS) and refuses bodies over "
+                     f"{SQS_MAX_BODY_BYTES} bytes and numbers that are not finite."),
+        **JobMessage.model_json_schema(),
+    }
+
+
+def message_schema_text() -> str:
+    """What ``python -m worker schema`` prints, and docs/job-message.schema.json holds: the schema, indented
+    (ASCII: the same bytes whatever the terminal's encoding)."""
+    return json.dumps(message_schema(), indent=2) + "\n"
 
 
 # ---------------------------------------------------------------- parsing
@@ -224,31 +409,11 @@ def parse_job(body: str | bytes, policy: InputPolicy = SHAPE_ONLY) -> Job:
     raw = _load_json(body)
     if not isinstance(raw, dict):
         raise InvalidMessage(f"body: must be a JSON object, got {_json_type(raw)}")
-    profile_id = raw.get("profileId")
-    problems: _Problems = []
-    doc = _field(raw, ("_doc",), problems, dict)
-    job_id = _field(raw, ("jobId",), problems, str, name_problem)
-    profile = _field(raw, ("profileId",), problems, str, name_problem)
-    environment = _field(raw, ("environment",), problems, str, environment_problem, optional=True)
-    directory_name: str | None = None
-    language: str | None = None
-    if (metadata := _field(raw, ("metadata",), problems, dict)) is not None:
-        directory_name = _field(metadata, ("metadata", "directoryName"), problems, str, name_problem)
-        language = _field(metadata, ("metadata", "language"), problems, str, language_problem, optional=True)
-    recordings = _recordings(raw, policy, profile_id if is_safe_name(profile_id) else None, problems)
-    if problems:
-        raise InvalidMessage(_problem_lines(problems))
-    assert directory_name is not None  # no problems: metadata was an object with a safe directoryName
-    return Job(
-        job_id=job_id,
-        profile_id=profile,
-        environment=environment or DEFAULT_ENVIRONMENT,
-        directory_name=directory_name,
-        language=language or DEFAULT_LANGUAGE,
-        recordings=tuple(recordings),
-        doc=doc,
-        body=raw,
-    )
+    try:
+        message = JobMessage.model_validate(raw, context={"policy": policy})
+    except ValidationError as exc:
+        raise InvalidMessage(_problem_lines(exc)) from None
+    return Job.from_message(message, raw)
 
 
 def job_id_hint(body: str | bytes) -> str | None:
@@ -290,15 +455,34 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _problem_lines(problems: _Problems) -> list[str]:
-    lines = [f"{_location(loc)}: {words}" for loc, words in problems]
+def _problem_lines(exc: ValidationError) -> list[str]:
+    lines = [_problem_line(err) for err in exc.errors(include_url=False)]
     if len(lines) > MAX_PROBLEM_LINES:
         extra = len(lines) - MAX_PROBLEM_LINES
         lines = lines[:MAX_PROBLEM_LINES] + [f"… and {extra} more problems"]
     return lines
 
 
-_TYPE_WORDING: dict[type, str] = {str: "must be a string", dict: "must be an object", list: "must be an array"}
+def _problem_line(err: ErrorDetails) -> str:
+    where, kind = _location(err["loc"]), err["type"]
+    if kind == _RULE:
+        return f"{where}: {err['ctx']['words']}"
+    if kind in _TYPE_WORDING:
+        return f"{where}: {_TYPE_WORDING[kind]}, got {_json_type(err.get('input'))}"
+    if kind == "missing":
+        return f"{where}: is required"
+    if kind == "too_short":  # input: [] (min_length=1)
+        return f"{where}: must not be empty"
+    # No body the model knows reaches here; should one, it is still one line, in no pydantic words.
+    return f"{where}: is not valid ({kind})"
+
+
+_TYPE_WORDING = {
+    "string_type": "must be a string",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "list_type": "must be an array",
+}
 
 
 def _location(loc: tuple) -> str:

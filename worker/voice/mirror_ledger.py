@@ -3,7 +3,7 @@
 Every worker role can write under the mirror's ``.work/`` prefix, so a restore believes only what the
 job record vouches for: each attempt's history entry names the digests of the listings and manifests
 it mirrored (``rules.with_mirror``), written fenced on its claim token; an attempt is found under the
-name its number and token give it (``pipeline.run.attempt_dir_name``), never under a name read from
+name its number and token give it (``pipeline.workdir.attempt_dir_name``), never under a name read from
 the bucket.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipeline.run import attempt_dir_name
+from pipeline.workdir import attempt_dir_name
 from worker.voice.records.attempt import Attempt
 from worker.voice.records.rules import vouched_mirrors
 

@@ -18,7 +18,8 @@ is copied to ``$MODELS_ROOT/<environment>/<directoryName>/<jobId>/<sha256>/<rela
   file is kept when its size and SHA-256 match, and refused (a retryable ``StorageError``) when they
   do not;
 - written before the paths, not after the commit: once step 3 has written them, a crash at any later
-  point leaves a profile whose paths already exist, and a retry (``reusable_paths``) finds them.
+  point leaves a profile whose paths already exist, and a retry (``worker.voice.commit.reusable_paths``)
+  finds them.
 
 Nothing here removes a published file; the job's scratch cleanup never reaches ``MODELS_ROOT``.
 """
@@ -29,15 +30,15 @@ import errno
 import os
 import stat
 from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import BinaryIO
 
 import structlog
 
 from pipeline.files import FileIdentity, OutputRefused, fsync_dir, open_output, sha256_and_size, sha256_and_size_of
 from pipeline.manifest import Recorded
-from worker.core.errors import InvalidMessage, StorageError
-from worker.voice.message import Job
+from pipeline.workdir import published_path
+from worker.voice.errors import StorageError
 
 log = structlog.get_logger(__name__)
 
@@ -46,31 +47,6 @@ _WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 # Why a hard link of the open file can fail where a copy would not: another file system, no /proc
 # mounted (the link goes through /proc/self/fd), a kernel's hard-link protection, too many links.
 _CANNOT_LINK = frozenset({errno.EXDEV, errno.ENOENT, errno.EPERM, errno.EACCES, errno.EMLINK, errno.EOPNOTSUPP})
-
-
-def models_dir_for(models_root: Path, job: Job) -> Path:
-    """``$MODELS_ROOT/<environment>/<directoryName>/<jobId>``: built only from validated names."""
-    root = Path(models_root).resolve()
-    path = (root / job.environment / job.directory_name / job.job_id).resolve()
-    if root not in path.parents:
-        raise InvalidMessage(f"models directory {path} escapes MODELS_ROOT")
-    return path
-
-
-def published_path(models_dir: Path, sha256_hex: str, rel: str) -> Path:
-    parts = PurePosixPath(rel).parts
-    if not parts or PurePosixPath(rel).is_absolute() or any(p in ("..", ".") for p in parts):
-        raise ValueError(f"artifact path must be relative and stay below its directory: {rel!r}")
-    return models_dir / sha256_hex / Path(*parts)
-
-
-def published_rel(models_dir: Path, path: Path) -> str | None:
-    """The artifact's relative path when ``path`` is a published file of ``models_dir``, else None."""
-    try:
-        parts = Path(path).relative_to(models_dir).parts
-    except ValueError:
-        return None
-    return "/".join(parts[1:]) if len(parts) >= 2 else None
 
 
 def publish_all(base_dir: Path, sources: Mapping[str, str], rels: Mapping[str, str],

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.support import FlakyStore
-from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
+from worker.core.errors import LeaseLost, Stopped
 from worker.core.stop import StopSignal
 from worker.core.testing import FakeClock
 from worker.voice.records.attempt import Attempt, StoreLease
+from worker.voice.records.errors import StaleWrite, StoreError
 
 
 class Renewals:

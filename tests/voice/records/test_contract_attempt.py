@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.voice.records.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, claim, submit
-from worker.core.errors import StaleWrite, StoreError
+from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.rules import is_complete
 
 

@@ -16,7 +16,7 @@ from tests.voice.records.conftest import (
     commit,
     submit,
 )
-from worker.core.errors import StaleWrite
+from worker.voice.records.errors import StaleWrite
 from worker.voice.records.rules import ERROR_MESSAGE_MAX_CHARS, is_complete
 
 # ---------------------------------------------------------------- lease, progress, cancel

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 
 from tests.voice.records.conftest import LEASE_S, MODEL_PATHS, S3_PATHS, make_store, submit
-from worker.core.errors import StaleWrite, StoreError
+from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.mongo import MongoStore, connect_mongo
 
 THREADS = 8

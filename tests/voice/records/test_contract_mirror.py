@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.voice.records.conftest import JOB_ID, LEASE_S, claim, submit
-from worker.core.errors import StaleWrite
 from worker.voice.mirror_ledger import RecordLedger
+from worker.voice.records.errors import StaleWrite
 from worker.voice.records.rules import MIRROR, usage, vouched_mirrors
 
 A = "a" * 32

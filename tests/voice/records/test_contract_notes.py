@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.voice.records.conftest import JOB_ID, LEASE_S, claim, submit
-from worker.core.errors import StaleWrite
+from worker.voice.records.errors import StaleWrite
 from worker.voice.records.rules import NOTE_MAX_CHARS, NOTES, NOTES_KEPT
 
 A = "a" * 32

@@ -22,7 +22,7 @@ from tests.voice.records.conftest import (
     commit,
     submit,
 )
-from worker.core.errors import StaleWrite
+from worker.voice.records.errors import StaleWrite
 from worker.voice.records.rules import CLAIMS_KEPT, is_complete
 
 OTHER_JOB = "665f1c2e9b1e8a0012ab34cf"

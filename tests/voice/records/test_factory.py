@@ -7,9 +7,10 @@ import pytest
 from pymongo.errors import ServerSelectionTimeoutError
 
 from tests.voice.records.conftest import JOB_ID, submit
-from worker.core.errors import ConfigError, StoreError
+from worker.core.errors import ConfigError
 from worker.settings import load_settings
 from worker.voice.records import Access, open_store
+from worker.voice.records.errors import StoreError
 from worker.voice.records.mongo import MongoStore
 from worker.voice.records.sqlite import SqliteStore
 

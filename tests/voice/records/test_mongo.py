@@ -20,7 +20,8 @@ from tests.voice.records.conftest import (
     race_after_first_read,
     submit,
 )
-from worker.core.errors import ConfigError, StaleWrite, StoreError
+from worker.core.errors import ConfigError
+from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.mongo import (
     _CAS_ATTEMPTS,
     _REV,

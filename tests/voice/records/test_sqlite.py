@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from tests.voice.records.conftest import JOB_ID, LEASE_S, MODEL_PATHS, PROFILE_ID, S3_PATHS, submit
-from worker.core.errors import StaleWrite, StoreError
 from worker.voice.records import rules
+from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.sqlite import SqliteStore
 
 PROCESSES = 4

@@ -1,52 +1,22 @@
 """Job and profile records: the interface (``store``), the rules both backends share (``rules``,
-``recovery``), every write once over two swap primitives (``transitions``), and the backends
-(``sqlite``, ``mongo``). ``open_store`` picks the backend the settings name.
+``recovery``), every write once over a backend's three primitives, a read and two swaps
+(``transitions``), and the backends (``sqlite``, ``mongo``). ``open_store`` picks the backend the
+settings name (``config``: the values it takes, re-exported here).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from worker.core.errors import ConfigError
 from worker.voice.records.attempt import Attempt
+from worker.voice.records.config import Access, MongoConfig, StoreConfig
 from worker.voice.records.rules import ClaimOutcome
 from worker.voice.records.store import Claim, Clock, Store
 
 __all__ = ["Access", "Attempt", "Claim", "ClaimOutcome", "Clock", "MongoConfig", "Store", "StoreConfig", "open_store"]
-
-
-class Access(StrEnum):
-    """What an opened store may do to a SQLite file: create it if missing, only write an existing one,
-    or only read one."""
-
-    CREATE = "create"
-    EXISTING = "existing"
-    READ = "read"
-
-
-@dataclass(frozen=True, slots=True)
-class MongoConfig:
-    """MONGO_URI and the MONGO_* settings that go with it (their defaults live in the settings)."""
-
-    uri: str = field(repr=False)  # may hold a password
-    database: str  # used when the URI names no database
-    jobs_collection: str
-    profiles_collection: str
-    connect_max_attempts: int
-    connect_retry_delay_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """Which backend holds the records: a SQLite file (STORE_URL, parsed) or MongoDB; the settings
-    refuse both at once."""
-
-    sqlite_path: str | None = None
-    mongo: MongoConfig | None = None
 
 
 def open_store(config: StoreConfig, *, mongo_client_factory: Callable[..., Any] | None = None,

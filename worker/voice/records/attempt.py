@@ -1,5 +1,10 @@
 """One claimed attempt at a job: its fenced writes (``Attempt``, what ``Store.claim`` hands back), and
-what it keeps up in the store while it works: its record lease and its progress."""
+what it keeps up in the store while it works: its record lease and its progress.
+
+An ``Attempt`` writes through ``FencedWrites``, the store methods it calls: ``Store``
+(worker/voice/records/store.py) has them all, and this module never imports it (the store imports
+this one, for ``Claim``).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,21 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
-from worker.core.errors import LeaseLost, StaleWrite, Stopped, StoreError
-from worker.core.metrics import NULL_METRICS, STAGE_DIMENSION, STAGE_DURATION, Metrics
+from worker.core.errors import LeaseLost, Stopped
+from worker.core.metrics import NULL_METRICS, Metrics
 from worker.core.stop import StopSignal
-
-if TYPE_CHECKING:
-    from worker.voice.records.store import Store
+from worker.voice.records.errors import StaleWrite, StoreError
 
 log = structlog.get_logger(__name__)
 
 PROGRESS_MIN_INTERVAL_S = 2.0
+# What ProgressReporter emits (worker.voice.metrics lists every metric name of the voice worker):
+STAGE_DURATION = "StageDuration"  # a stage's first progress report to its first 100 %, per Stage
+STAGE_DIMENSION = "Stage"
 
 
 class TrainerClock:
@@ -57,6 +63,34 @@ class TrainerClock:
             return self._done_s + (self._clock() - running[1] if running is not None else 0.0)
 
 
+class FencedWrites(Protocol):
+    """What an ``Attempt`` asks of the store: its writes, each fenced on the claim's token, as ``Store``
+    declares them (and documents them)."""
+
+    def renew_lease(self, job_id: str, token: str, lease_s: float, gpu_seconds: float | None = None) -> bool: ...
+
+    def set_progress(self, job_id: str, token: str, stage: str, percent: float,
+                     gpu_seconds: float | None = None) -> None: ...
+
+    def record_note(self, job_id: str, token: str, stage: str, text: str) -> None: ...
+
+    def record_mirror(self, job_id: str, token: str, item: str, sha256_hex: str) -> None: ...
+
+    def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
+                     retryable: bool, gpu_seconds: float | None = None) -> bool: ...
+
+    def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
+                    job_id: str) -> None: ...
+
+    def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None: ...
+
+    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None: ...
+
+    def mark_cancelled(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None: ...
+
+    def release_lease(self, job_id: str, token: str, gpu_seconds: float | None = None) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One claimed attempt at a job: every write it may make, each fenced on its claim's token.
@@ -66,7 +100,7 @@ class Attempt:
     False or the cancel flag as the store methods they stand for.
     """
 
-    store: Store
+    store: FencedWrites
     job_id: str
     profile_id: str | None
     token: str

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pymongo
 import structlog
@@ -25,13 +25,12 @@ from bson import ObjectId
 from pymongo import ReadPreference, ReturnDocument, WriteConcern
 from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
 
-from worker.core.errors import ConfigError, StoreError
+from worker.core.errors import ConfigError
 from worker.voice.records import recovery, rules
+from worker.voice.records.config import MongoConfig
+from worker.voice.records.errors import StoreError
 from worker.voice.records.store import Clock
 from worker.voice.records.transitions import TransitionStore
-
-if TYPE_CHECKING:
-    from worker.voice.records import MongoConfig
 
 log = structlog.get_logger(__name__)
 

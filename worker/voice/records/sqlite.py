@@ -19,8 +19,9 @@ from datetime import UTC, datetime
 
 import structlog
 
-from worker.core.errors import ConfigError, StoreError
+from worker.core.errors import ConfigError
 from worker.voice.records import recovery, rules
+from worker.voice.records.errors import StoreError
 from worker.voice.records.store import Clock
 from worker.voice.records.transitions import TransitionStore
 

@@ -1,8 +1,9 @@
-"""Every write the stores make, written once over three backend primitives.
+"""Every write the stores make, written once over three backend primitives: a read and two swaps.
 
-A backend (SQLite, MongoDB) supplies only
+A backend (SQLite, MongoDB) supplies only those, its clock, its queries and ``submit``:
 
     get_job / get_profile       read one record
+    _now                        the store's clock
     _swap_job(op, id, allowed, change)
     _swap_profile(op, id, allowed, change)
                                 atomically: read the record (None when missing); if
@@ -27,9 +28,9 @@ from datetime import datetime
 
 import structlog
 
-from worker.core.errors import StaleWrite, StoreError
 from worker.voice.records import recovery, rules
 from worker.voice.records.attempt import Attempt
+from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.store import Claim, Store
 
 log = structlog.get_logger(__name__)

@@ -1,0 +1,42 @@
+"""The voice worker's metric names, next to the core's (``worker.core.metrics``: the loop's outcomes,
+JobDuration, ReceiveCountAtCompletion, HeartbeatFailures), and its METRICS_DIMENSIONS rule.
+
+``METRIC_NAMES`` is every name the voice worker and its reconciler emit: the names
+config/cloudwatch-dashboard.json graphs and config/cloudwatch-alarms.yaml may watch.
+"""
+
+from __future__ import annotations
+
+from worker.core import metrics as core
+from worker.voice.records.attempt import STAGE_DIMENSION, STAGE_DURATION
+
+# What a job cost in trainer-stage time (GPU-seconds); at the commit, over all its attempts:
+JOB_GPU_SECONDS = "JobGpuSeconds"
+JOB_WASTED_GPU_SECONDS = "JobWastedGpuSeconds"          # of its attempts that did not commit
+JOB_ATTEMPTS = "JobAttempts"
+# At the end of each attempt that did not commit (failed, stopped, released, lease lost): its time.
+WASTED_GPU_SECONDS = "WastedGpuSeconds"
+# What one reconcile pass changed (worker.ops.reconcile) -> its count (0 included, so alarms see a
+# steady series).
+RECONCILE_METRICS = {
+    "worker_lost": "ReconciledWorkerLost",
+    "reenqueued": "ReconciledReenqueued",
+    "unenqueueable": "ReconciledUnenqueueable",
+    "dead_lettered": "ReconciledDeadLettered",
+    "failed": "ReconcileFailures",
+}
+VOICE_METRIC_NAMES = frozenset({STAGE_DURATION, JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS, JOB_ATTEMPTS,
+                                WASTED_GPU_SECONDS, *RECONCILE_METRICS.values()})
+METRIC_NAMES = core.METRIC_NAMES | VOICE_METRIC_NAMES
+# Dimensions the voice worker adds to one metric of its own (StageDuration's Stage).
+DIMENSIONS = frozenset({STAGE_DIMENSION})
+
+__all__ = ["DIMENSIONS", "JOB_ATTEMPTS", "JOB_GPU_SECONDS", "JOB_WASTED_GPU_SECONDS", "METRIC_NAMES",
+           "RECONCILE_METRICS", "STAGE_DIMENSION", "STAGE_DURATION", "VOICE_METRIC_NAMES",
+           "WASTED_GPU_SECONDS", "parse_dimensions"]
+
+
+def parse_dimensions(text: str) -> dict[str, str]:
+    """METRICS_DIMENSIONS as the core parses it (``worker.core.metrics.parse_dimensions``), where no
+    name may also be one of the voice worker's metrics or dimensions."""
+    return core.parse_dimensions(text, reserved=VOICE_METRIC_NAMES | DIMENSIONS)
