@@ -116,11 +116,11 @@ def measure(args) -> None:
                 stop.set(Stopped.SHUTDOWN, "benchmark")
 
         killed_ctx = context(root / "dataset", root / "killed")
-        beside = None if mirrors is None else functools.partial(
+        mirroring = None if mirrors is None else functools.partial(
             mirrors[0].syncing, spec.name, killed_ctx.checkpoint_dir(spec))
         started = time.perf_counter()
         try:
-            run_stage(spec, killed_ctx, stop, stop_late, grace_s=5.0, beside=beside)
+            run_stage(spec, killed_ctx, stop, stop_late, grace_s=5.0, while_running=mirroring)
             raise SystemExit("the run finished before the stop took effect; raise --steps")
         except Stopped:
             killed_s = time.perf_counter() - started

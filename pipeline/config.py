@@ -23,8 +23,13 @@ from typing import Any
 
 from worker.core.errors import ConfigError
 
-# The five artifacts every pipeline must produce; the records (worker.voice.records.rules) name the same keys.
-ASSET_KEYS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
+# The artifact keys every pipeline config must declare: the product's profile schema names them
+# (``modelPaths``/``s3Paths``). A config may declare more; what a job produces, uploads, publishes and
+# commits is its config's whole ``[artifacts]`` table (``PipelineConfig.artifact_keys``), and the
+# records judge a completed job against the set it committed (worker.voice.records.rules.is_complete).
+REQUIRED_ARTIFACTS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
+# An artifact key becomes a field name in the profile's path maps: plain letters and digits only.
+ARTIFACT_KEY = re.compile(r"[A-Za-z][A-Za-z0-9]{0,63}")
 
 PLACEHOLDERS = frozenset(
     {"python", "trainer_python", "dataset_dir", "output_dir", "checkpoint_dir", "log_dir", "job_id",
@@ -70,6 +75,11 @@ class PipelineConfig:
     stages: tuple[StageSpec, ...]
     # ``{trainer_python}``: the interpreter of the trainers' own virtualenv (``TRAINER_PYTHON``).
     trainer_python: str = ""
+
+    @property
+    def artifact_keys(self) -> tuple[str, ...]:
+        """The configured artifacts' keys, in the config's order: the set a job produces and commits."""
+        return tuple(self.artifacts)
 
 
 def load_pipeline_config(path: str | Path, trainer_python: str = "") -> PipelineConfig:
@@ -181,22 +191,23 @@ def normalise_output_path(raw: str) -> tuple[str | None, str | None]:
 
 
 def _parse_artifacts(raw: Any, problems: list[str]) -> dict[str, str]:
+    """The ``[artifacts]`` table in its own order: every required key, plus any others it declares."""
     if raw is None:
-        problems.append("missing [artifacts] table (needs " + ", ".join(ASSET_KEYS) + ")")
+        problems.append("missing [artifacts] table (needs at least " + ", ".join(REQUIRED_ARTIFACTS) + ")")
         return {}
     if not isinstance(raw, Mapping):
         problems.append("artifacts must be a table")
         return {}
-    for key in ASSET_KEYS:
+    for key in REQUIRED_ARTIFACTS:
         if key not in raw:
-            problems.append(f"artifacts: missing key {key!r}")
-    for key in sorted(set(raw) - set(ASSET_KEYS)):
-        problems.append(f"artifacts: unknown key {key!r} (exactly {', '.join(ASSET_KEYS)})")
+            problems.append(f"artifacts: missing required key {key!r} (the profile's paths name "
+                            f"{', '.join(REQUIRED_ARTIFACTS)}; a config may add more)")
     artifacts: dict[str, str] = {}
-    for key in ASSET_KEYS:
-        if key not in raw:
+    for key, value in raw.items():
+        if not isinstance(key, str) or not ARTIFACT_KEY.fullmatch(key):
+            problems.append(f"artifacts: key {key!r} is not a plain name (a letter, then letters and "
+                            "digits; at most 64)")
             continue
-        value = raw[key]
         if not isinstance(value, str):
             problems.append(f"artifacts.{key}: must be a string path")
             continue

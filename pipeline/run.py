@@ -1,4 +1,4 @@
-"""One job's training pipeline: downloads -> dataset -> configured stages -> the five artifacts.
+"""One job's training pipeline: downloads -> dataset -> configured stages -> the configured artifacts.
 
 Every step can be re-run on the same work directory after a crash or a retry and redoes only what is
 not already complete: a downloaded file is kept (``fetch`` writes atomically, so an existing file is
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from pipeline.config import ASSET_KEYS, PipelineConfig
+from pipeline.config import PipelineConfig
 from pipeline.dataset_stage import prestart_dataset, run_dataset_stage
 from pipeline.download_pool import DownloadPool, Item
 from pipeline.downloads import Downloader, DownloadSettings
@@ -188,7 +188,7 @@ def run_pipeline(
     plan: DownloadPlan = DownloadPlan(),
     remote: RemoteWork | None = None,
 ) -> dict[str, Path]:
-    """Run every step that is not already complete; returns the five artifact paths by key.
+    """Run every step that is not already complete; returns every configured artifact's path by key.
 
     ``stage_env`` is the stages' whole environment (``pipeline.stage_env``); None means the built-in
     allow-list from this process. ``plan``: how the downloads run (one at a time unless told).
@@ -286,7 +286,7 @@ def _run(
             progress(stage.name, 0.0)
             with tracing.span(f"stage {stage.name}", stage=stage.name):
                 outcome = run_stage(stage, ctx, stop, progress, grace_s=grace_s, manifests=manifests,
-                                    beside=_mirroring(stage, ctx, remote, stop, progress))
+                                    while_running=_mirroring(stage, ctx, remote, stop, progress))
             if remote is not None and not outcome.skipped and index < len(config.stages) - 1:
                 # Behind its manifest, on the same thread. Not the last stage's: the commit sends those.
                 manifests.then(functools.partial(remote.push_outputs, stage, ctx.output_dir))
@@ -335,16 +335,17 @@ def _mirroring(stage, ctx: StageContext, remote: RemoteWork | None, stop: StopSi
 
 
 def verify_artifacts(config: PipelineConfig, output_dir: Path) -> dict[str, Path]:
-    """All five artifact paths, or StageFailed naming each one that is refused and why.
+    """Every configured artifact's path (in the config's order), or StageFailed naming each one that is
+    refused and why.
 
     The rule is the stages' and the uploader's (``pipeline.files.output_problem``): a non-empty regular
     file with no symbolic link in any component of its path, the output directory included.
     """
-    paths = {key: output_dir / config.artifacts[key] for key in ASSET_KEYS}
+    paths = {key: output_dir / rel for key, rel in config.artifacts.items()}
     bad = [
-        f"{key} ({config.artifacts[key]}: {problem})"
-        for key in ASSET_KEYS
-        if (problem := output_problem(output_dir, config.artifacts[key]))
+        f"{key} ({rel}: {problem})"
+        for key, rel in config.artifacts.items()
+        if (problem := output_problem(output_dir, rel))
     ]
     if bad:
         raise StageFailed("pipeline finished without these artifacts: " + ", ".join(bad))

@@ -216,12 +216,12 @@ def run_stage(
     poll_interval_s: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
     manifests: ManifestWriter | None = None,
-    beside: Callable[[], AbstractContextManager[object]] | None = None,
+    while_running: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> StageResult:
     """Run ``stage`` unless its manifest verifies; raises the project's typed errors on failure.
 
     With ``manifests`` the stage's manifest is written in the background (``ManifestWriter``).
-    ``beside`` is entered while the stage's processes run, only when they do (not for a skipped
+    ``while_running`` is entered while the stage's processes run, only when they do (not for a skipped
     stage): the pipeline mirrors a resumable stage's checkpoints to S3 from there.
     """
     manifest = manifest_path(ctx.output_dir, stage.name)
@@ -234,7 +234,7 @@ def run_stage(
     prepare_rerun(stage, ctx)
     try:
         return _run_prepared(stage, ctx, manifest, stop, progress, grace_s, poll_interval_s, clock, manifests,
-                             beside)
+                             while_running)
     except BaseException:
         # Whatever the stage wrote in place may be a part (disk full, killed mid-write): no file under
         # a declared name without its manifest, and the space goes back for the retry.
@@ -245,11 +245,11 @@ def run_stage(
 def _run_prepared(stage: StageSpec, ctx: StageContext, manifest: Path, stop: StopSignal, progress: Progress,
                   grace_s: float, poll_interval_s: float, clock: Callable[[], float],
                   manifests: ManifestWriter | None = None,
-                  beside: Callable[[], AbstractContextManager[object]] | None = None) -> StageResult:
+                  while_running: Callable[[], AbstractContextManager[object]] | None = None) -> StageResult:
     argv = render_argv(stage.argv, ctx.placeholder_values(stage))
     started_s = time.monotonic()
     log_path, log_file = open_step_log(ctx.log_dir, stage.name)
-    with log_file, (beside() if beside is not None else nullcontext()):
+    with log_file, (while_running() if while_running is not None else nullcontext()):
         _log_line(log_file, f"stage {stage.name} starting: argv={argv!r}")
         code = run_supervised(
             stage, argv, {**ctx.env, JOB_NAME: ctx.job_mark()}, log_file, stop, progress, grace_s,

@@ -11,7 +11,7 @@
     |           |                                the job's earlier attempts          earlier_attempts
     |           +-- downloads/00000.audio ...    DOWNLOADS_DIR: named by index       download_path
     |           +-- dataset/                     DATASET_DIR
-    |           +-- output/                      OUTPUT_DIR: the stages' outputs, the five artifacts and
+    |           +-- output/                      OUTPUT_DIR: the stages' outputs, the artifacts and
     |           |                                .manifests/ (pipeline.config.MANIFEST_DIR_NAME)
     |           +-- checkpoints/<stage>/         CHECKPOINTS_DIR
     +-- .models/                                 DEFAULT_MODELS_DIR: MODELS_ROOT when unset

@@ -20,8 +20,11 @@ from pipeline.config import load_pipeline_config
 from pipeline.recording_url import RecordingUrl
 from worker.voice.records.errors import StoreError
 
-# The five artifacts where the shipped pipeline puts them: fakes write exactly that layout.
-SHIPPED_ARTIFACTS = dict(load_pipeline_config(Path(__file__).resolve().parents[1] / "config" / "pipeline.toml").artifacts)
+# The shipped pipeline config: the one declaration of the artifact set. Fakes write exactly its layout
+# (SHIPPED_ARTIFACTS: key -> path under the output dir) and tests name its keys (ARTIFACT_KEYS, in order).
+SHIPPED_CONFIG = load_pipeline_config(Path(__file__).resolve().parents[1] / "config" / "pipeline.toml")
+SHIPPED_ARTIFACTS = dict(SHIPPED_CONFIG.artifacts)
+ARTIFACT_KEYS = SHIPPED_CONFIG.artifact_keys
 
 # Short timings so heartbeat behaviour shows in well under a second of test time.
 FAST = {

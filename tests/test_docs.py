@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import REQUIRED_ARTIFACTS
 from pipeline.stage_env import BUILTIN_NAMES
+from tests.support import SHIPPED_CONFIG
 from worker.ops.cli import build_parser
 from worker.settings import ENV_NAMES
 from worker.voice.input_policy import InputPolicy
@@ -138,3 +140,24 @@ def test_documented_commands_exist():
             elif command == "dlq" and argument and argument not in commands["dlq"]:
                 problems.append(f"{doc.name}: dlq {argument}")
     assert not problems, f"not subcommands of python -m worker: {problems}"
+
+
+def _artifact_table(path: Path) -> list[str]:
+    """The keys of the first ``| key | what it is |`` table in a Markdown file, in order."""
+    keys, inside = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| key | what it is |"):
+            inside = True
+        elif inside and (row := re.match(r"\|\s*`([^`]+)`\s*\|", line)):
+            keys.append(row.group(1))
+        elif inside and not line.startswith("|"):
+            break
+    return keys
+
+
+def test_the_artifact_table_is_the_shipped_configs():
+    """docs/trainer.md's artifact table lists the shipped config's [artifacts] keys, in its order, and
+    every key the config requires: the config is the one declaration, the table follows it."""
+    keys = _artifact_table(REPO / "docs" / "trainer.md")
+    assert tuple(keys) == SHIPPED_CONFIG.artifact_keys, "docs/trainer.md's table against config/pipeline.toml"
+    assert set(REQUIRED_ARTIFACTS) <= set(keys)

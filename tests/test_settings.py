@@ -11,7 +11,7 @@ from dataclasses import MISSING
 
 import pytest
 
-from worker.core.config import Backoff, LeaseTimings
+from worker.core.core_config import Backoff, LeaseTimings
 from worker.core.errors import ConfigError
 from worker.core.faults import CrashPoint
 from worker.settings import ENV_NAMES, FIELD_OF_ENV, daemon_problems, daemon_targets, load_settings

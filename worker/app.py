@@ -132,6 +132,7 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
             keep_work_files=settings.keep_work_files,
             max_failed_attempts=settings.max_failed_attempts,
             policy=policy,
+            artifacts=config.artifact_keys,
         )
         return VoiceJobHandler(
             handler_config,

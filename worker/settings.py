@@ -32,7 +32,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticUndefined
 
 from pipeline.limits import JobLimits, usable_cpus
-from worker.core.config import (
+from worker.core.core_config import (
     DEFAULT_MAX_FAILED_ATTEMPTS,
     AwsConfig,
     Backoff,
@@ -264,7 +264,7 @@ class Settings(BaseModel):
         default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
     # After the commit a job's work directory is emptied except its logs/; true keeps every file.
     keep_work_files: Switch = Field(False, alias="KEEP_WORK_FILES")
-    # Where the five artifacts are published for the profile's modelPaths (unset: <WORK_ROOT>/.models).
+    # Where the artifacts are published for the profile's modelPaths (unset: <WORK_ROOT>/.models).
     models_root: str | None = Field(None, alias="MODELS_ROOT")
 
     # --- time

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from worker.core.config import LeaseTimings
+from worker.core.core_config import LeaseTimings
 from worker.core.errors import Stopped
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message

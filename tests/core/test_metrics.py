@@ -18,7 +18,7 @@ from tests.deploy.files import REPO
 from tests.voice.conftest import message_body
 from tests.voice.records.conftest import WallClock, make_store
 from worker.core import metrics as m
-from worker.core.config import LeaseTimings
+from worker.core.core_config import LeaseTimings
 from worker.core.errors import ConfigError, QueueError, Stopped
 from worker.core.lease import Lease, Shutdown
 from worker.core.metrics import Metrics, parse_dimensions

@@ -14,7 +14,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.support import create_queues
+from tests.support import ARTIFACT_KEYS, create_queues
 from worker.voice.records.sqlite import SqliteStore
 from worker.voice.submit import submit
 
@@ -123,8 +123,8 @@ def test_demo_completes_and_lists_five_s3_objects():
                           timeout=180, env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     objects = re.findall(r"^\s+\w+\s+(s3://\S+) \((\d+) bytes\)$", proc.stdout, re.M)
-    assert len(objects) == 5 and all(int(size) > 0 for _, size in objects)
+    assert len(objects) == len(ARTIFACT_KEYS) and all(int(size) > 0 for _, size in objects)
     files = re.findall(r"^\s+\w+\s+(/\S+)$", proc.stdout, re.M)
-    assert len(files) == 5 and all(Path(f).stat().st_size > 0 for f in files)
+    assert len(files) == len(ARTIFACT_KEYS) and all(Path(f).stat().st_size > 0 for f in files)
     assert "status        completed" in proc.stdout
     assert time.monotonic() - started < 60

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.procs import wait_until
+from tests.support import ARTIFACT_KEYS
 from worker.ops.devstack import dev_environment, env_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ def test_documented_dev_loop_completes_a_job_and_cancels_another(tmp_path):
         assert "completed" in watched.stdout
         final = json.loads(_worker(env, "status", job_id, "--json").stdout)
         assert final["job"]["status"] == "completed"
-        assert len(final["profile"]["s3Paths"]) == 5
+        assert len(final["profile"]["s3Paths"]) == len(ARTIFACT_KEYS)
 
         # A second job, cancelled: it ends cancelled whether the worker had started it or not.
         second = json.loads(_worker(env, "submit", "samples/job.json", "--json").stdout)["jobId"]

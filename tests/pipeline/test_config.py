@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import (
+    REQUIRED_ARTIFACTS,
     load_pipeline_config,
     parse_pipeline_config,
     placeholder_problems,
     render_argv,
 )
+from tests.support import ARTIFACT_KEYS
 from worker.core.errors import ConfigError
-from worker.voice.records.rules import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,9 +55,11 @@ def problems_of(data: dict) -> list[str]:
 
 
 def test_shipped_default_config_is_valid():
-    """The repository's config/pipeline.toml loads and maps all five artifacts to stage outputs."""
+    """The repository's config/pipeline.toml loads, declares every required artifact and maps each of
+    its artifacts to a stage output."""
     config = load_pipeline_config(REPO / "config" / "pipeline.toml")
-    assert set(config.artifacts) == set(ARTIFACT_KEYS)
+    assert config.artifact_keys == ARTIFACT_KEYS
+    assert set(REQUIRED_ARTIFACTS) <= set(config.artifact_keys)
     produced = {out for stage in config.stages for out in stage.outputs}
     assert set(config.artifacts.values()) <= produced
     assert all(65 in stage.permanent_exit_codes for stage in config.stages)
@@ -98,8 +101,10 @@ BAD_CONFIGS = [
     ("format spec", _mutate("stages.0.argv", ["{python!r}"]), "takes no format spec"),
     ("attribute access", _mutate("stages.0.argv", ["{python.real}"]), "unknown placeholder"),
     ("unbalanced brace", _mutate("stages.0.argv", ["{python"]), "malformed braces"),
-    ("missing artifact", _mutate("artifacts.lightConfig", _DELETE), "missing key 'lightConfig'"),
-    ("extra artifact", _mutate("artifacts.extra", "full/model.pth"), "unknown key 'extra'"),
+    ("missing artifact", _mutate("artifacts.lightConfig", _DELETE), "missing required key 'lightConfig'"),
+    ("artifact key not a plain name", _mutate("artifacts.6th", "full/model.pth"), "key '6th' is not a plain name"),
+    ("added artifact not produced", _mutate("artifacts.vocoder", "full/vocoder.pth"),
+     "artifacts.vocoder: 'full/vocoder.pth' is not among any stage's outputs"),
     ("no artifacts table", _mutate("artifacts", _DELETE), "missing [artifacts]"),
     ("absolute artifact", _mutate("artifacts.fullModel", "/etc/passwd"), "is absolute"),
     ("escaping artifact", _mutate("artifacts.fullModel", "../x/model.pth"), "escapes the output dir"),
@@ -133,6 +138,17 @@ def test_each_bad_config_reports_its_problem(mutate, fragment):
     problems = problems_of(mutate(good_config()))
     assert any(fragment in line for line in problems), problems
     assert all(line.startswith("cfg: ") for line in problems)
+
+
+def test_a_config_may_add_artifacts_beyond_the_required_set_kept_in_its_order():
+    """The required keys are a floor, not the set: an added artifact that a stage produces is part of
+    the config's artifacts, in the table's own order."""
+    data = good_config()
+    data["artifacts"] = {"vocoder": "full/vocoder.pth", **data["artifacts"]}
+    data["stages"][0]["outputs"].append("full/vocoder.pth")
+    config = parse_pipeline_config(data)
+    assert config.artifact_keys == ("vocoder", *REQUIRED_ARTIFACTS)
+    assert config.artifacts["vocoder"] == "full/vocoder.pth"
 
 
 def test_several_problems_give_one_line_each():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ASSET_KEYS, PipelineConfig
+from pipeline.config import PipelineConfig
 from pipeline.dataset_stage import HELD_LINE, prestart_dataset, run_dataset_stage, start_dataset_child
 from pipeline.errors import BadRecording, DownloadError, StageFailed
 from pipeline.limits import JobLimits
@@ -22,6 +22,7 @@ from pipeline.recording_url import RecordingUrl, parse_recording_url
 from pipeline.run import run_pipeline
 from pipeline.stage_env import stage_environment
 from tests.pipeline.test_dataset import write_inputs
+from tests.support import ARTIFACT_KEYS
 from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
 
@@ -192,7 +193,7 @@ class WatchingFetch:
 
 
 # No stages: the run ends at its artifact check, right after the dataset step.
-DATASET_ONLY = PipelineConfig(artifacts={key: f"{key}.bin" for key in ASSET_KEYS}, stages=())
+DATASET_ONLY = PipelineConfig(artifacts={key: f"{key}.bin" for key in ARTIFACT_KEYS}, stages=())
 
 
 def test_the_job_runs_the_dataset_child_it_started_before_its_downloads(tmp_path):

@@ -16,9 +16,9 @@ from pipeline.limits import JobLimits
 from pipeline.recording_url import RecordingUrl, parse_recording_url
 from pipeline.run import DATASET_STEP, PipelineTrainer, run_pipeline, verify_artifacts
 from tests.pipeline.test_dataset import write_inputs
+from tests.support import ARTIFACT_KEYS
 from worker.core.errors import Stopped
 from worker.core.stop import StopSignal
-from worker.voice.records.rules import ASSET_KEYS as ARTIFACT_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 

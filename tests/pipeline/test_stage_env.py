@@ -13,10 +13,10 @@ from pipeline.run import run_pipeline
 from pipeline.stage_env import BUILTIN_NAMES, is_secret_name, stage_env_problems, stage_environment
 from pipeline.stages import StageContext, run_stage
 from tests.pipeline.test_dataset import write_inputs
+from tests.support import ARTIFACT_KEYS
 from worker.core.errors import ConfigError
 from worker.core.stop import StopSignal
 from worker.settings import load_settings
-from worker.voice.records.rules import ASSET_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 DUMP_ENV = "import json, os, sys\nopen(sys.argv[1], 'w').write(json.dumps(dict(os.environ)))\n"
@@ -96,9 +96,9 @@ def test_run_pipeline_hands_its_stage_env_to_every_stage(tmp_path):
     script.write_text("import json, os, sys\nout = sys.argv[1]\nfor name in sys.argv[2:]:\n"
                       "    os.makedirs(os.path.dirname(os.path.join(out, name)), exist_ok=True)\n"
                       "    open(os.path.join(out, name), 'w').write(json.dumps(dict(os.environ)))\n")
-    outputs = [f"a/{key}.bin" for key in ASSET_KEYS]
+    outputs = [f"a/{key}.bin" for key in ARTIFACT_KEYS]
     config = parse_pipeline_config({
-        "artifacts": dict(zip(ASSET_KEYS, outputs, strict=True)),
+        "artifacts": dict(zip(ARTIFACT_KEYS, outputs, strict=True)),
         "stages": [{"name": "all", "argv": ["{python}", str(script), "{output_dir}", *outputs], "outputs": outputs}],
     })
     inputs = write_inputs(tmp_path / "media")

@@ -21,8 +21,8 @@ from pathlib import Path
 from pipeline.config import load_pipeline_config
 from tests.reliability.procs import WorkerProcess, descendants, is_alive, wait_until
 from tests.reliability.stack import ENVIRONMENT, Stack, make_stack, new_object_id, quick_pipeline, recording_key_for
+from tests.support import ARTIFACT_KEYS
 from worker.ops.demo import CI_PROFILE, REAL_PIPELINE, pipeline_with_profile
-from worker.voice.records.rules import ASSET_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER_PYTHON = REPO / "trainers" / ".venv" / "bin" / "python"
@@ -167,7 +167,7 @@ def s3_problems(job: RealJob) -> list[str]:
     """What is wrong with 'the profile names five non-empty S3 objects, each uploaded once, each holding
     the bytes whose SHA-256 its content-addressed key names'; [] if nothing."""
     stack, paths = job.stack, job.profile().get("s3Paths") or {}
-    if sorted(paths) != sorted(ASSET_KEYS):
+    if sorted(paths) != sorted(ARTIFACT_KEYS):
         return [f"the profile's S3 paths are {paths}"]
     problems = []
     for name, uri in sorted(paths.items()):

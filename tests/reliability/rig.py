@@ -23,7 +23,7 @@ import botocore.retries.standard
 from botocore.awsrequest import AWSResponse
 
 from tests.reliability.stack import ARTIFACTS, ENVIRONMENT, new_object_id
-from tests.support import FlakyStore, Queues, create_queues
+from tests.support import ARTIFACT_KEYS, FlakyStore, Queues, create_queues
 from worker.core.aws import client_config, make_client
 from worker.core.loop import Worker
 from worker.core.queue import Queue
@@ -225,8 +225,8 @@ class Rig:
         job, profile = self.job(job_id), self.profile(profile_id)
         done = [h for h in job["history"] if h["outcome"] == "completed"]
         return (job["status"] == "completed" and len(done) == 1 and profile["status"] == "completed"
-                and len(profile["s3Paths"]) == 5 and len(profile["modelPaths"]) == 5
-                and sorted(self.versions().values()) == [1] * 5)
+                and len(profile["s3Paths"]) == len(ARTIFACT_KEYS) and len(profile["modelPaths"]) == len(ARTIFACT_KEYS)
+                and sorted(self.versions().values()) == [1] * len(ARTIFACT_KEYS))
 
 
 def make_rig(root: Path, endpoint: str, **env: str) -> Rig:

@@ -11,8 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tests.reliability.soak_trainer import TICK_S
-from tests.support import SHIPPED_ARTIFACTS
-from worker.voice.records.rules import ASSET_KEYS
+from tests.support import ARTIFACT_KEYS, SHIPPED_ARTIFACTS
 
 COMPLETION, S3, OVERLAP, LOST, DLQ = "completion", "s3", "overlap", "lost", "dlq"
 KINDS = (COMPLETION, S3, OVERLAP, LOST, DLQ)
@@ -86,7 +85,7 @@ def check(state: SoakState) -> list[Violation]:
     for job_id, profile_id in state.jobs.items():
         record, profile = state.records.get(job_id) or {}, state.profiles.get(profile_id) or {}
         found += _completion(job_id, record, profile, state.commits_logged[job_id])
-        if record.get("status") == "completed" and len(profile.get("s3Paths") or {}) == len(ASSET_KEYS):
+        if record.get("status") == "completed" and len(profile.get("s3Paths") or {}) == len(ARTIFACT_KEYS):
             found += _objects(job_id, profile["s3Paths"], state, runs.get(job_id, []))
         for a, b in overlapping(runs.get(job_id, [])):
             found.append(Violation(OVERLAP, job_id, f"trainer {b.pid} started {b.start - a.start:.2f} s "
@@ -111,7 +110,7 @@ def _completion(job_id: str, record: dict, profile: dict, commits_logged: int) -
     if profile.get("status") != "completed":
         problems.append(f"profile {profile.get('status')!r}")
     for paths in ("modelPaths", "s3Paths"):
-        if sorted(profile.get(paths) or {}) != sorted(ASSET_KEYS):
+        if sorted(profile.get(paths) or {}) != sorted(ARTIFACT_KEYS):
             problems.append(f"profile {paths} {sorted(profile.get(paths) or {})}")
     return [Violation(COMPLETION, job_id, p) for p in problems]
 

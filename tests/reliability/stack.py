@@ -19,8 +19,7 @@ import soundfile as sf
 
 from pipeline.config import load_pipeline_config
 from pipeline.manifest import manifest_path, manifest_problem
-from tests.support import SHIPPED_ARTIFACTS, Queues, create_queues
-from worker.voice.records.rules import ASSET_KEYS
+from tests.support import ARTIFACT_KEYS, SHIPPED_ARTIFACTS, Queues, create_queues
 from worker.voice.records.sqlite import READ_ONLY, SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,9 +208,9 @@ class Stack:
         if profile.get("status") != "completed":
             problems.append(f"profile status {profile.get('status')!r}")
         model_paths, s3_paths = profile.get("modelPaths") or {}, profile.get("s3Paths") or {}
-        if sorted(model_paths) != sorted(ASSET_KEYS) or sorted(s3_paths) != sorted(ASSET_KEYS):
+        if sorted(model_paths) != sorted(ARTIFACT_KEYS) or sorted(s3_paths) != sorted(ARTIFACT_KEYS):
             return problems + [f"profile paths incomplete: {model_paths} {s3_paths}"]
-        for name in ASSET_KEYS:
+        for name in ARTIFACT_KEYS:
             local = Path(model_paths[name])
             bucket, _, key = s3_paths[name].removeprefix("s3://").partition("/")
             if bucket != self.bucket:

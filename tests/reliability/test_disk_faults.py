@@ -28,11 +28,10 @@ from pipeline.manifest import TEMP_MARKER, manifest_path, manifest_problem
 from pipeline.run import run_pipeline
 from pipeline.workdir import work_root_problem
 from tests.reliability.small_fs import SmallFs, small_fs  # noqa: F401  (small_fs is a fixture)
-from tests.support import SHIPPED_ARTIFACTS
+from tests.support import ARTIFACT_KEYS, SHIPPED_ARTIFACTS
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.input_policy import InputPolicy
 from worker.voice.job import HandlerConfig, VoiceJobHandler
-from worker.voice.records.rules import ASSET_KEYS
 from worker.voice.records.sqlite import SqliteStore
 
 RECORDINGS = "recordings"
@@ -169,7 +168,7 @@ class DiskRig:
         assert profile["status"] == "completed"
         model = self.s3.get_object(Bucket=MODELS, Key=profile["s3Paths"]["fullModel"].split("/", 3)[3])
         assert model["Body"].read() == b"m" * MODEL_BYTES
-        for key in ASSET_KEYS:
+        for key in ARTIFACT_KEYS:
             assert profile["s3Paths"][key].startswith(f"s3://{MODELS}/models/production/")
 
 
@@ -342,7 +341,7 @@ def assert_published_files_whole(rig: DiskRig) -> None:
 
 def assert_model_paths_hold_the_uploaded_bytes(rig: DiskRig) -> None:
     profile = rig.store.get_profile(rig.profile_id)
-    for key in ASSET_KEYS:
+    for key in ARTIFACT_KEYS:
         local = Path(profile["modelPaths"][key])
         assert (rig.fs.work_root / ".models") in local.parents
         head = rig.s3.head_object(Bucket=MODELS, Key=profile["s3Paths"][key].split("/", 3)[3])

@@ -18,7 +18,7 @@ import pytest
 
 from tests.reliability.procs import WorkerProcess, wait_until
 from tests.reliability.stack import make_stack, quick_pipeline
-from worker.voice.records.rules import ASSET_KEYS
+from tests.support import ARTIFACT_KEYS
 
 WORKERS = 4
 SINGLES, DOUBLES, TRIPLES = 90, 40, 10
@@ -128,7 +128,7 @@ def test_four_workers_two_hundred_messages_each_job_completed_once(moto_server, 
             completions = [h for h in job["history"] if h["outcome"] == "completed"]
             assert job["status"] == "completed" and len(completions) == 1, job["history"]
             assert overlapping_attempts(job["history"]) == [], f"two workers held {job_id} at once"
-            assert profile["status"] == "completed" and sorted(profile["s3Paths"]) == sorted(ASSET_KEYS)
+            assert profile["status"] == "completed" and sorted(profile["s3Paths"]) == sorted(ARTIFACT_KEYS)
             stage_runs = [n for n in stack.stage_logs(job_id, "load") if n.endswith("-quick.log")]
             assert 1 <= len(stage_runs) <= len(job["history"])
             trained_by[completions[0]["worker"]] += 1
@@ -137,7 +137,7 @@ def test_four_workers_two_hundred_messages_each_job_completed_once(moto_server, 
     versions = Counter()
     for page in stack.s3.get_paginator("list_object_versions").paginate(Bucket=stack.bucket):
         versions.update(v["Key"] for v in page.get("Versions", []))
-    assert len(versions) == JOBS * len(ASSET_KEYS) and set(versions.values()) == {1}
+    assert len(versions) == JOBS * len(ARTIFACT_KEYS) and set(versions.values()) == {1}
     print(f"\n{MESSAGES} messages, {JOBS} jobs, {WORKERS} workers: {elapsed_s:.1f} s; jobs per worker "
           f"{dict(trained_by)}; copies held elsewhere {events['job.duplicate_delivery']}, "
           f"already complete {events['job.already_complete']}")

@@ -7,8 +7,7 @@ from collections import Counter
 
 from tests.reliability.soak import FAULT_KINDS, SoakConfig, fault_schedule
 from tests.reliability.soak_check import COMPLETION, DLQ, LOST, OVERLAP, S3, SoakState, check, trainings
-from tests.support import SHIPPED_ARTIFACTS
-from worker.voice.records.rules import ASSET_KEYS
+from tests.support import ARTIFACT_KEYS, SHIPPED_ARTIFACTS
 
 JOB, PROFILE, MESSAGE = "job-1", "profile-1", "message-1"
 
@@ -35,14 +34,14 @@ def good_state() -> SoakState:
     """One job trained twice one after the other (the first attempt stopped), committed once with the second's bytes."""
     written = digests("second")
     versions = {key(name): [{"version_id": f"v-{name}", "sha256": written[SHIPPED_ARTIFACTS[name]],
-                             "body_sha256": written[SHIPPED_ARTIFACTS[name]]}] for name in ASSET_KEYS}
+                             "body_sha256": written[SHIPPED_ARTIFACTS[name]]}] for name in ARTIFACT_KEYS}
     return SoakState(
         jobs={JOB: PROFILE},
         records={JOB: {"status": "completed", "history": [{"outcome": "lease_lost"}, {"outcome": "completed"}]}},
-        profiles={PROFILE: {"status": "completed", "modelPaths": {n: f"/work/{n}" for n in ASSET_KEYS},
-                            "s3Paths": {n: f"s3://models/{key(n)}" for n in ASSET_KEYS}}},
+        profiles={PROFILE: {"status": "completed", "modelPaths": {n: f"/work/{n}" for n in ARTIFACT_KEYS},
+                            "s3Paths": {n: f"s3://models/{key(n)}" for n in ARTIFACT_KEYS}}},
         commits_logged=Counter({JOB: 1}),
-        snapshots={JOB: {key(name): [f"v-{name}"] for name in ASSET_KEYS}},
+        snapshots={JOB: {key(name): [f"v-{name}"] for name in ARTIFACT_KEYS}},
         versions=versions,
         trainer_log=run_lines(100, 10.0, 12.0, "first", closing="stop") + run_lines(200, 15.0, 17.0, "second"),
     )

@@ -1,4 +1,4 @@
-"""Fixtures for the job handler: both stores (SQLite, a real MongoDB server), moto S3, a fake training step that writes five files."""
+"""Fixtures for the job handler: both stores (SQLite, a real MongoDB server), moto S3, a fake training step that writes the configured artifacts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import boto3
 import pytest
 
 from tests.support import SHIPPED_ARTIFACTS, STORE_WRITES, attempt_through
-from worker.core.config import LeaseTimings
+from worker.core.core_config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message, Queue
 from worker.voice.artifacts import ArtifactUploader
@@ -92,10 +92,12 @@ class RecordingStore:
 
 
 class FakeTrain:
-    """Stands in for the pipeline: writes the five artifacts under work_dir/output, deterministically."""
+    """Stands in for the pipeline: writes the artifacts (``artifacts``: the shipped config's unless a test
+    sets others) under work_dir/output, deterministically."""
 
     def __init__(self):
         self.runs = 0
+        self.artifacts = dict(ARTIFACTS)
         self.during = None  # optional callable(job, work_dir, stop, progress) run before writing
         self.report_progress = True
 
@@ -105,7 +107,7 @@ class FakeTrain:
             self.during(job, work_dir, stop, progress)
         out = work_dir / "output"
         paths = {}
-        for name, rel in ARTIFACTS.items():
+        for name, rel in self.artifacts.items():
             path = out / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(f"{name} of {job.job_id}\n".encode() * 10)

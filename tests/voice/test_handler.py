@@ -9,10 +9,11 @@ from datetime import timedelta
 import pytest
 
 from pipeline.errors import BadRecording
+from tests.support import ARTIFACT_KEYS
 from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, deliver, message_body
 from worker.core.errors import QueueError
 from worker.voice.records.errors import StaleWrite, StoreError
-from worker.voice.records.rules import ASSET_KEYS, is_complete
+from worker.voice.records.rules import is_complete
 
 
 def test_completes_a_job_in_commit_order(queues, make_worker, handler, recorder, raw_store, s3):
@@ -21,14 +22,14 @@ def test_completes_a_job_in_commit_order(queues, make_worker, handler, recorder,
     queues.send(message_body())
     assert worker.run_once() == "ack"
     writes = [c for c in recorder.calls if c not in ("store.renew_lease", "store.set_progress")]
-    assert writes == ["store.claim"] + ["s3.PutObject"] * 5 + [
+    assert writes == ["store.claim"] + ["s3.PutObject"] * len(ARTIFACT_KEYS) + [
         "store.write_paths", "store.mark_profile_completed", "store.mark_job_completed"]
     job, profile = raw_store.get_job(JOB_ID), raw_store.get_profile(PROFILE_ID)
     assert is_complete(job, profile)
     full_model = hashlib.sha256(f"fullModel of {JOB_ID}\n".encode() * 10).hexdigest()
     assert profile["s3Paths"]["fullModel"] == (
         f"s3://{BUCKET}/models/production/{PROFILE_ID}/{JOB_ID}/{full_model}/full/model.pth")
-    for key in ASSET_KEYS:
+    for key in ARTIFACT_KEYS:
         bucket, _, obj_key = profile["s3Paths"][key].removeprefix("s3://").partition("/")
         body = s3.get_object(Bucket=bucket, Key=obj_key)["Body"].read()
         assert body == f"{key} of {JOB_ID}\n".encode() * 10  # what FakeTrain wrote (since removed locally)
@@ -113,7 +114,7 @@ def test_matching_s3_objects_are_not_uploaded_twice(queues, make_worker, handler
                             SQS_RETRY_VISIBILITY_BASE_SECONDS=0)
     queues.send(message_body())
     assert worker.run_once() == "retry"
-    assert recorder.calls.count("s3.PutObject") == 5
+    assert recorder.calls.count("s3.PutObject") == len(ARTIFACT_KEYS)
     recorder.calls.clear()
     assert worker.run_once() == "ack"
     assert train.runs == 2

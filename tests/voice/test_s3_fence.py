@@ -7,10 +7,9 @@ from datetime import timedelta
 
 import boto3
 
-from tests.support import client_error
+from tests.support import ARTIFACT_KEYS, client_error
 from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body
 from worker.voice.artifacts import ArtifactUploader, artifact_key, job_key_prefix
-from worker.voice.records.rules import ASSET_KEYS
 
 PREFIX = job_key_prefix("models", "production", PROFILE_ID, JOB_ID)
 
@@ -88,7 +87,7 @@ def test_a_stale_attempt_cannot_change_the_committed_objects(queues, make_worker
     b_paths = hits[0]
     profile = raw_store.get_profile(PROFILE_ID)
     assert profile["s3Paths"] == b_paths and raw_store.get_job(JOB_ID)["status"] == "completed"
-    for name in ASSET_KEYS:
+    for name in ARTIFACT_KEYS:
         expected = f"{name} of {JOB_ID}\n".encode() * 10 if name == "fullModel" else f"{name} trained by B\n".encode()
         assert body(s3, b_paths[name]) == expected, name
     assert keys_in_bucket(s3) == {uri.removeprefix(f"s3://{BUCKET}/") for uri in b_paths.values()}

@@ -7,7 +7,7 @@ import pytest
 from tests.support import recorded_spans
 from tests.voice.conftest import message_body
 from worker.core import tracing
-from worker.core.config import LeaseTimings
+from worker.core.core_config import LeaseTimings
 from worker.core.lease import Lease, Shutdown
 from worker.core.queue import Message, Queue
 

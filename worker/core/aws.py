@@ -9,7 +9,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import NoRegionError
 
-from worker.core.config import AwsConfig
+from worker.core.core_config import AwsConfig
 from worker.core.errors import ConfigError
 
 

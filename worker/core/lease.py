@@ -29,7 +29,7 @@ from collections.abc import Callable
 import structlog
 
 from worker.core.broker import Message, Queue
-from worker.core.config import LeaseTimings
+from worker.core.core_config import LeaseTimings
 from worker.core.errors import LeaseLost, Stopped, WorkerError
 from worker.core.metrics import HEARTBEAT_FAILURES, NULL_METRICS, Metrics
 from worker.core.stop import StopSignal

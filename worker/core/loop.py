@@ -41,7 +41,7 @@ from typing import Protocol
 import structlog
 
 from worker.core.broker import Message, Queue
-from worker.core.config import Backoff, LeaseTimings, LoopConfig
+from worker.core.core_config import Backoff, LeaseTimings, LoopConfig
 from worker.core.errors import Action, QueueError, RetriesExhausted, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease, Shutdown

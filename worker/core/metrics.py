@@ -34,7 +34,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from worker.core.config import MetricsConfig
+from worker.core.core_config import MetricsConfig
 from worker.core.errors import Action
 
 log = structlog.get_logger(__name__)

@@ -10,7 +10,7 @@ receipt handle is no longer ours).
 A FIFO queue (``.fifo``) needs a MessageGroupId and a MessageDeduplicationId on each send, so
 ``send`` takes both from every caller and passes them where the queue is FIFO: the group is the
 job's (the message's own group when it had one), the deduplication id one the caller keeps stable
-for that send (a job id, a message id), so a retried send within SQS's five minutes is dropped.
+for that send (a job id, a message id), so a retried send within SQS's 5-minute deduplication interval is dropped.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ CI_PROFILE = "ci"
 TRAINER_PYTHON = REPO / "trainers" / ".venv" / "bin" / "python"
 # The ci profile trains from scratch in minutes on two cores; an hour leaves room for a loaded machine.
 REAL_DEMO_TIMEOUT_S = 3600
-REAL_SENTENCE = "This voice was cloned by the worker from five short recordings."
+REAL_SENTENCE = "This voice was cloned by the worker from the sample recordings."
 SPEAK_TIMEOUT_S = 300
 # Run by the trainer interpreter: piper's own command line (1.8) ignores --config and looks for the
 # JSON next to the model, so the demo loads the pair through the API it documents instead.

@@ -1,4 +1,4 @@
-"""The five trained artifacts: checked on disk, then written to S3 where a stale attempt cannot change them.
+"""The trained artifacts: checked on disk, then written to S3 where a stale attempt cannot change them.
 
 * Keys are content-addressed: ``<prefix>/<environment>/<profileId>/<jobId>/<sha256>/<path under
   output/>``. Another attempt's different bytes land under other keys; the same bytes under the
@@ -71,7 +71,7 @@ from pipeline.manifest import Recorded
 from worker.core.redact import redact_urls_in_text
 from worker.voice.errors import StorageError
 from worker.voice.message import is_safe_name
-from worker.voice.records.rules import ASSET_KEYS
+from worker.voice.records.rules import REQUIRED_ARTIFACTS
 
 log = structlog.get_logger(__name__)
 
@@ -117,9 +117,10 @@ def _prefix_parts(prefix: str) -> list[str]:
 
 
 def ordered_assets(names: Iterable[str]) -> list[str]:
-    """The five known assets in their fixed order (``ASSET_KEYS``), then any others alphabetically."""
+    """The required assets in their fixed order (``REQUIRED_ARTIFACTS``), then any others a config
+    adds, alphabetically."""
     present = set(names)
-    return [n for n in ASSET_KEYS if n in present] + sorted(present - set(ASSET_KEYS))
+    return [n for n in REQUIRED_ARTIFACTS if n in present] + sorted(present - set(REQUIRED_ARTIFACTS))
 
 
 def verify_local(output_dir: Path, files: Mapping[str, Path]) -> None:

@@ -1,15 +1,19 @@
-"""The commit: a trained attempt's five artifacts become the profile's, in an order no crash can tear.
+"""The commit: a trained attempt's artifacts become the profile's, in an order no crash can tear.
 
 ``Commit.persist`` first writes the progress stage ``COMMITTING`` (fenced: from then on the store
 refuses cancel requests), then, each step only after the previous one succeeded:
 
-    1 verify the five local files        (regular, non-empty, no symlink on the way)
-    2 upload all five to S3              (content-addressed keys, never replacing an object; a matching
-                                          object is reused; the claim proven before each object and part)
-   2b publish all five under MODELS_ROOT (content-addressed, never replaced: worker.voice.publish)
-    3 write local and S3 paths           (fenced on the profile claim; local = the published files)
-    4 mark the profile completed         (fenced on the profile claim)
-    5 mark the job completed             (fenced on the job lease: the commit marker)
+    1 verify every artifact's local file  (each configured key present; regular, non-empty, no symlink
+                                           on the way)
+    2 upload them all to S3               (content-addressed keys, never replacing an object; a matching
+                                           object is reused; the claim proven before each object and part)
+   2b publish them all under MODELS_ROOT  (content-addressed, never replaced: worker.voice.publish)
+    3 write local and S3 paths            (fenced on the profile claim; local = the published files)
+    4 mark the profile completed          (fenced on the profile claim)
+    5 mark the job completed              (fenced on the job lease: the commit marker, with the artifact
+                                           keys it committed, which is_complete judges the job against)
+
+The artifacts are the job's configured set (the pipeline config's ``[artifacts]``, ``artifacts``).
 
 Cancel and shutdown are no longer honoured; a lost lease is checked before each step. An attempt that
 learns it lost the job after uploading deletes what it wrote only once the job is committed and the
@@ -26,12 +30,13 @@ job. A crashed attempt keeps its files, so its retry still resumes from them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
+from pipeline.errors import StageFailed
 from pipeline.manifest import recorded_outputs
 from pipeline.workdir import (
     models_dir_for,
@@ -58,7 +63,7 @@ from worker.voice.publish import publish_all
 from worker.voice.records import Store
 from worker.voice.records.attempt import Attempt, StoreLease
 from worker.voice.records.errors import StaleWrite, StoreError
-from worker.voice.records.rules import ASSET_KEYS, COMMITTING
+from worker.voice.records.rules import COMMITTING, REQUIRED_ARTIFACTS
 
 log = structlog.get_logger(__name__)
 
@@ -76,8 +81,11 @@ class Commit:
 
     def __init__(self, store: Store, uploader: ArtifactUploader, *, s3_prefix: str, work_root: Path,
                  models_root: Path, keep_work_files: bool = False,
-                 forget_remote_work: Callable[[Path], None] | None = None, crash_points: CrashPoints = NEVER):
+                 forget_remote_work: Callable[[Path], None] | None = None, crash_points: CrashPoints = NEVER,
+                 artifacts: Sequence[str] = REQUIRED_ARTIFACTS):
+        """``artifacts``: the keys every commit must write (the pipeline config's ``artifact_keys``)."""
         self._store = store
+        self._artifacts = tuple(artifacts)
         self._uploader = uploader
         self._s3_prefix = s3_prefix
         self._work_root = Path(work_root)
@@ -88,16 +96,17 @@ class Commit:
         self._crash = crash_points.reached
 
     def reusable(self, job: Job, profile: dict | None) -> dict[str, Path] | None:
-        """The profile's published paths of this job when all five verify (an earlier attempt reached
-        step 3): the retry then finishes that commit instead of training, and a cancel is too late."""
+        """The profile's published paths of this job when every configured artifact's verifies (an earlier
+        attempt reached step 3): the retry then finishes that commit instead of training, and a cancel is
+        too late."""
         try:
-            return reusable_paths(profile, models_dir_for(self._models_root, job))
+            return reusable_paths(profile, models_dir_for(self._models_root, job), self._artifacts)
         except WorkerError:
             return None  # a models directory that escapes MODELS_ROOT fails in persist, recorded
 
     def persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], attempt_dir: Path, lease: Lease,
                 store_lease: StoreLease) -> Committed:
-        """Commit steps 1-5 for the five files ``paths`` (the attempt's outputs, or ``reusable``'s)."""
+        """Commit steps 1-5 for the artifact files ``paths`` (the attempt's outputs, or ``reusable``'s)."""
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         lease.stop.raise_if_set()
         # Progress stage COMMITTING (a fenced write): from here on the store refuses cancel requests
@@ -114,6 +123,8 @@ class Commit:
         # The files lie in this attempt's output directory, or, when a retry reuses what an earlier
         # attempt of this job published, all under MODELS_ROOT: each is checked inside its own base.
         base_dir = _artifacts_base(paths, output_dir, models_dir)
+        if missing := [key for key in self._artifacts if key not in paths]:
+            raise StageFailed("artifacts not ready: the trainer produced no " + ", ".join(missing))
         verify_local(base_dir, paths)                                            # 1
         rels = artifact_rels(paths, output_dir, models_dir)
         claim = _ClaimProof(lease, store_lease)
@@ -162,7 +173,7 @@ class Commit:
         self._crash("after_profile_completed")
         claim.check()
         claim.store_lease.end()
-        attempt.complete()                                                       # 5 commit marker
+        attempt.complete(list(model_paths))                                      # 5 commit marker
         self._crash("after_job_completed")
         return Committed(s3_paths, model_paths)
 
@@ -262,15 +273,17 @@ class _ClaimProof:
         self.store_lease.ensure_live()
 
 
-def reusable_paths(profile: dict | None, output_dir: Path) -> dict[str, Path] | None:
-    """The profile's local model paths from an earlier attempt of this job, when all five verify on disk.
+def reusable_paths(profile: dict | None, output_dir: Path,
+                   artifacts: Sequence[str] = REQUIRED_ARTIFACTS) -> dict[str, Path] | None:
+    """The profile's local model paths of ``artifacts`` from an earlier attempt of this job, when every
+    one verifies on disk.
 
     ``output_dir`` is where they must lie: the job's published models directory.
     """
     stored = (profile or {}).get("modelPaths") or {}
-    if not all(stored.get(k) for k in ASSET_KEYS):
+    if not all(stored.get(k) for k in artifacts):
         return None
-    paths = {k: Path(stored[k]) for k in ASSET_KEYS}
+    paths = {k: Path(stored[k]) for k in artifacts}
     if not all(output_dir in p.parents for p in paths.values()):
         return None
     try:
@@ -290,7 +303,7 @@ def artifact_rels(paths: dict[str, Path], output_dir: Path, models_dir: Path) ->
 
 
 def _artifacts_base(paths: dict[str, Path], output_dir: Path, models_dir: Path) -> Path:
-    """The directory the five files lie in: MODELS_ROOT's job directory when all are published, else
+    """The directory the artifact files lie in: MODELS_ROOT's job directory when all are published, else
     the attempt's output directory (where verification then finds any file that is not)."""
     if paths and all(published_rel(models_dir, Path(path)) is not None for path in paths.values()):
         return models_dir

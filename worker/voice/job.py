@@ -49,7 +49,7 @@ from pipeline.remote_work import Ledger
 from pipeline.run import OWN_STEPS
 from pipeline.workdir import WorkRoot, attempt_dir_for, default_models_root, work_dir_for
 from worker.core import tracing
-from worker.core.config import DEFAULT_MAX_FAILED_ATTEMPTS
+from worker.core.core_config import DEFAULT_MAX_FAILED_ATTEMPTS
 from worker.core.errors import InvalidMessage, LeaseLost, Stopped, TimeLimitExceeded, UnexpectedError, WorkerError
 from worker.core.events import CANCELLED, COMPLETED, DEAD_LETTERED, FAILED, Events, NoEvents
 from worker.core.faults import NEVER, CrashPoints
@@ -69,7 +69,15 @@ from worker.voice.mirror_ledger import RecordLedger
 from worker.voice.records import ClaimOutcome, Store
 from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
 from worker.voice.records.errors import StaleWrite, StoreError
-from worker.voice.records.rules import ERROR, ERROR_MESSAGE_MAX_CHARS, failed_attempts, is_complete, usage, utc_now
+from worker.voice.records.rules import (
+    ERROR,
+    ERROR_MESSAGE_MAX_CHARS,
+    REQUIRED_ARTIFACTS,
+    failed_attempts,
+    is_complete,
+    usage,
+    utc_now,
+)
 from worker.voice.records.view import unworkable
 
 if TYPE_CHECKING:
@@ -82,7 +90,8 @@ DEFAULT_POLICY = InputPolicy()
 
 
 class Trainer(Protocol):
-    """What turns a claimed job into its five artifacts: ``pipeline.run.PipelineTrainer`` in production.
+    """What turns a claimed job into its artifacts (a path for every configured key, ``HandlerConfig.
+    artifacts``): ``pipeline.run.PipelineTrainer`` in production.
 
     A fake is anything with this call shape. ``progress(step, percent)`` writes the record's
     progress; ``stop`` is the attempt's own stop signal, to be honoured by every step; ``ledger`` is
@@ -103,16 +112,18 @@ class HandlerConfig:
     worker_id: str
     # The record's lease lasts as long as the message's visibility: both lapse together.
     lease_s: float
-    # Where the five artifacts are published; None: <work_root>/.models (pipeline.workdir).
+    # Where the artifacts are published; None: <work_root>/.models (pipeline.workdir).
     models_root: Path | None = None
     keep_work_files: bool = False
     # Recorded retryable failures after which the job's message is dead-lettered (MAX_FAILED_ATTEMPTS).
     max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS
     # The default policy refuses every s3:// recording: a handler is never more open than asked.
     policy: InputPolicy = DEFAULT_POLICY
+    # The artifact keys every commit writes: the pipeline config's ``artifact_keys`` (its [artifacts]).
+    artifacts: tuple[str, ...] = REQUIRED_ARTIFACTS
 
 
-class Handled(StrEnum):
+class Acknowledged(StrEnum):
     """What the handler returns to acknowledge: logged by the loop, which counts COMPLETED and
     CANCELLED under their own metrics and the rest as skipped."""
 
@@ -159,7 +170,7 @@ class VoiceJobHandler:
         self._commit = Commit(store, uploader, s3_prefix=config.s3_prefix, work_root=config.work_root,
                               models_root=config.models_root or default_models_root(config.work_root),
                               keep_work_files=config.keep_work_files, forget_remote_work=forget_remote_work,
-                              crash_points=crash_points)
+                              crash_points=crash_points, artifacts=config.artifacts)
         self._settle = Settlement(events or NoEvents(), metrics, config.max_failed_attempts)
 
     def __call__(self, message: Message, lease: Lease) -> str:
@@ -196,7 +207,7 @@ class VoiceJobHandler:
             return self._already_complete(job, profile)
         refuse_recorded_failure(record, message, self.config.max_failed_attempts)
         claimed = self._claim(job, message, lease, profile)
-        if isinstance(claimed, Handled):
+        if isinstance(claimed, Acknowledged):
             return claimed  # nothing to work on: the job is final, cancelled, or another message's
         committed: Committed | None = None
         try:
@@ -215,16 +226,16 @@ class VoiceJobHandler:
         self._settle.completed(claimed, committed)
         self._commit.clean_up(job, committed.s3_paths, committed.model_paths.values())
         log.info("job.completed")
-        return Handled.COMPLETED
+        return Acknowledged.COMPLETED
 
     def _already_complete(self, job: Job, profile: dict) -> str:
         log.info("job.already_complete", note="redelivery acknowledged without work")
         if str(profile.get("jobId")) == job.job_id:
             # The paths are this job's: redo the (idempotent) clean-ups a crash after the commit skipped.
             self._commit.clean_up(job, profile["s3Paths"], profile["modelPaths"].values())
-        return Handled.ALREADY_COMPLETE
+        return Acknowledged.ALREADY_COMPLETE
 
-    def _claim(self, job: Job, message: Message, lease: Lease, profile: dict | None) -> Claimed | Handled:
+    def _claim(self, job: Job, message: Message, lease: Lease, profile: dict | None) -> Claimed | Acknowledged:
         """Claim the job (a fenced lease, renewed with the message's from now on), or what to acknowledge
         when there is nothing to work on."""
         # A claim that fails after its job swap (the profile stamp, a lost reply) lets go of the job itself.
@@ -237,7 +248,7 @@ class VoiceJobHandler:
             raise UnknownJob(f"no job record {job.job_id} (yet)")
         if claim.outcome in (ClaimOutcome.COMPLETED, ClaimOutcome.CANCELLED):
             log.info("job.nothing_to_do", status=claim.outcome)
-            return Handled(claim.outcome)
+            return Acknowledged(claim.outcome)
         if claim.outcome == ClaimOutcome.HELD:
             return held(claim.job or {}, message, claim.now)
         log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
@@ -258,7 +269,7 @@ class VoiceJobHandler:
         return claimed
 
     def _artifacts(self, claimed: Claimed, attempt_dir: Path, stop: StopSignal) -> dict[str, Path]:
-        """Train: the five artifacts of this attempt (or the earlier attempt's it finishes the commit of)."""
+        """Train: the artifacts of this attempt (or the earlier attempt's it finishes the commit of)."""
         ledger = RecordLedger(claimed.attempt, claimed.record)
         self._work_root.check()
         if claimed.reused is not None:
@@ -281,11 +292,11 @@ class Settlement:
         self._report_cost(claimed)
         self._announce(COMPLETED, claimed, s3Paths=committed.s3_paths)
 
-    def cancelled(self, claimed: Claimed, *, when: str) -> Handled:
+    def cancelled(self, claimed: Claimed, *, when: str) -> Acknowledged:
         claimed.attempt.cancel()
         log.info("job.cancelled", when=when)
         self._announce(CANCELLED, claimed)
-        return Handled.CANCELLED
+        return Acknowledged.CANCELLED
 
     def wasted(self, claimed: Claimed) -> None:
         self._metrics.seconds(WASTED_GPU_SECONDS, claimed.attempt.trainer_clock.seconds(), jobId=claimed.job.job_id)
@@ -429,7 +440,7 @@ def refuse_malformed(store: Store, job: Job, record: dict | None, profile: dict 
 # --- the claim and its end
 
 
-def held(record: dict, message: Message, store_now: datetime | None) -> Handled:
+def held(record: dict, message: Message, store_now: datetime | None) -> Acknowledged:
     """Another worker holds a live lease on the job: is this delivery a duplicate, or its own message?"""
     holder = record.get("lease") or {}
     if holder.get("messageId") == message.message_id:
@@ -444,7 +455,7 @@ def held(record: dict, message: Message, store_now: datetime | None) -> Handled:
                       "retrying once its record lease ends", retry_after_s=wait_s)
     log.warning("job.duplicate_delivery", holder=holder.get("owner"),
                 note="another message for this job is being worked on; acknowledged without work")
-    return Handled.DUPLICATE
+    return Acknowledged.DUPLICATE
 
 
 def release(attempt: Attempt) -> None:

@@ -1,4 +1,4 @@
-"""Publishing the five artifacts where the profile's ``modelPaths`` can keep naming them.
+"""Publishing the artifacts where the profile's ``modelPaths`` can keep naming them.
 
 An attempt's output directory is scratch: it is removed after the commit. The profile's local model
 paths are part of what "completed" means, so before they are written (commit step 3) each artifact

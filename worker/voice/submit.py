@@ -113,8 +113,8 @@ def submit_prepared(store: Store, sqs, queue_url: str,
             raise IdempotencyMismatch(job_id, key)
         return job_id, False
     try:
-        # On a FIFO queue the job is its own group, and a second send of it within SQS's five
-        # minutes (a retried submit with the same jobId) is dropped as a duplicate.
+        # On a FIFO queue the job is its own group, and a second send of it within SQS's 5-minute
+        # deduplication interval (a retried submit with the same jobId) is dropped as a duplicate.
         with tracing.span("submit", **{"job.id": job_id}):  # the job's trace starts here and goes with it
             Queue(sqs, queue_url).send(record["messageBody"], group_id=job_id, dedup_id=job_id,
                                        attributes=tracing.message_attributes())

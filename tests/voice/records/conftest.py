@@ -7,13 +7,14 @@ from datetime import UTC, datetime, timedelta
 import mongomock
 import pytest
 
+from tests.support import ARTIFACT_KEYS
 from worker.voice.records.mongo import MongoStore
 from worker.voice.records.sqlite import SqliteStore
 
 JOB_ID = "665f1c2e9b1e8a0012ab34cd"
 PROFILE_ID = "665f1c2e9b1e8a0012ab34ce"
 LEASE_S = 300.0
-ASSETS = ("fullModel", "fullConfig", "speakerEmbeddings", "lightModel", "lightConfig")
+ASSETS = ARTIFACT_KEYS  # the shipped pipeline config's artifact keys
 MODEL_PATHS = {key: f"/work/production/voice-1/{JOB_ID}/output/{key}" for key in ASSETS}
 S3_PATHS = {key: f"s3://voices/production/{JOB_ID}/{key}" for key in ASSETS}
 

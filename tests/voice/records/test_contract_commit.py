@@ -133,6 +133,18 @@ def test_commit_sequence_completes_both_records(store, clock):
     assert job["history"][-1]["outcome"] == "completed"
 
 
+def test_the_commit_marker_records_the_committed_artifact_keys(store):
+    """mark_job_completed keeps the keys the commit wrote on the job record (what is_complete judges)."""
+    submit(store)
+    claim(store, "t1")
+    store.write_paths(PROFILE_ID, "t1", MODEL_PATHS, S3_PATHS, job_id=JOB_ID)
+    store.mark_profile_completed(PROFILE_ID, "t1", job_id=JOB_ID)
+    store.mark_job_completed(JOB_ID, "t1", artifacts=[*MODEL_PATHS, "vocoder"])
+    job, profile = store.get_job(JOB_ID), store.get_profile(PROFILE_ID)
+    assert job["artifacts"] == [*MODEL_PATHS, "vocoder"]
+    assert not is_complete(job, profile)  # the profile lacks the sixth the job says it committed
+
+
 def test_replaced_token_cannot_commit(store, clock):
     """A worker whose token was replaced cannot write paths or mark anything completed, and nothing changes."""
     submit(store)

@@ -10,13 +10,17 @@ from hypothesis import strategies as st
 
 from tests.voice.records.conftest import MODEL_PATHS, S3_PATHS
 from worker.voice.records.rules import (
+    ARTIFACTS,
     CLAIMS_KEPT,
     HISTORY_LIMIT,
+    REQUIRED_ARTIFACTS,
     ClaimOutcome,
     claim_refusal,
     claimed,
     clock_skew_problem,
     close_attempt,
+    committed_artifacts,
+    completed,
     holds_profile_claim,
     is_complete,
     lease_live,
@@ -50,8 +54,40 @@ def done_profile(**changes):
     (done_job(), done_profile(modelPaths={**MODEL_PATHS, "fullModel": None}), False),
 ])
 def test_is_complete_truth_table(job, profile, expected):
-    """Complete only when both records are completed and all five local and S3 paths are non-empty."""
+    """Complete only when both records are completed and every artifact's local and S3 path is non-empty."""
     assert is_complete(job, profile) is expected
+
+
+SIX = {**MODEL_PATHS, "vocoder": "/work/vocoder.pth"}, {**S3_PATHS, "vocoder": "s3://voices/vocoder.pth"}
+
+
+@pytest.mark.parametrize("job,profile,expected", [
+    # Committed before records kept the set: judged against the required keys, however the config grew.
+    (done_job(), done_profile(), True),
+    # Committed under the five-key config: complete, whatever a later config adds.
+    (done_job(artifacts=list(MODEL_PATHS)), done_profile(), True),
+    (done_job(artifacts=list(MODEL_PATHS)), done_profile(modelPaths=SIX[0], s3Paths=SIX[1]), True),
+    # Committed under a six-key config: needs all six.
+    (done_job(artifacts=[*MODEL_PATHS, "vocoder"]), done_profile(), False),
+    (done_job(artifacts=[*MODEL_PATHS, "vocoder"]), done_profile(modelPaths=SIX[0]), False),
+    (done_job(artifacts=[*MODEL_PATHS, "vocoder"]), done_profile(modelPaths=SIX[0], s3Paths=SIX[1]), True),
+    # A value no commit wrote is no set: the required keys decide.
+    (done_job(artifacts=[]), done_profile(modelPaths={"fullModel": "/m"}, s3Paths={"fullModel": "s3://b/m"}), False),
+    (done_job(artifacts="fullModel"), done_profile(modelPaths={"fullModel": "/m"}, s3Paths={"fullModel": "s3://b/m"}),
+     False),
+    (done_job(artifacts=["fullModel", 7]), done_profile(), True),
+])
+def test_is_complete_judges_the_set_the_job_committed(job, profile, expected):
+    """Completion is judged against the artifact keys the job's commit recorded, not the current config's."""
+    assert is_complete(job, profile) is expected
+
+
+def test_the_commit_marker_records_the_committed_artifacts():
+    """``completed`` keeps the keys it is given, in order, and leaves the field alone when given none."""
+    job = {"status": "processing", "history": [], "lease": {"token": "t"}}
+    assert completed(job, "t", NOW, artifacts=("b", "a"))[ARTIFACTS] == ["b", "a"]
+    assert ARTIFACTS not in completed(job, "t", NOW)
+    assert committed_artifacts(None) == REQUIRED_ARTIFACTS
 
 
 def test_lease_expiry_boundary():

@@ -1,7 +1,7 @@
 """Job and profile records: the interface (``store``), the rules both backends share (``rules``,
 ``recovery``), every write once over a backend's three primitives, a read and two swaps
 (``transitions``), and the backends (``sqlite``, ``mongo``). ``open_store`` picks the backend the
-settings name (``config``: the values it takes, re-exported here).
+settings name (``store_config``: the values it takes, re-exported here).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 from worker.core.errors import ConfigError
 from worker.voice.records.attempt import Attempt
-from worker.voice.records.config import Access, MongoConfig, StoreConfig
 from worker.voice.records.rules import ClaimOutcome
 from worker.voice.records.store import Claim, Clock, Store
+from worker.voice.records.store_config import Access, MongoConfig, StoreConfig
 
 __all__ = ["Access", "Attempt", "Claim", "ClaimOutcome", "Clock", "MongoConfig", "Store", "StoreConfig", "open_store"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -84,7 +84,8 @@ class FencedWrites(Protocol):
 
     def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None: ...
 
-    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None: ...
+    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None,
+                           artifacts: Sequence[str] | None = None) -> None: ...
 
     def mark_cancelled(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None: ...
 
@@ -128,9 +129,9 @@ class Attempt:
     def complete_profile(self) -> None:
         self.store.mark_profile_completed(self._profile(), self.token, job_id=self.job_id)
 
-    def complete(self) -> None:
-        """The commit marker: the job record says completed."""
-        self.store.mark_job_completed(self.job_id, self.token, self.trainer_clock.seconds())
+    def complete(self, artifacts: Sequence[str] | None = None) -> None:
+        """The commit marker: the job record says completed, and which artifact keys it committed."""
+        self.store.mark_job_completed(self.job_id, self.token, self.trainer_clock.seconds(), artifacts)
 
     def cancel(self) -> None:
         self.store.mark_cancelled(self.job_id, self.token, self.trainer_clock.seconds())

@@ -27,9 +27,9 @@ from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailu
 
 from worker.core.errors import ConfigError
 from worker.voice.records import recovery, rules
-from worker.voice.records.config import MongoConfig
 from worker.voice.records.errors import StoreError
 from worker.voice.records.store import Clock
+from worker.voice.records.store_config import MongoConfig
 from worker.voice.records.transitions import TransitionStore
 
 log = structlog.get_logger(__name__)

@@ -10,10 +10,11 @@ UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores ret
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
-from pipeline.config import ASSET_KEYS
+from pipeline.config import ARTIFACT_KEY, REQUIRED_ARTIFACTS
 from worker.core.errors import InvalidMessage
 from worker.core.redact import redact_text
 
@@ -43,6 +44,10 @@ CLAIMS, LEGACY_CLAIM_TOKEN = "claims", "claimToken"
 CLAIMS_KEPT = 20
 # The progress stage an attempt writes (fenced) just before it persists; no stage can be named so.
 COMMITTING = "(committing)"
+# The job record's list of the artifact keys its commit wrote, set with the commit marker (completed):
+# what is_complete judges the profile's paths against, so a config that grows the set later leaves
+# the jobs completed before it complete.
+ARTIFACTS = "artifacts"
 # Attempts that ended in a recorded retryable failure: what MAX_FAILED_ATTEMPTS is counted against.
 # A release (shutdown, drain, lease handover) or a crash that recorded nothing never adds to it.
 FAILED_ATTEMPTS = "failedAttempts"
@@ -71,15 +76,27 @@ def to_ms(moment: datetime) -> datetime:
     return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
 
 
+def committed_artifacts(job: dict | None) -> tuple[str, ...]:
+    """The artifact keys the job's commit wrote (its record's ``artifacts``); ``REQUIRED_ARTIFACTS`` for a
+    job committed before records kept them, and for a value another writer left that is no list of names."""
+    keys = (job or {}).get(ARTIFACTS)
+    if (isinstance(keys, list) and keys
+            and all(isinstance(key, str) and ARTIFACT_KEY.fullmatch(key) for key in keys)):
+        return tuple(keys)
+    return REQUIRED_ARTIFACTS
+
+
 def is_complete(job: dict | None, profile: dict | None) -> bool:
-    """Both records status 'completed' and the profile holds all five modelPaths and all five s3Paths (non-empty)."""
+    """Both records status 'completed' and the profile holds a non-empty ``modelPaths`` and ``s3Paths``
+    entry for every artifact the job committed (``committed_artifacts``): not the current config's set,
+    which may have grown since."""
     if not job or not profile:
         return False
     if job.get("status") != COMPLETED or profile.get("status") != COMPLETED:
         return False
     for field in ("modelPaths", "s3Paths"):
         paths = profile.get(field) or {}
-        if not all(isinstance(paths.get(key), str) and paths.get(key) for key in ASSET_KEYS):
+        if not all(isinstance(paths.get(key), str) and paths.get(key) for key in committed_artifacts(job)):
             return False
     return True
 
@@ -307,10 +324,14 @@ def errored(job: dict, *, token: str | None, error_type: str, message: str, retr
             FAILED_ATTEMPTS: failed}
 
 
-def completed(job: dict, token: str, now: datetime, gpu_seconds: float | None = None) -> dict:
+def completed(job: dict, token: str, now: datetime, gpu_seconds: float | None = None,
+              artifacts: Sequence[str] | None = None) -> dict:
+    """The commit marker; ``artifacts``: the keys the commit wrote to the profile (kept as ``ARTIFACTS``)."""
     history = close_attempt(with_gpu_seconds(job, token, gpu_seconds).get("history"), "completed", now, token)
-    return {**job, "status": COMPLETED, "completedAt": now, "lease": None, "error": None,
-            "history": history}
+    marked = {**job, "status": COMPLETED, "completedAt": now, "lease": None, "error": None, "history": history}
+    if artifacts is not None:
+        marked[ARTIFACTS] = list(artifacts)
+    return marked
 
 
 def cancelled(job: dict, token: str, now: datetime) -> dict:

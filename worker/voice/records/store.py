@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -81,8 +81,10 @@ class Store(ABC):
         """Set the profile completed; fenced as ``write_paths``."""
 
     @abstractmethod
-    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None:
-        """The commit marker (with the attempt's final trainer time)."""
+    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None,
+                           artifacts: Sequence[str] | None = None) -> None:
+        """The commit marker (with the attempt's final trainer time, and the artifact keys the commit
+        wrote to the profile: what ``rules.is_complete`` judges the job against)."""
 
     @abstractmethod
     def mark_cancelled(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None: ...

@@ -23,7 +23,7 @@ way (a job's profile may not exist yet). ``_swap_job`` never creates a job: jobs
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 import structlog
@@ -163,9 +163,10 @@ class TransitionStore(Store):
     def mark_profile_completed(self, profile_id: str, token: str, *, job_id: str) -> None:
         self._fenced_profile("mark_profile_completed", profile_id, job_id, token, {"status": rules.COMPLETED})
 
-    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None:
+    def mark_job_completed(self, job_id: str, token: str, gpu_seconds: float | None = None,
+                           artifacts: Sequence[str] | None = None) -> None:
         self._fenced_job("mark_job_completed", job_id, token,
-                         lambda j, now: rules.completed(j, token, now, gpu_seconds))
+                         lambda j, now: rules.completed(j, token, now, gpu_seconds, artifacts))
 
     def mark_cancelled(self, job_id: str, token: str, gpu_seconds: float | None = None) -> None:
         self._fenced_job("mark_cancelled", job_id, token,
