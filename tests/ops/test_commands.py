@@ -463,3 +463,13 @@ def test_dlq_list_prints_one_clean_block_per_message():
     assert not any(ch in block for ch in "\x1b\x07\r")
     assert block.splitlines() == ["job j  receives 1  age 1m", "  message  m",
                                   "  error    InvalidMessage: bad job j: completed"]
+
+
+def test_a_body_sent_again_without_a_key_says_its_message_went_out_again(store, queues):
+    """Re-submitting a job's own body (no idempotency key) names the jobId, not a key it never had."""
+    code, out, _ = submit(store, queues, PAYLOAD)
+    job_id = json.loads(out)["jobId"]
+    body = json.loads(queues.receive_now()[0]["Body"])
+    code, out, _ = submit(store, queues, body, as_json=False)
+    assert code == 0 and out == f"{job_id} (a job with this jobId exists: its message was sent again)\n"
+    assert len(queues.receive_now()) == 1

@@ -348,6 +348,13 @@ def test_jobs_filters_by_status_and_a_duration_on_the_store_clock(clocked_store)
     out = io.StringIO()
     assert cmd_jobs(store, limit=2, out=out) == 0
     assert "the newest 2: --limit N for more" in out.getvalue()
+    out = io.StringIO()
+    assert cmd_jobs(store, status="pending", since=timedelta(minutes=20), limit=1, out=out) == 0
+    assert out.getvalue().splitlines()[0].startswith(
+        "1 pending job(s) created since 2024-05-01 12:10:00Z, newest first (the newest 1")
+    out = io.StringIO()
+    assert cmd_jobs(store, status="completed", since=timedelta(minutes=20), out=out) == 0
+    assert out.getvalue() == "no completed jobs created since 2024-05-01 12:10:00Z\n"
 
 
 def test_status_of_a_cancelled_job_shows_none_of_the_profiles_files(clocked_store):

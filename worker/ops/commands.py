@@ -106,7 +106,11 @@ def cmd_submit(open_store: Callable[[], AbstractContextManager[Store]], sqs, que
     if as_json:
         print(json.dumps({"jobId": job_id, "created": created}), file=out)
     else:
-        print(job_id if created else f"{job_id} (already submitted with this idempotency key)", file=out)
+        # Without an idempotency key the job was found by its jobId (a body sent again, as the
+        # re-enqueue recipe does), and its message went out again: say that, not a key.
+        again = ("already submitted with this idempotency key" if prepared[2] is not None
+                 else "a job with this jobId exists: its message was sent again")
+        print(job_id if created else f"{job_id} ({again})", file=out)
     return EXIT_OK
 
 
@@ -430,12 +434,13 @@ def cmd_jobs(store: Store, *, status: str | None = None, since: datetime | timed
             for line in warning_lines(job):
                 print(line, file=err)
         return EXIT_OK
-    which = " ".join(filter(None, [status, f"created since {moment(since.astimezone(UTC))}" if since else None]))
+    kind = f"{status} " if status else ""
+    created_since = f" created since {moment(since.astimezone(UTC))}" if since else ""
     if not jobs:
-        print(f"no {which + ' ' if which else ''}jobs", file=out)
+        print(f"no {kind}jobs{created_since}", file=out)
         return EXIT_OK
     more = f" (the newest {limit}: --limit N for more)" if len(jobs) == limit else ""
-    print(f"{len(jobs)} {which + ' ' if which else ''}job(s), newest first{more}:", file=out)
+    print(f"{len(jobs)} {kind}job(s){created_since}, newest first{more}:", file=out)
     for job in jobs:
         for line in _job_lines(job):
             print(line, file=out)
