@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -23,9 +24,22 @@ pytestmark = pytest.mark.server
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, with the next one free too (dev-stack --store mongo serves MongoDB there),
+    below the kernel's ephemeral range, where no client connection of a parallel test can take it."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20_000, 32_000)
+        sockets = [socket.socket() for _ in range(2)]
+        try:
+            for offset, sock in enumerate(sockets):
+                sock.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise AssertionError("no two free ports next to each other below 32000")
 
 
 def _sourced(env_file: Path) -> dict[str, str]:
