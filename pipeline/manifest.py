@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,10 +32,10 @@ from pipeline.files import (
     real_directory,
     sha256_and_size_of,
 )
+from worker.core.names import is_sha256_hex
 
 MANIFEST_VERSION = 1
 TEMP_MARKER = ".tmp-"
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # A recorded identity lets a reader skip hashing a file, and a manifest lies in the output directory,
 # which the stages write: so only a manifest this process wrote may vouch with one. Its outputs are
 # sealed with a key that lives only in this process's memory (never in a file or a stage's
@@ -275,7 +274,7 @@ def _described(entry: object, sealed: bool) -> Recorded | None:
     if not isinstance(entry, dict):
         return None
     sha256_hex, size = entry.get("sha256"), entry.get("size")
-    if not (isinstance(sha256_hex, str) and _SHA256_HEX.fullmatch(sha256_hex)):
+    if not is_sha256_hex(sha256_hex):
         return None
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return None

@@ -64,6 +64,7 @@ from pipeline.config import MANIFEST_DIR_NAME, StageSpec
 from pipeline.files import OutputRefused, open_real_dir, open_regular, output_parts, real_directory
 from pipeline.manifest import TEMP_MARKER, atomic_write_at, manifest_from_bytes, manifest_path, replaced_at
 from pipeline.reuse import attempt_order, remove_tree
+from worker.core.names import is_sha256_hex
 from worker.core.stop import StopSignal
 
 log = structlog.get_logger(__name__)
@@ -89,7 +90,6 @@ ATTEMPT_NAME = re.compile(r"[0-9]{1,9}-[A-Za-z0-9]{1,64}", re.ASCII)
 _PATH_PART = re.compile(r"[A-Za-z0-9_+=@-][A-Za-z0-9._+=@-]{0,254}", re.ASCII)
 _MAX_DEPTH = 16
 CHECKPOINTS_ITEM, OUTPUT_ITEM = "checkpoints", "output"
-_SHA256 = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
 
 def ledger_item(kind: str, stage: str) -> str:
@@ -550,7 +550,7 @@ def listing_problem(listing: Any, stage: str, attempt: str) -> str | None:
             problem = "its entry is not an object"
         if problem is None:
             problem = _size_problem(entry.get("size"), MAX_RESTORE_BYTES)
-        if problem is None and not (isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])):
+        if problem is None and not is_sha256_hex(entry.get("sha256")):
             problem = "its digest is not a SHA-256"
         if problem is not None:
             return f"file {str(rel)[:80]!r}: {problem}"

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import threading
 import time
 from collections import deque
@@ -68,6 +67,7 @@ from pipeline.files import (
     sha256_and_size_of,
 )
 from pipeline.manifest import Recorded
+from worker.core.names import is_sha256_hex
 from worker.core.redact import redact_urls_in_text
 from worker.voice.errors import StorageError
 from worker.voice.message import is_safe_name
@@ -81,7 +81,6 @@ KeyFor = Callable[[str, str], str]  # (sha256 hex, path under output/) -> key
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 # 412: an object exists at the key; 409: a concurrent conditional write to it is in progress.
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 S3_MAX_PARTS = 10_000
 # Parts read ahead of the threads free to send them, so a thread that finishes finds the next one read.
 READ_AHEAD_PARTS = 2
@@ -106,7 +105,7 @@ def artifact_key(
     prefix: str, environment: str, profile_id: str, job_id: str, sha256_hex: str, relative_path: str
 ) -> str:
     """``<prefix>/<environment>/<profileId>/<jobId>/<sha256>/<relative_path>``, with no empty parts."""
-    if not _SHA256_HEX.fullmatch(sha256_hex):
+    if not is_sha256_hex(sha256_hex):
         raise ValueError(f"not a lower-case hex SHA-256: {sha256_hex!r}")
     return (job_key_prefix(prefix, environment, profile_id, job_id) + sha256_hex + "/"
             + "/".join(output_parts(relative_path)))

@@ -16,6 +16,7 @@ from enum import StrEnum
 
 from pipeline.config import ARTIFACT_KEY, REQUIRED_ARTIFACTS
 from worker.core.errors import InvalidMessage
+from worker.core.names import is_sha256_hex
 from worker.core.redact import redact_text
 
 PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED = (
@@ -60,7 +61,6 @@ GPU_SECONDS, EARLIER_GPU_SECONDS, EARLIER_WASTED_GPU_SECONDS = (
 MIRROR = "mirror"
 # An attempt's history entry: its stages' NOTE lines (what they left out of the data, say), the last few.
 NOTES, NOTES_KEPT, NOTE_MAX_CHARS = "notes", 10, 500
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _HEX_TOKEN = re.compile(r"[0-9a-f]{8,64}")
 
 
@@ -288,7 +288,7 @@ def vouched_mirrors(job: dict | None, own_token: str) -> list[tuple[int, str, di
                 or not _HEX_TOKEN.fullmatch(token) or not isinstance(mirror, dict)):
             continue
         items = {item: digest for item, digest in mirror.items()
-                 if isinstance(item, str) and isinstance(digest, str) and _SHA256.fullmatch(digest)}
+                 if isinstance(item, str) and is_sha256_hex(digest)}
         if items:
             found.append((number, token, items))
     return sorted(found, key=lambda found_entry: found_entry[0], reverse=True)
