@@ -54,6 +54,19 @@ class OffsetClock:
         return datetime.now(UTC) + self.offset
 
 
+def take_over(raw_store, clock):
+    """Worker B claims the job once our record lease has lapsed; returns B's attempt.
+
+    Our heartbeat thread may renew between the clock's jump and B's claim (the renewal reads the
+    moved clock, so the lease is held again): B then waits out that lease too, as a real B would."""
+    for _ in range(3):
+        clock.offset += timedelta(hours=1)
+        claim = raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600)
+        if claim.outcome == "claimed":
+            return claim.attempt
+    raise AssertionError(f"worker B could not claim the job: {claim.outcome}")
+
+
 class Recorder:
     """One ordered log of store writes and S3 writes."""
 

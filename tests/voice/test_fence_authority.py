@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, message_body
+from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, message_body, take_over
 from worker.core.errors import LeaseLost
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.job import HandlerConfig, VoiceJobHandler
@@ -82,9 +82,7 @@ def test_a_commit_marker_after_another_claim_took_the_token_is_refused_and_nothi
     refused: list[Exception] = []
 
     def another_worker_claims_first():
-        clock.offset += timedelta(hours=1)  # our record lease lapsed on the store's clock
-        claim = raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600)
-        assert claim.outcome == "claimed"
+        take_over(raw_store, clock)  # our record lease lapsed on the store's clock
         return None  # then our marker, fenced on our (replaced) token
 
     real_mark = raw_store.mark_job_completed

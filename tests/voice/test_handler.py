@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.errors import BadRecording
 from tests.support import ARTIFACT_KEYS
-from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, deliver, message_body
+from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, deliver, message_body, take_over
 from worker.core.errors import QueueError
 from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.rules import is_complete
@@ -92,8 +92,7 @@ def test_replaced_token_cannot_write_paths_or_completion(queues, make_worker, ha
                                                          recorder):
     """A worker whose claim was taken over uploads nothing, writes no paths and no completion, and does not ack."""
     def takeover(job, work_dir, stop, progress):
-        clock.offset += timedelta(hours=1)  # our lease lapses in the store ...
-        assert raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600).outcome == "claimed"
+        take_over(raw_store, clock)  # our lease lapses in the store ...
 
     train.during = takeover
     worker, client = make_worker(handler)
@@ -377,8 +376,7 @@ def test_a_message_naming_another_profile_than_the_job_record_is_dead_lettered(q
 def test_a_takeover_after_training_uploads_nothing(queues, make_worker, handler, raw_store, clock, train, recorder):
     """A claim taken over between training and persisting is caught by the fenced check before any upload."""
     def takeover(job, work_dir, stop, progress):
-        clock.offset += timedelta(hours=1)
-        assert raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600).outcome == "claimed"
+        take_over(raw_store, clock)
 
     train.during, train.report_progress = takeover, False
     # No heartbeat tick during this short job: only the check before the uploads can notice.

@@ -8,7 +8,7 @@ from datetime import timedelta
 import boto3
 
 from tests.support import ARTIFACT_KEYS, client_error
-from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body
+from tests.voice.conftest import ARTIFACTS, BUCKET, JOB_ID, PROFILE_ID, message_body, take_over
 from worker.voice.artifacts import ArtifactUploader, artifact_key, job_key_prefix
 
 PREFIX = job_key_prefix("models", "production", PROFILE_ID, JOB_ID)
@@ -20,14 +20,6 @@ def keys_in_bucket(s3) -> set[str]:
 
 def body(s3, uri: str) -> bytes:
     return s3.get_object(Bucket=BUCKET, Key=uri.removeprefix(f"s3://{BUCKET}/"))["Body"].read()
-
-
-def take_over(raw_store, clock):
-    """Worker B claims the job once our record lease has lapsed; returns B's attempt."""
-    clock.offset += timedelta(hours=1)
-    claim = raw_store.claim(JOB_ID, owner="worker-b", token="token-b", lease_s=3600)
-    assert claim.outcome == "claimed"
-    return claim.attempt
 
 
 def commit_as_b(raw_store, clock, tmp_path, same_as_ours: set[str]) -> dict[str, str]:
