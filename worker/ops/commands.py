@@ -26,6 +26,7 @@ from worker.core.logs import scrub
 from worker.core.redact import strip_control
 from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.settings import Settings
+from worker.voice.errors import IdempotencyMismatch
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.records import Store
 from worker.voice.records.rules import (
@@ -39,7 +40,7 @@ from worker.voice.records.rules import (
     lease_live,
 )
 from worker.voice.records.view import JobView, Problem, ProfileView, job_view, profile_view, shown
-from worker.voice.submit import SUBMISSION_HASH, IdempotencyMismatch, prepare, submit_prepared
+from worker.voice.submit import SUBMISSION_HASH, prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5
 # submit: the idempotencyKey is known, with a different submission (nothing created or sent).

@@ -12,8 +12,8 @@ loop's action; the loop decides on the branch alone and never imports this modul
     │   │                        shape it never writes (another writer's): fixed by hand, not by retrying
     │   └── AlreadyFailed        a redelivery of a message whose permanent failure is recorded: back to
     │                            the DLQ unworked, under the recorded error type
-    └── IdempotencyMismatch      (``worker.voice.submit``) a submit's idempotency key was used for other
-                                 fields: nothing created or sent (a command's error, never a handler's)
+    └── IdempotencyMismatch      a submit's idempotency key was used for other fields: nothing created
+                                 or sent (``worker.voice.submit``'s, a command's error, never a handler's)
 
 The layers below add their own: the records' ``StoreError`` and ``StaleWrite``
 (``worker.voice.records.errors``), the pipeline's ``DownloadError``, ``StageFailed``, ``BadRecording``
@@ -23,7 +23,7 @@ and ``StageFailedPermanently`` (``pipeline.errors``). The job also raises the co
 
 from __future__ import annotations
 
-from worker.core.errors import PermanentError, RetryableError
+from worker.core.errors import PermanentError, RetryableError, WorkerError
 
 
 class StorageError(RetryableError):
@@ -65,3 +65,12 @@ class AlreadyFailed(PermanentError):
     @property
     def error_type(self) -> str:
         return self.recorded_type
+
+
+class IdempotencyMismatch(WorkerError):
+    """An idempotency key already used for a submission with other fields (raised by ``submit``)."""
+
+    def __init__(self, job_id: str, key: str):
+        super().__init__(f"idempotencyKey {key!r} was used for job {job_id} with a different submission: "
+                         "nothing created or sent (use a new key for a new job)")
+        self.job_id, self.key = job_id, key
