@@ -96,7 +96,9 @@ def submit_prepared(store: Store, sqs, queue_url: str,
     if not created and key is not None:
         # The stored hash was written with the record, so a concurrent submit that lost the race
         # to ours is judged on the body that won.
-        existing = store.get_job(job_id) or {}
+        found = store.get_job(job_id)
+        # Not a field of the typed record: the submit's own bookkeeping, kept in the stored document.
+        existing = found.document if found is not None else {}
         stored = existing.get(SUBMISSION_HASH)
         if stored is None:
             log.info("submit.idempotency_unverified", job_id=job_id,
