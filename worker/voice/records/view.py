@@ -32,10 +32,11 @@ from worker.voice.records.rules import (
     NOTES,
     PENDING,
     PROCESSING,
+    REFUSED,
     usage,
 )
 
-JOB_STATUSES = (PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED)
+JOB_STATUSES = (PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED, REFUSED)
 PROFILE_STATUSES = (PENDING, PROCESSING, COMPLETED)
 RECORD = "(the record)"  # a Problem's field when the document itself is not one
 # Beyond any record the worker writes; deeper nesting is not searched for unwritable times.
