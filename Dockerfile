@@ -6,8 +6,9 @@
 # Run it with an init (docker --init, ECS initProcessEnabled): the trainer's own children are
 # reparented to PID 1 when a stage exits, and only an init reaps them.
 #
-# The pipeline in config/pipeline.toml is the CPU reference trainer. A GPU deployment builds FROM this
-# image, adds its trainer and points PIPELINE_CONFIG at a file of the same shape.
+# The slim image: the worker with config/pipeline.toml, the CPU reference trainer, which trains no real
+# voice. It runs the reconcile task and the operator commands; the production image that trains is
+# Dockerfile.trainer (the real trainers, config/pipeline.real.toml).
 
 # Pinned by tag: a rebuild picks up Debian security fixes for this Python release, nothing newer.
 FROM python:3.11.14-slim-bookworm

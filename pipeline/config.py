@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import signal
 import string
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from pipeline.base_model import BaseModelSpec, parse_base_model
 from worker.core.errors import ConfigError
 
 # The artifact keys every pipeline config must declare: the product's profile schema names them
@@ -33,8 +35,11 @@ ARTIFACT_KEY = re.compile(r"[A-Za-z][A-Za-z0-9]{0,63}")
 
 PLACEHOLDERS = frozenset(
     {"python", "trainer_python", "dataset_dir", "output_dir", "checkpoint_dir", "log_dir", "job_id",
-     "language"}
+     "language", "base_model_dir", "device"}
 )
+# What a stage's ``device`` may say; ``{device}`` in its argv stands for it. "cuda" also makes the
+# worker probe the trainer for a GPU at start (pipeline/host.py).
+DEVICES = frozenset({"cpu", "cuda"})
 # The signals a stage may ask for as its "write a checkpoint now" notice. SIGTERM is the stop itself
 # and SIGKILL/SIGSTOP cannot be handled; the rest have defaults a trainer would not want by surprise.
 CHECKPOINT_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT"})
@@ -44,9 +49,13 @@ MANIFEST_DIR_NAME = ".manifests"
 _STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _STAGE_KEYS = frozenset(
     {"name", "argv", "outputs", "resumable", "permanent_exit_codes", "timeout_seconds",
-     "checkpoint_signal"}
+     "checkpoint_signal", "device"}
 )
-_TOP_KEYS = frozenset({"artifacts", "stages"})
+_TOP_KEYS = frozenset({"artifacts", "stages", "quality", "pipeline", "base_model"})
+# [quality]: where the evaluation stage writes its report, and the gate the worker holds it to.
+_QUALITY_KEYS = frozenset({"report", "gate"})
+_GATE_KEYS = frozenset({"min_speaker_similarity", "max_cer", "min_dnsmos_ovrl", "require_sanity"})
+_PIPELINE_KEYS = frozenset({"stand_in"})
 _FORMATTER = string.Formatter()
 
 
@@ -61,12 +70,43 @@ class StageSpec:
     # Sent to the stage's own process (never its children) when a shutdown starts: a trainer that
     # handles it writes a checkpoint inside the grace instead of losing the work since its last one.
     checkpoint_signal: signal.Signals | None = None
+    # ``device = "cpu" | "cuda"``: what ``{device}`` stands for; None when the stage declares none.
+    device: str | None = None
+    # The base model's digest when the stage reads ``{base_model_dir}``: another base voids its manifests.
+    base_digest: str | None = None
 
     @property
     def fingerprint(self) -> str:
         """Identifies what the stage does, so a manifest from a differently configured stage is void."""
-        payload = json.dumps({"argv": list(self.argv), "outputs": list(self.outputs)})
-        return hashlib.sha256(payload.encode()).hexdigest()
+        described: dict[str, object] = {"argv": list(self.argv), "outputs": list(self.outputs)}
+        # Added only when set, so the manifests of stages that use neither keep their fingerprints.
+        if self.device is not None:
+            described["device"] = self.device
+        if self.base_digest is not None:
+            described["base"] = self.base_digest
+        return hashlib.sha256(json.dumps(described).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class QualityGate:
+    """``[quality.gate]``: the bars each trained model (full and light) must clear to be committed.
+
+    A bar left out is not applied. A CER the report leaves null (no speech recogniser for the
+    language) fails no ``max_cer`` bar."""
+
+    min_speaker_similarity: float | None = None
+    max_cer: float | None = None
+    min_dnsmos_ovrl: float | None = None
+    require_sanity: bool = False
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """``[quality]``: the evaluation report a stage writes (``report``, relative to the output dir) and,
+    when ``gate`` is set, the bars it must clear; without a gate the report is recorded only."""
+
+    report: str
+    gate: QualityGate | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +115,15 @@ class PipelineConfig:
     stages: tuple[StageSpec, ...]
     # ``{trainer_python}``: the interpreter of the trainers' own virtualenv (``TRAINER_PYTHON``).
     trainer_python: str = ""
+    # [quality]: None when the pipeline writes no evaluation report.
+    quality: QualityConfig | None = None
+    # [pipeline] stand_in: the stages are the reference stand-in, not a real trainer (a job for staging
+    # or production is then refused unless ALLOW_STAND_IN_TRAINER says otherwise).
+    stand_in: bool = False
+    # [base_model]: the pinned base the stages start from (pipeline/base_model.py); None without one.
+    base_model: BaseModelSpec | None = None
+    # ``{base_model_dir}``: the verified cache entry, set by the worker once the host check passed.
+    base_model_dir: str = ""
 
     @property
     def artifact_keys(self) -> tuple[str, ...]:
@@ -115,9 +164,108 @@ def parse_pipeline_config(data: Mapping[str, Any], source: str = "pipeline confi
     users = [stage.name for stage in stages if any(uses_placeholder(a, "trainer_python") for a in stage.argv)]
     if users and (why := trainer_python_problem(trainer_python)):
         problems.append(f"stages {', '.join(users)} use {{trainer_python}}, but TRAINER_PYTHON {why}")
+    quality = _parse_quality(data.get("quality"), problems, produced)
+    stand_in = _parse_pipeline_table(data.get("pipeline"), problems)
+    base_model = parse_base_model(data.get("base_model"), problems)
+    stages = _check_base_and_devices(stages, data.get("base_model") is not None, base_model, trainer_python,
+                                     problems)
     if problems:
         raise ConfigError([f"{source}: {line}" for line in problems])
-    return PipelineConfig(artifacts=dict(artifacts), stages=tuple(stages), trainer_python=trainer_python)
+    return PipelineConfig(artifacts=dict(artifacts), stages=tuple(stages), trainer_python=trainer_python,
+                          quality=quality, stand_in=stand_in, base_model=base_model)
+
+
+def _check_base_and_devices(stages: list[StageSpec], declared: bool, base_model: BaseModelSpec | None,
+                            trainer_python: str, problems: list[str]) -> list[StageSpec]:
+    """The stages that read ``{base_model_dir}`` need a ``[base_model]`` (and are fingerprinted with its
+    digest); ``{device}`` needs the stage's ``device``; a cuda stage needs ``TRAINER_PYTHON`` for the probe."""
+    checked = []
+    for stage in stages:
+        if any(uses_placeholder(a, "device") for a in stage.argv) and stage.device is None:
+            problems.append(f"stage {stage.name!r}: argv uses {{device}}, but the stage declares no device "
+                            f"({' or '.join(sorted(DEVICES))})")
+        if any(uses_placeholder(a, "base_model_dir") for a in stage.argv):
+            if not declared:
+                problems.append(f"stage {stage.name!r}: argv uses {{base_model_dir}}, but the config has no "
+                                "[base_model] table")
+            elif base_model is not None:
+                stage = replace(stage, base_digest=base_model.digest_hex)
+        checked.append(stage)
+    cuda = [stage.name for stage in stages if stage.device == "cuda"]
+    if cuda and (why := trainer_python_problem(trainer_python)):
+        problems.append(f"stages {', '.join(cuda)} declare device = \"cuda\": the start-up probe runs "
+                        f"{{trainer_python}} -m voice_trainers probe, but TRAINER_PYTHON {why}")
+    return checked
+
+
+def _parse_pipeline_table(raw: Any, problems: list[str]) -> bool:
+    """``[pipeline]``: ``stand_in`` (default false)."""
+    if raw is None:
+        return False
+    if not isinstance(raw, Mapping):
+        problems.append("pipeline must be a table")
+        return False
+    for key in sorted(set(raw) - _PIPELINE_KEYS):
+        problems.append(f"pipeline: unknown key {key!r}")
+    stand_in = raw.get("stand_in", False)
+    if not isinstance(stand_in, bool):
+        problems.append("pipeline.stand_in must be true or false")
+        return False
+    return stand_in
+
+
+def _parse_quality(raw: Any, problems: list[str], produced: set[str]) -> QualityConfig | None:
+    """``[quality]`` with its ``report`` path (one of a stage's outputs) and optional ``[quality.gate]``."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        problems.append("quality must be a table")
+        return None
+    before = len(problems)
+    for key in sorted(set(raw) - _QUALITY_KEYS):
+        problems.append(f"quality: unknown key {key!r}")
+    report = raw.get("report")
+    normalised = None
+    if not isinstance(report, str):
+        problems.append("quality.report: must be a string path relative to the output dir "
+                        "(e.g. \"eval/quality.json\")")
+    else:
+        normalised, why = normalise_output_path(report)
+        if normalised is None:
+            problems.append(f"quality.report: {report!r} {why}")
+        elif normalised not in produced:
+            problems.append(f"quality.report: {normalised!r} is not among any stage's outputs")
+    gate = _parse_gate(raw.get("gate"), problems)
+    if len(problems) > before or normalised is None:
+        return None
+    return QualityConfig(report=normalised, gate=gate)
+
+
+def _parse_gate(raw: Any, problems: list[str]) -> QualityGate | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        problems.append("quality.gate must be a table")
+        return None
+    for key in sorted(set(raw) - _GATE_KEYS):
+        problems.append(f"quality.gate: unknown key {key!r}")
+    bars: dict[str, Any] = {}
+    for key, low, high in (("min_speaker_similarity", -1.0, 1.0), ("max_cer", 0.0, None),
+                           ("min_dnsmos_ovrl", 1.0, 5.0)):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+                or value < low or (high is not None and value > high)):
+            limits = f"{low:g}..{high:g}" if high is not None else f"at least {low:g}"
+            problems.append(f"quality.gate.{key}: must be a number {limits}, got {value!r}")
+            continue
+        bars[key] = float(value)
+    require_sanity = raw.get("require_sanity", False)
+    if not isinstance(require_sanity, bool):
+        problems.append("quality.gate.require_sanity must be true or false")
+        require_sanity = False
+    return QualityGate(**bars, require_sanity=require_sanity)
 
 
 def uses_placeholder(element: str, name: str) -> bool:
@@ -306,9 +454,13 @@ def _parse_stage_body(
     if checkpoint_signal is not None and (not isinstance(checkpoint_signal, str)
                                           or checkpoint_signal not in CHECKPOINT_SIGNALS):
         problems.append(f"{label}: checkpoint_signal must be one of {', '.join(sorted(CHECKPOINT_SIGNALS))}")
+    device = table.get("device")
+    if device is not None and device not in DEVICES:
+        problems.append(f"{label}: device must be one of {', '.join(sorted(DEVICES))}")
     if len(problems) > before:
         return None
     return {
+        "device": device,
         "argv": tuple(argv),
         "outputs": tuple(outputs),
         "resumable": resumable,

@@ -1,6 +1,11 @@
 """The pipeline's errors, each on a branch of the core's tree (``worker.core.errors``), which names
 the loop's action; the loop decides on the branch alone and never imports this module.
 
+    ConfigError (core)           refuse to start
+    └── HostUnfit                this host cannot run jobs (the base model cannot be fetched or does
+                                 not verify, the trainer sees no GPU a stage needs, the work file
+                                 system is gone, read-only or full): raised only at start-up, before
+                                 the first receive; the daemon exits EXIT_HOST_UNFIT (7)
     RetryableError (core)        retry: the message comes back after the backoff
     ├── DownloadError            a recording could not be fetched this time (timeout, 5xx, network,
     │                            the disk its file was written to)
@@ -17,7 +22,18 @@ stage past its timeout).
 
 from __future__ import annotations
 
-from worker.core.errors import PermanentError, RetryableError
+from worker.core.errors import ConfigError, PermanentError, RetryableError
+
+
+class HostUnfit(ConfigError):
+    """A host check failed: ``check`` names it, ``problem`` says why, in one line each.
+
+    A ``ConfigError`` so that anything that stops on one stops on this too; the daemon tells them
+    apart for its exit code (a host problem is no job's: no message is received, no retry spent)."""
+
+    def __init__(self, check: str, problem: str):
+        self.check, self.problem = check, problem
+        super().__init__(f"{check}: {problem}")
 
 
 class DownloadError(RetryableError):

@@ -270,6 +270,7 @@ def _run(
         job_id=job.job_id,
         language=job.language,
         trainer_python=config.trainer_python,
+        base_model_dir=config.base_model_dir,
         env=env,
     )
     manifests = ManifestWriter()  # a stage's outputs are hashed while the next stage runs

@@ -110,6 +110,8 @@ class StageContext:
     language: str
     python: str = field(default_factory=lambda: sys.executable)
     trainer_python: str = ""
+    # ``{base_model_dir}``: the host's verified copy of the config's [base_model] (pipeline/base_model.py).
+    base_model_dir: str = ""
     # The worker passes the one it built at start-up; a context made without one (tests, benchmarks)
     # still gets only the built-in allow-list, never this process's whole environment.
     env: Mapping[str, str] = field(default_factory=lambda: stage_environment(os.environ), repr=False)
@@ -133,6 +135,9 @@ class StageContext:
             "log_dir": str(self.log_dir),
             "job_id": self.job_id,
             "language": self.language,
+            "base_model_dir": self.base_model_dir,
+            # Validated at load: a stage that uses {device} declares one.
+            "device": stage.device or "",
         }
 
 

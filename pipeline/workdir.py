@@ -15,8 +15,11 @@
     |           |                                .manifests/ (pipeline.config.MANIFEST_DIR_NAME)
     |           +-- checkpoints/<stage>/         CHECKPOINTS_DIR
     +-- .models/                                 DEFAULT_MODELS_DIR: MODELS_ROOT when unset
-        +-- <environment>/<directoryName>/<jobId>/                                  models_dir_for
-            +-- <sha256>/<path under output/>    a published artifact  published_path, published_rel
+    |   +-- <environment>/<directoryName>/<jobId>/                                  models_dir_for
+    |       +-- <sha256>/<path under output/>    a published artifact  published_path, published_rel
+    +-- .base-models/                            BASE_MODEL_CACHE_DIR_NAME: BASE_MODEL_CACHE_DIR when
+        +-- <digest>/<path>                      unset; the host's verified base models, shared by its
+                                                 workers (pipeline/base_model.py)
 
 ``work_layout`` maps an attempt directory to its step directories (a directory outside attempts/ is
 a lone job directory: tests and benchmarks, logs inside it, no earlier attempts). After the commit
@@ -48,6 +51,8 @@ OUTPUT_DIR = "output"
 CHECKPOINTS_DIR = "checkpoints"
 # MODELS_ROOT unless set: below WORK_ROOT, under a name no environment can have.
 DEFAULT_MODELS_DIR = ".models"
+# BASE_MODEL_CACHE_DIR unless set: below WORK_ROOT, under a name no environment can have.
+BASE_MODEL_CACHE_DIR_NAME = ".base-models"
 
 
 class JobPlace(Protocol):

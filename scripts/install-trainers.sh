@@ -1,8 +1,9 @@
 #!/bin/sh
 # Builds the trainer virtualenv (the real stages of config/pipeline.real.toml), never the worker's:
 #   scripts/install-trainers.sh PYTHON VENV [dev|prod]
-# dev: editable, with the test-only extra (piper-tts, pytest); prod: the package alone (an image).
-# torch==2.13.0 goes in first and alone, so nothing later can resolve a newer (CUDA, several GB) torch.
+# dev: editable, with the test-only extra (piper-tts, pytest); torch==2.13.0 goes in first and alone,
+# so nothing later can resolve a newer (CUDA, several GB) torch.
+# prod (an image): the hashed requirements/trainers.lock (scripts/lock-trainers.sh), then the package alone.
 set -eu
 python="$1"
 venv="$2"
@@ -24,11 +25,15 @@ fi
 "$python" -m venv "$venv"
 vpython="$venv/bin/python"
 "$vpython" -m pip install --quiet --no-cache-dir --upgrade pip
-"$vpython" -m pip install --quiet --no-cache-dir torch==2.13.0
 if [ "$kind" = "dev" ]; then
+    "$vpython" -m pip install --quiet --no-cache-dir torch==2.13.0
     "$vpython" -m pip install --quiet --no-cache-dir -c trainers/constraints.txt -e 'trainers[test]'
 else
-    "$vpython" -m pip install --quiet --no-cache-dir -c trainers/constraints.txt ./trainers
+    # prod (the production image): every package from requirements/trainers.lock with the SHA-256 of
+    # each file (--require-hashes), the CUDA build of torch that config/gpu-pairing.toml pairs with
+    # the AMI's driver included; then the package itself, with nothing resolved from the index.
+    "$vpython" -m pip install --quiet --no-cache-dir --require-hashes --no-deps -r requirements/trainers.lock
+    "$vpython" -m pip install --quiet --no-cache-dir --no-deps --no-build-isolation ./trainers
 fi
 
 # torchaudio's compiled extension is built against its own torch release and does not load against
@@ -38,4 +43,7 @@ if ! "$vpython" -c "import torchaudio" >/dev/null 2>&1; then
     lib_dir=$("$vpython" -c "import importlib.util, os; s = importlib.util.find_spec('torchaudio'); print(os.path.join(s.submodule_search_locations[0], 'lib'))")
     rm -f "$lib_dir"/*.so
 fi
-"$vpython" -W ignore -c "import TTS.tts.models.vits, resemblyzer, onnxruntime, voice_trainers.cli"
+"$vpython" -W ignore -c "import TTS.tts.models.vits, resemblyzer, onnxruntime, voice_trainers.cli, piper, pocketsphinx, jiwer
+from voice_trainers.scoring.dnsmos import model_dir
+from voice_trainers.sentences import held_out
+assert (model_dir() / 'sig_bak_ovr.onnx').is_file() and held_out('en', 1)"

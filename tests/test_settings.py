@@ -358,3 +358,9 @@ def test_a_value_with_a_line_break_is_quoted_in_its_one_line():
         load_settings({"EVENTS_TARGET": target})
     [line] = info.value.problems
     assert line.startswith("EVENTS_TARGET='arn:aws:sns:us-east-1:123456789012:voice\\n': must be an SNS topic")
+
+
+@pytest.mark.parametrize("typed", ["debug", "Debug", "DEBUG"])
+def test_a_log_level_in_any_case_is_taken(typed):
+    """LOG_LEVEL=debug is what people type, and it means DEBUG (issue #27's papercut)."""
+    assert load_settings({"LOG_LEVEL": typed}).log_level == "DEBUG"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,8 +28,9 @@ from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
+    from pipeline.config import PipelineConfig
     from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.job import VoiceJobHandler
 
@@ -77,6 +79,35 @@ def remote_work(settings: Settings) -> RemoteWorkConfig | None:
     return config
 
 
+def ready_host(settings: Settings, config: PipelineConfig, *, s3=None, env: Mapping[str, str] | None = None,
+               wait: Callable[[float], None] | None = None) -> PipelineConfig:
+    """Run the host checks in order (``pipeline.host``): ``HostUnfit`` at the first that fails, before any
+    receive; returns the config with ``{base_model_dir}`` pointing at the verified cache entry."""
+    from pipeline.base_model import BaseModelCache
+    from pipeline.host import check_host, readiness_checks
+
+    cache = BaseModelCache(Path(settings.base_model_cache_path), wait=wait or time.sleep)
+    check_host(readiness_checks(config, work_root=Path(settings.work_root),
+                                min_free_bytes=settings.work_min_free_bytes, cache=cache, s3=s3, env=env))
+    if config.base_model is None:
+        return config
+    return replace(config, base_model_dir=os.path.abspath(cache.entry(config.base_model)))
+
+
+# What the reference stand-in never trains unless ALLOW_STAND_IN_TRAINER allows it (issue #29).
+STAND_IN_REFUSED_ENVIRONMENTS = frozenset({"staging", "production"})
+
+
+def stand_in_refusals(stand_in: bool, allowed: bool) -> frozenset[str]:
+    """The environments whose jobs the handler refuses: staging and production when the pipeline is the
+    reference stand-in ([pipeline] stand_in = true) and ALLOW_STAND_IN_TRAINER is false."""
+    if not stand_in or allowed:
+        return frozenset()
+    log.info("worker.stand_in", refused_environments=sorted(STAND_IN_REFUSED_ENVIRONMENTS),
+             note="the pipeline is the reference stand-in: staging and production jobs are refused")
+    return STAND_IN_REFUSED_ENVIRONMENTS
+
+
 def build_app(settings: Settings, *, session=None, wait: Callable[[float], None] | None = None) -> App:
     """Check everything that can be checked before the first receive, then assemble the worker.
 
@@ -98,6 +129,9 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
     Queue(sqs, targets.queue_url).check_exists()
     # Made at the first download or upload: an idle worker never needs the S3 model in memory.
     s3 = LazyClient(lambda: make_client("s3", aws, session))
+    # Before the store and long before the first receive: a host that cannot run jobs takes none, and
+    # spends no job's attempt on finding out (exit 7, worker.core.daemon.EXIT_HOST_UNFIT).
+    config = ready_host(settings, config, s3=s3, env=stage_env, wait=wait)
     if wait is not None:
         wait(0)
     store = open_store(settings.store_config(), sleep=wait)
@@ -133,6 +167,8 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
             max_failed_attempts=settings.max_failed_attempts,
             policy=policy,
             artifacts=config.artifact_keys,
+            quality=config.quality,
+            refused_environments=stand_in_refusals(config.stand_in, settings.allow_stand_in_trainer),
         )
         return VoiceJobHandler(
             handler_config,

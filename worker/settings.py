@@ -256,6 +256,9 @@ class Settings(BaseModel):
     # What a config's {trainer_python} stands for: the interpreter of the trainers' own virtualenv
     # (trainers/), never the worker's. Checked at start when the config uses it.
     trainer_python: str = Field("", alias="TRAINER_PYTHON")
+    # A pipeline marked [pipeline] stand_in = true (the reference stand-in) refuses staging and production
+    # jobs (StandInRefused) unless this allows it: a load test of the worker around the stand-in, say.
+    allow_stand_in_trainer: Switch = Field(False, alias="ALLOW_STAND_IN_TRAINER")
     # Mirror each attempt's checkpoints and finished stages to S3 this often (pipeline/remote_work.py),
     # so a retry on another host resumes instead of starting over. 0: off. Off anyway on a shared work root.
     checkpoint_s3_sync_s: Number = Field(0.0, alias="CHECKPOINT_S3_SYNC_SECONDS", ge=0, le=SQS_MAX_VISIBILITY_S)
@@ -266,6 +269,10 @@ class Settings(BaseModel):
     keep_work_files: Switch = Field(False, alias="KEEP_WORK_FILES")
     # Where the artifacts are published for the profile's modelPaths (unset: <WORK_ROOT>/.models).
     models_root: str | None = Field(None, alias="MODELS_ROOT")
+    # The host's cache of the pipeline's [base_model], shared by its workers (unset: <WORK_ROOT>/.base-models).
+    base_model_cache_dir: str | None = Field(None, alias="BASE_MODEL_CACHE_DIR")
+    # Below this much free space on WORK_ROOT's file system the worker refuses to start (host unfit).
+    work_min_free_bytes: WholeNumber = Field(2 * 1024**3, alias="WORK_MIN_FREE_BYTES", ge=0)
 
     # --- time
     job_time_limit_s: WholeNumber = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1, le=SQS_MAX_VISIBILITY_S)
@@ -308,7 +315,9 @@ class Settings(BaseModel):
 
     # --- observability and identity
     sentry_dsn: str | None = Field(None, alias="SENTRY_DSN", repr=False)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", alias="LOG_LEVEL")
+    # Any case: `debug` is what people type (logging's own names are upper case).
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], _on_text(str.upper)] = Field(
+        "INFO", alias="LOG_LEVEL")
     log_format: Literal["json", "console"] = Field("json", alias="LOG_FORMAT")
     worker_id: str = Field(default_factory=_default_worker_id, alias="WORKER_ID")
     # A file the loop and the heartbeat touch while alive; `python -m worker health` checks its age.
@@ -361,6 +370,12 @@ class Settings(BaseModel):
         from pipeline.workdir import DEFAULT_MODELS_DIR
 
         return self.models_root or os.path.join(self.work_root, DEFAULT_MODELS_DIR)
+
+    @property
+    def base_model_cache_path(self) -> str:
+        from pipeline.workdir import BASE_MODEL_CACHE_DIR_NAME
+
+        return self.base_model_cache_dir or os.path.join(self.work_root, BASE_MODEL_CACHE_DIR_NAME)
 
     @property
     def stage_stop_grace_s(self) -> float:
@@ -463,6 +478,8 @@ def consistency_problems(s: Settings) -> list[str]:
     problem = models_root_problem(s.work_root, s.models_root_path)
     if problem:
         problems.append(problem)
+    if problem := below_work_root_problem("BASE_MODEL_CACHE_DIR", s.work_root, s.base_model_cache_path):
+        problems.append(problem)
     return problems
 
 
@@ -504,6 +521,17 @@ def models_root_problem(work_root: str, models_root: str) -> str | None:
                 "environment name could take (use a name starting with a dot, or a path outside WORK_ROOT)")
     if models in work.parents:
         return f"MODELS_ROOT={models_root} must not hold WORK_ROOT={work_root}"
+    return None
+
+
+def below_work_root_problem(name: str, work_root: str, path: str) -> str | None:
+    """Why ``path`` could meet a job's work directory (whose clean-up would remove it), or None."""
+    work, inside = Path(os.path.abspath(work_root)), Path(os.path.abspath(path))
+    if inside == work or work in inside.parents and re.fullmatch(SAFE_NAME, inside.relative_to(work).parts[0]):
+        return (f"{name}={path} must not be WORK_ROOT or a directory below it that an environment name "
+                "could take (use a name starting with a dot, or a path outside WORK_ROOT)")
+    if inside in work.parents:
+        return f"{name}={path} must not hold WORK_ROOT={work_root}"
     return None
 
 

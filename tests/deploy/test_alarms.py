@@ -95,18 +95,22 @@ def test_backlog_per_task_alarm_is_the_scaling_metric_above_its_target():
     """The alarm computes the ECS layer's scaling metric (same expression and metrics, for the stack's
     cluster and service) and fires well above the scaling target, for 30 minutes."""
     stack = Resolver(load_template(), CreateEcsLayer="true")
-    scaling = stack.template["Resources"]["BacklogPerTaskScaling"]["Properties"]
-    scaling_queries = {q["Id"]: q for q in stack.resolve(
-        scaling["TargetTrackingScalingPolicyConfiguration"]["CustomizedMetricSpecification"]["Metrics"])}
+    scaling = stack.template["Resources"]["WorkersWantedAlarm"]["Properties"]
+    scaling_queries = {q["Id"]: q for q in stack.resolve(scaling["Metrics"])}
     outputs = {name: stack.resolve(o["Value"]) for name, o in stack.template["Outputs"].items()}
     alarm = _alarms(EcsClusterName=outputs["ClusterName"], EcsServiceName=outputs["WorkerServiceName"],
                     QueueName=outputs["QueueUrl"].rsplit("/", 1)[1])["BacklogPerTaskAlarm"]
     queries = _queries(alarm)
-    assert _expression(alarm) == scaling_queries["backlog_per_task"]["Expression"]
-    for qid in ("visible", "inflight", "running"):
+    # The scaling alarms' jobs (waiting + in flight) per running task: desired tasks that do not run
+    # (no capacity, MaxInstances) show here, not in the scaling metric, which counts them as asked for.
+    assert _expression(alarm) == "(visible + inflight) / running"
+    for qid in ("visible", "inflight"):
         expected = scaling_queries[qid]["MetricStat"]
         assert queries[qid]["MetricStat"]["Metric"] == expected["Metric"], qid
         assert queries[qid]["MetricStat"]["Stat"] == expected["Stat"], qid
+    running = queries["running"]["MetricStat"]["Metric"]
+    assert running["MetricName"] == "RunningTaskCount"
+    assert running["Dimensions"] == scaling_queries["desired"]["MetricStat"]["Metric"]["Dimensions"]
     target = float(stack.params["BacklogPerTaskTarget"])
     assert float(alarm["Threshold"]) > target
     assert alarm["ComparisonOperator"] == "GreaterThanThreshold"

@@ -68,7 +68,7 @@ def test_alarms_watch_the_dlq_and_the_oldest_job(stack):
     """One alarm fires on any visible DLQ message, one on the job queue's oldest-message age."""
     alarms = {
         (a["MetricName"], a["Dimensions"][0]["Value"]): a
-        for a in _resources_of_type(stack, "AWS::CloudWatch::Alarm").values()
+        for a in _resources_of_type(stack, "AWS::CloudWatch::Alarm").values() if "MetricName" in a
     }
     dlq_name = stack.resolve({"Fn::GetAtt": ["DeadLetterQueue", "QueueName"]})
     queue_name = stack.resolve({"Fn::GetAtt": ["JobQueue", "QueueName"]})

@@ -20,8 +20,9 @@ OPERATOR_POLICY_JSON = REPO / "config" / "iam-operator-policy.json"
 # RecordingsPrefix is left at its default: the prefix the worker's default RECORDINGS_S3_KEY_PREFIX uses.
 PARAMS = {"ModelPrefix": "models/v1", "RecordingsBucketName": "voice-recordings"}
 ALLOWED = {
+    # No GetQueueUrl: the daemon is given SQS_QUEUE_URL; it resolves only the DLQ's URL.
     "JobQueue": {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility",
-                 "sqs:GetQueueAttributes", "sqs:GetQueueUrl"},
+                 "sqs:GetQueueAttributes"},
     # Dead-lettering only: the daemon never receives from, deletes in or hides messages of the DLQ.
     "DeadLetterQueue": {"sqs:SendMessage", "sqs:GetQueueUrl", "sqs:GetQueueAttributes"},
     "ModelObjects": {"s3:PutObject", "s3:GetObject", "s3:DeleteObject", "s3:AbortMultipartUpload"},
@@ -156,8 +157,10 @@ OPERATOR_ALLOWED = {
     "JobQueue": {"sqs:SendMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl"},
     "DeadLetterQueue": {"sqs:GetQueueUrl", "sqs:GetQueueAttributes", "sqs:ReceiveMessage",
                         "sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:StartMessageMoveTask"},
+    "QueueAge": {"cloudwatch:GetMetricStatistics"},
 }
-OPERATOR_RESOURCES = {"JobQueue": JOB_QUEUE, "DeadLetterQueue": DLQ}
+# GetMetricStatistics has no resource-level permissions: "*" is the only resource it takes.
+OPERATOR_RESOURCES = {"JobQueue": JOB_QUEUE, "DeadLetterQueue": DLQ, "QueueAge": "*"}
 # (IAM action, resource) of every call each command makes, read from its code. The DLQ is found by
 # Queue.dead_letter_url (GetQueueAttributes on the job queue, GetQueueUrl of the DLQ); a peek receives
 # and resets visibility with ChangeMessageVisibilityBatch (IAM: sqs:ChangeMessageVisibility).
@@ -167,6 +170,8 @@ COMMAND_CALLS = {
     "submit": {("sqs:SendMessage", JOB_QUEUE)},
     "reconcile": {("sqs:SendMessage", JOB_QUEUE)} | _FIND_DLQ | _PEEK,
     "dlq list": _FIND_DLQ | _PEEK,
+    # Counts of both queues (their attributes), the job queue's oldest-message age from CloudWatch.
+    "queue": _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("cloudwatch:GetMetricStatistics", "*")},
     # Move task: both queues' QueueArn, then StartMessageMoveTask, which also needs Receive, Delete and
     # GetQueueAttributes on the DLQ and SendMessage on the destination. Fallback: receive, send, delete.
     "dlq redrive": _FIND_DLQ | _PEEK | {
@@ -182,7 +187,8 @@ DOCTOR_CALLS = _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("s3:PutObject", _P
                             ("s3:DeleteObject", _PROBE)}
 # The modules whose SQS calls the operator commands make (worker/ops/cli.py wires them), each call
 # through a worker.core.queue.Queue, named ``queue`` or ``..._queue`` there, or used where it is made.
-OPERATOR_CODE = ("worker/voice/submit.py", "worker/ops/reconcile.py", "worker/ops/dlq.py")
+OPERATOR_CODE = ("worker/voice/submit.py", "worker/ops/reconcile.py", "worker/ops/dlq.py",
+                 "worker/ops/queue_view.py")
 
 
 @pytest.fixture(params=["cloudformation", "json"])
@@ -195,9 +201,11 @@ def operator_statements(request):
 def _sqs_actions_called(source: str) -> set[str]:
     """IAM actions of the ``sqs.x(...)``/``self._sqs.x(...)`` calls in source; a batch call needs the
     single call's action."""
-    operations = re.findall(r"\b_?sqs\.([a-z_]+)\(", source)
-    camel = ("".join(word.title() for word in op.split("_")) for op in operations)
-    return {"sqs:" + name.removesuffix("Batch") for name in camel}
+    def camel(op: str) -> str:
+        return "".join(word.title() for word in op.split("_"))
+
+    sqs = {"sqs:" + camel(op).removesuffix("Batch") for op in re.findall(r"\b_?sqs\.([a-z_]+)\(", source)}
+    return sqs | {"cloudwatch:" + camel(op) for op in re.findall(r"\bcloudwatch\.([a-z_]+)\(", source)}
 
 
 def _queue_methods_source(source: str) -> str:
@@ -220,7 +228,8 @@ def test_operator_statements_allow_exactly_the_listed_actions(operator_statement
 
 
 def test_operator_policy_has_no_wildcard_and_only_the_two_queues(operator_statements):
-    """No action has a *; the resources are the job queue and the DLQ, nothing else (no bucket)."""
+    """No action has a *; the resources are the job queue and the DLQ, nothing else (no bucket), and
+    "*" for the one CloudWatch read, which takes no other."""
     assert not any("*" in action for s in operator_statements for action in _actions(s))
     assert {s["Sid"]: s["Resource"] for s in operator_statements} == OPERATOR_RESOURCES
 

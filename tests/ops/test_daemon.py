@@ -54,7 +54,9 @@ def test_daemon_trains_a_job_and_speaks_sd_notify(moto_server, tmp_path):
            "STORE_URL": f"sqlite:///{db}", "S3_BUCKET": bucket, "RECORDINGS_S3_BUCKET": recordings, "WORK_ROOT": str(tmp_path / "work"),
            "SQS_VISIBILITY_TIMEOUT_SECONDS": "30", "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000",
            "SQS_WAIT_TIME_SECONDS": "1", "NOTIFY_SOCKET": notify_path, "LIVENESS_FILE": str(liveness),
-           "SHUTDOWN_GRACE_SECONDS": "5"}
+           "SHUTDOWN_GRACE_SECONDS": "5",
+           # The shipped config is the reference stand-in, and this job is a production one.
+           "ALLOW_STAND_IN_TRAINER": "true"}
     # umask 022 as most shells and runtimes hand it: the worker must tighten it itself.
     proc = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, cwd=REPO, umask=0o022,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -45,7 +45,9 @@ def test_sigusr2_mid_job_completes_it_leaves_the_next_queued_and_exits_zero(moto
            "WORK_ROOT": str(tmp_path / "work"), "SQS_VISIBILITY_TIMEOUT_SECONDS": "30",
            "SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS": "1000", "SQS_WAIT_TIME_SECONDS": "1",
            # No grace at all: a SIGTERM here would stop the job at once and hand it back.
-           "SHUTDOWN_GRACE_SECONDS": "0"}
+           "SHUTDOWN_GRACE_SECONDS": "0",
+           # The shipped config is the reference stand-in, and these jobs are production ones.
+           "ALLOW_STAND_IN_TRAINER": "true"}
     proc = subprocess.Popen([sys.executable, "-m", "worker", "run"], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

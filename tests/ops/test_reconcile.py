@@ -436,3 +436,11 @@ def test_sent_bodies_are_json_objects(store, reconciler, sqs_client, clock):
     reconciler.run()
     [sent] = sends(sqs_client)
     assert isinstance(json.loads(sent["MessageBody"]), dict)
+
+
+def test_one_receive_is_said_in_the_singular(store, reconciler, queues, clock):
+    """A message dead-lettered at its first receive reads "after 1 receive", not "1 receives"."""
+    job_id = new_job(store, 1)
+    dead_letter(queues, job_id, receive_count=1)
+    reconciler.run()
+    assert store.get_job(job_id)["error"]["message"].startswith("dead-lettered after 1 receive: ")

@@ -1,7 +1,9 @@
 """``python -m voice_trainers embed|full|light``: the real stages, with pipeline/reference_trainer.py's argv.
 
-Exit codes: 0 done; 65 the data (or the language) cannot be trained on, a retry would not help;
+Exit codes: 0 done; 65 the data (or the language, or the base model) cannot be trained on, a retry would
+not help; 70 the host lacks what the stage needs (the CUDA device asked for, the base model's files);
 143 stopped by SIGTERM; anything else (a crash, CUDA out of memory) is retried by the worker.
+``python -m voice_trainers probe`` prints one JSON line about torch and the GPU (voice_trainers.probe).
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 
+from voice_trainers.base import UnfitBase
 from voice_trainers.checkpoints import remove_stale_temps
 from voice_trainers.dataset import UnusableData
+from voice_trainers.device import EXIT_HOST_UNFIT, HostUnfit
 from voice_trainers.languages import espeak_voice
-from voice_trainers.profiles import PROFILES, Profile
+from voice_trainers.profiles import DEVICES, PROFILES, Profile, resolve
 from voice_trainers.signals import EXIT_TERMINATED, StageSignals, Terminated
 
 EXIT_UNUSABLE_DATA = 65
@@ -26,20 +29,29 @@ CACHE_DIR_NAME = ".cache"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m voice_trainers",
                                      description="Real trainer stages: Resemblyzer, Coqui VITS, ONNX for Piper.")
-    parser.add_argument("mode", choices=("embed", "full", "light"))
+    parser.add_argument("mode", choices=("embed", "full", "light", "evaluate"))
     parser.add_argument("--dataset", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True, help="directory the stage writes its outputs into")
     parser.add_argument("--checkpoints", type=Path, required=True)
     parser.add_argument("--language", required=True)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="production")
     parser.add_argument("--steps", type=int, default=None, help="global steps to train (default: the profile's)")
-    parser.add_argument("--full-model", type=Path, default=None, help="light: the full stage's model.pth")
+    parser.add_argument("--full-model", type=Path, default=None, help="light, evaluate: the full stage's model.pth")
+    parser.add_argument("--light-model", type=Path, default=None, help="evaluate: the light stage's model.onnx")
+    parser.add_argument("--base-model-dir", type=Path, default=None,
+                        help="full: fine-tune from the base model in this directory (model.pth, config.json)")
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help="embed, full: where to run (default: the profile's); never a fallback to the CPU")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.mode == "light" and args.full_model is None:
         parser.error("light needs --full-model")
-    for name in ("dataset", "out", "checkpoints", "full_model"):
+    if args.mode == "evaluate" and (args.full_model is None or args.light_model is None):
+        parser.error("evaluate needs --full-model and --light-model")
+    if args.base_model_dir is not None and args.mode != "full":
+        parser.error("--base-model-dir is for full only")
+    for name in ("dataset", "out", "checkpoints", "full_model", "light_model", "base_model_dir"):
         value = getattr(args, name)
         if value is not None and not value.is_absolute():
             parser.error(f"--{name.replace('_', '-')} must be an absolute path (the stage's cwd is the worker's)")
@@ -47,10 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def resolve_profile(args: argparse.Namespace) -> Profile:
-    profile = PROFILES[args.profile]
-    if args.steps is not None:
-        profile = replace(profile, total_steps=args.steps)
-    return profile
+    return resolve(PROFILES[args.profile], steps=args.steps, fine_tune=args.base_model_dir is not None,
+                   device=args.device)
 
 
 def stage_environment(checkpoints: Path, environ: Mapping[str, str]) -> dict[str, str]:
@@ -69,6 +79,11 @@ def stage_environment(checkpoints: Path, environ: Mapping[str, str]) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["probe"]:
+        from voice_trainers.probe import main as probe
+
+        return probe(argv[1:])
     args = parse_args(argv)
     signals = StageSignals().install()
     os.environ.update(stage_environment(args.checkpoints, os.environ))
@@ -91,13 +106,23 @@ def main(argv: list[str] | None = None) -> int:
             from voice_trainers.full import run_full
 
             run_full(args, profile, voice, signals)
+        elif args.mode == "evaluate":
+            from voice_trainers.evaluate import run_evaluate
+
+            run_evaluate(args, profile, voice)
         else:
             from voice_trainers.light import run_light
 
             run_light(args, profile, voice)
+    except UnfitBase as exc:
+        print(f"unusable base model: {exc}", file=sys.stderr, flush=True)
+        return EXIT_UNUSABLE_DATA
     except UnusableData as exc:
         print(f"unusable data: {exc}", file=sys.stderr, flush=True)
         return EXIT_UNUSABLE_DATA
+    except HostUnfit as exc:
+        print(f"host unfit: {exc}", file=sys.stderr, flush=True)
+        return EXIT_HOST_UNFIT
     except Terminated:
         print("stopped by SIGTERM; the newest checkpoint stays for the next attempt", file=sys.stderr, flush=True)
         return EXIT_TERMINATED

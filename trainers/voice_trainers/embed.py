@@ -14,6 +14,7 @@ import time
 from voice_trainers.checkpoints import atomic_write
 from voice_trainers.coqui import import_torch
 from voice_trainers.dataset import load_clips, require_enough
+from voice_trainers.device import select_device
 from voice_trainers.full import SPEAKER
 from voice_trainers.profiles import Profile
 
@@ -33,7 +34,7 @@ def run_embed(args: argparse.Namespace, profile: Profile) -> None:
     from resemblyzer import VoiceEncoder, preprocess_wav
 
     started_s = time.process_time()
-    encoder = VoiceEncoder(device="cuda" if torch.cuda.is_available() else "cpu", verbose=False)
+    encoder = VoiceEncoder(device=select_device(torch, profile.device), verbose=False)
     mapping = {}
     for number, clip in enumerate(clips, start=1):
         samples, rate_hz = soundfile.read(str(clip.wav_path), dtype="float32")

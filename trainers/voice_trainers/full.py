@@ -1,4 +1,4 @@
-"""``full``: Coqui VITS trained from scratch, resumable, stopping on the global step."""
+"""``full``: Coqui VITS trained from scratch or fine-tuned from a base model, resumable, stopping on the global step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from voice_trainers.base import Base, apply_base_config, load_base_weights, read_base
 from voice_trainers.checkpoints import (
     atomic_write,
     checkpoint_path,
@@ -29,6 +30,7 @@ from voice_trainers.coqui import (
     portable_config,
 )
 from voice_trainers.dataset import Clip, UnusableData, dataset_fingerprint, load_clips
+from voice_trainers.device import select_device
 from voice_trainers.profiles import Profile
 from voice_trainers.signals import StageSignals
 
@@ -60,9 +62,13 @@ LOG_MESSAGE_MAX_CHARS = 160
 def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: StageSignals) -> None:
     clips = load_clips(args.dataset, min_clip_s=profile.min_clip_s, max_clip_s=profile.max_clip_s,
                        min_clips=profile.min_clips)
-    fingerprint = training_fingerprint(dataset_fingerprint(args.dataset, clips), profile, voice,
-                                       software_versions())
     torch = import_torch()
+    # Before anything is read or built: a host without the device asked for is not this job's fault (exit 70).
+    device = select_device(torch, profile.device)
+    base_dir = getattr(args, "base_model_dir", None)
+    base = read_base(base_dir, torch) if base_dir is not None else None
+    fingerprint = training_fingerprint(dataset_fingerprint(args.dataset, clips), profile, voice,
+                                       software_versions(), base=base.identity if base is not None else None)
     patch_audio_loader()
     from TTS.tts.models.vits import Vits
 
@@ -72,16 +78,23 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
             shutil.rmtree(stale, ignore_errors=True)
     seed = int(fingerprint[:8], 16)
     torch.manual_seed(seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = build_config(profile, voice, phoneme_cache=cache)
+    if base is not None:
+        config = apply_base_config(config, base.config)
     # Vits builds its audio processor and tokenizer from the config (and fills in the vocabulary).
-    model = Vits(build_config(profile, voice, phoneme_cache=cache)).to(device)
+    model = Vits(config)
+    if base is not None:
+        load_base_weights(base, model)
+        print(f"fine-tuning from the base model in {base.directory} (identity {base.identity[:16]},"
+              f" {len(base.state)} tensors loaded strictly); optimisers and schedules start afresh", flush=True)
+    model = model.to(device)
     config = model.config
     samples = usable_samples(args.dataset, clips, model.tokenizer, profile.min_clips)
     print(f"VITS: {parameter_count(model) / 1e6:.1f} M parameters on {device}, {len(samples)} clips", flush=True)
     optimizers = model.get_optimizer()
     schedulers = model.get_scheduler(optimizers)
     criteria = [criterion.to(device) for criterion in model.get_criterion()]
-    step = restore(args.checkpoints, fingerprint, model, optimizers, schedulers, torch)
+    step = 0 if base is not None else restore(args.checkpoints, fingerprint, model, optimizers, schedulers, torch, base=base)
     # A resumed run draws other noise than the first steps did, not the same again.
     torch.manual_seed(seed + step)
     if step >= profile.total_steps:
@@ -93,13 +106,16 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     write_outputs(args.out, model, config, step, torch)
 
 
-def training_fingerprint(dataset: str, profile: Profile, voice: str, versions: dict[str, str]) -> str:
-    """What a checkpoint of this stage trains: the data, the profile, the voice and the code that reads it.
+def training_fingerprint(dataset: str, profile: Profile, voice: str, versions: dict[str, str], *,
+                         base: str | None = None) -> str:
+    """What a checkpoint of this stage trains: the data, the profile, the voice, the code that reads it, and
+    the base model's identity when it fine-tunes one (a checkpoint of a fine-tune of another base is not resumed).
 
     The versions are in it because another Coqui (or adapter) may name or mean its parameters differently.
     """
+    parts: dict[str, Any] = {"base": base} if base is not None else {}
     return run_fingerprint(stage="full", dataset=dataset, profile=profile.fingerprint_fields(), voice=voice,
-                           versions=versions)
+                           versions=versions, **parts)
 
 
 def phoneme_id_limit(duration_s: float) -> int:
@@ -169,13 +185,16 @@ def usable_samples(dataset_dir: Path, clips: list[Clip], tokenizer: Any, min_cli
 
 
 def restore(checkpoints: Path, fingerprint: str, model: Any, optimizers: list[Any], schedulers: list[Any],
-            torch: Any) -> int:
-    """The step of the newest checkpoint of this very run that restores whole (0: from scratch).
+            torch: Any, *, base: Base | None = None) -> int:
+    """The step of the newest checkpoint of this very run that restores whole (0: from scratch, or the base).
 
     A checkpoint that cannot be read or does not fit (not a dict, a key missing, a parameter renamed or
     reshaped) is removed and an older one tried; what it had loaded before it failed is undone, so a run
-    from scratch starts from exactly the state it would have had without it.
+    from scratch starts from exactly the state it would have had without it (a fine-tune: from the base).
+    A fine-tune's own checkpoint wins over the base: it is the base plus the steps already trained.
     """
+    foreign = "another dataset, profile, version or base model" if base is not None else \
+        "another dataset, profile or version"
     untouched = snapshot(model, optimizers, schedulers)
     for _, path in list_checkpoints(checkpoints):
         try:
@@ -185,8 +204,7 @@ def restore(checkpoints: Path, fingerprint: str, model: Any, optimizers: list[An
             if state.get("fingerprint") != fingerprint:
                 # Another dataset, profile or version: resuming would train the wrong thing, and keeping it
                 # would only crowd out this run's checkpoints.
-                print(f"checkpoint {path.name} is of another dataset, profile or version: removed, not resumed",
-                      flush=True)
+                print(f"checkpoint {path.name} is of {foreign}: removed, not resumed", flush=True)
                 path.unlink(missing_ok=True)
                 continue
             step = load_state(state, model, optimizers, schedulers)
@@ -200,7 +218,10 @@ def restore(checkpoints: Path, fingerprint: str, model: Any, optimizers: list[An
             continue
         print(f"Model restored from step {step} ({path.name})", flush=True)
         return step
-    print("no checkpoint to resume from: training from scratch", flush=True)
+    if base is not None:
+        print("no checkpoint to resume from: fine-tuning from the base model's weights", flush=True)
+    else:
+        print("no checkpoint to resume from: training from scratch", flush=True)
     return 0
 
 

@@ -13,7 +13,9 @@ action, which ends the process for SIGUSR1 and SIGUSR2 (and a restart by ``Resta
 undo the drain). Until the worker exists, ``Requests`` keeps what was asked for; the start-up ends at
 its next ``wait`` and the process exits 0, having received nothing.
 
-Exit codes: 0 after a requested shutdown or a drain, 1 when the loop ended for any other reason.
+Exit codes: 0 after a requested shutdown or a drain, 1 when the loop ended for any other reason, 2
+when the settings cannot work, 7 when the host cannot (a host check at start-up failed: the base
+model, the trainer's GPU, the work file system; no message was received).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from worker.core.loop import Worker
 log = structlog.get_logger(__name__)
 
 EXIT_OK, EXIT_CRASHED, EXIT_CONFIG = 0, 1, 2
+# Not a settings problem: the same settings may work on another host, or on this one once it is fixed
+# (a base model fetched, a GPU back). 3 to 6 are the operator commands' own codes.
+EXIT_HOST_UNFIT = 7
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Finish the job in flight, however long it takes (up to its time limit), take no other, exit 0.

@@ -3,10 +3,12 @@ either service is called.
 
 A product backend that wants to know when a job is done should not have to poll the records; with
 ``EVENTS_TARGET`` set, the worker publishes one event each time it records a job's outcome:
-``JobCompleted``, ``JobFailed`` (a retry will follow), ``JobDeadLettered`` (no retry: the message goes
-to the DLQ) and ``JobCancelled``. The event is JSON (``detail``); on SNS it is the message, with the
-type as the ``eventType`` message attribute (for subscription filters); on EventBridge it is the
-entry's ``Detail``, with ``Source`` ``voice-worker`` and the type as ``DetailType``.
+``JobCompleted``, ``JobFailed`` (a retry will follow; or, with ``outcome: "refused"``, the job ended
+final below its quality bar and its message is acknowledged: the detail says why), ``JobDeadLettered``
+(no retry: the message goes to the DLQ) and ``JobCancelled``. The event is JSON (``detail``); on SNS
+it is the message, with the type as the ``eventType`` message attribute (for subscription filters);
+on EventBridge it is the entry's ``Detail``, with ``Source`` ``voice-worker`` and the type as
+``DetailType``.
 
 Events are best effort and come after the record they describe: the job record stays the source of
 truth. A publish that fails is one warning, never a failure of the job; a redelivered message that

@@ -7,6 +7,10 @@ touch it. How fresh it must be comes from ``LIVENESS_MAX_AGE_SECONDS`` when set,
 the file itself: the worker writes its limit into it when it starts (``worker.core.health.Liveness``),
 computed from its own settings, so the check needs none of them.
 
+A worker that refused to start because its host is unfit (``EXIT_HOST_UNFIT``) writes ``unfit=<why>``
+into the file (``mark_unfit``): the check then fails at once with that line, however fresh the file,
+until a worker starts on the host again and rewrites it.
+
 Exit codes: 0 healthy, 1 unhealthy (with the reason on stdout, which Docker keeps in its health log).
 """
 
@@ -24,6 +28,7 @@ FALLBACK_MAX_AGE_S = 120.0
 # call a worker dead for days healthy.
 MAX_AGE_LIMIT_S = 2 * 86_400
 LIMIT_KEY = "max_age_s="
+UNFIT_KEY = "unfit="
 
 
 def usable_limit_s(text: str) -> float | None:
@@ -63,11 +68,30 @@ def problem(path: str | None, max_age_s: float | None, now_s: float | None = Non
             content = handle.read(256)
     except OSError:
         return f"liveness file {path} does not exist (yet)"
+    for line in content.splitlines():
+        if line.startswith(UNFIT_KEY):
+            return f"host unfit: {line[len(UNFIT_KEY):]}"
     limit_s = max_age_s if max_age_s is not None else (written_limit_s(content) or FALLBACK_MAX_AGE_S)
     age_s = (time.time() if now_s is None else now_s) - mtime
     if age_s > limit_s:
         return f"liveness file {path} is {age_s:.0f} s old (limit {limit_s:.0f} s)"
     return None
+
+
+def mark_unfit(path: str, why: str) -> None:
+    """Write ``unfit=<why>`` as the liveness file's content (replacing it whole), so the health check
+    fails with the reason; a failure to write is ignored: the worker exits non-zero either way."""
+    line = " ".join(why.split())[:180]  # one line, within the 256 characters the check reads
+    temp = f"{path}.unfit.{os.getpid()}"
+    try:
+        with open(temp, "w", encoding="utf-8") as handle:
+            handle.write(f"{UNFIT_KEY}{line}\n")
+        os.replace(temp, path)
+    except OSError:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
 
 
 def main(environ: dict[str, str] | None = None) -> int:

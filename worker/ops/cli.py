@@ -10,7 +10,16 @@ from typing import TYPE_CHECKING
 import structlog
 
 from worker import __version__
-from worker.core.daemon import EXIT_CONFIG, EXIT_CRASHED, EXIT_OK, Requests, StartUpStopped, relay_signals, run_worker
+from worker.core.daemon import (
+    EXIT_CONFIG,
+    EXIT_CRASHED,
+    EXIT_HOST_UNFIT,
+    EXIT_OK,
+    Requests,
+    StartUpStopped,
+    relay_signals,
+    run_worker,
+)
 from worker.core.errors import ConfigError, WorkerError
 from worker.core.hardening import make_undumpable
 from worker.core.logs import configure_logging
@@ -18,6 +27,8 @@ from worker.settings import Settings, daemon_problems, load_settings, missing
 
 if TYPE_CHECKING:
     import argparse
+
+    from pipeline.errors import HostUnfit
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +84,7 @@ def _run_daemon(settings: Settings, requests: Requests) -> int:
     problems = daemon_problems(settings)
     if problems:
         return _fail(problems)
+    from pipeline.errors import HostUnfit
     from worker.app import build_app  # the heavy wiring, only for the daemon
 
     # Models, datasets and logs are the user's voice data: not world-readable, also in a container
@@ -83,6 +95,8 @@ def _run_daemon(settings: Settings, requests: Requests) -> int:
         app = build_app(settings, wait=requests.wait)
     except StartUpStopped as stopped:
         return _stopped_at_start_up(stopped.reason)
+    except HostUnfit as exc:
+        return _host_unfit(settings, exc, requests)
     except ConfigError as exc:
         return _fail(exc.problems)
     except WorkerError as exc:
@@ -92,6 +106,17 @@ def _run_daemon(settings: Settings, requests: Requests) -> int:
         return _stopped_at_start_up(reason) if (reason := requests.reason) else EXIT_CRASHED
     app.start()
     return run_worker(app.worker, close=app.close, pulse=app.pulse, requests=requests)
+
+
+def _host_unfit(settings: Settings, exc: HostUnfit, requests: Requests) -> int:
+    """A host check failed: one line, the health check told, no job taken, exit 7."""
+    from worker.core.healthcheck import mark_unfit
+
+    log.error("worker.host_unfit", check=exc.check, problem=exc.problem)
+    if settings.liveness_file:
+        mark_unfit(settings.liveness_file, str(exc))
+    # A stop or drain asked for meanwhile still stands, as for a failed start-up (exit 0: not restarted).
+    return _stopped_at_start_up(reason) if (reason := requests.reason) else EXIT_HOST_UNFIT
 
 
 def _stopped_at_start_up(reason: str) -> int:
@@ -197,15 +222,16 @@ def cmd_dlq(settings: Settings, args) -> int:
     from worker.ops.dlq import DeadLetterQueue
 
     queue_url = _queue_url(settings)
-    if args.max is not None and args.max < 1:
-        return _fail([f"--max must be at least 1, got {args.max}"])
+    max_messages, fallback = getattr(args, "max", None), getattr(args, "fallback", False)  # redrive's only
+    if max_messages is not None and max_messages < 1:
+        return _fail([f"--max must be at least 1, got {max_messages}"])
     try:
         dlq = DeadLetterQueue.of(_client("sqs", settings), queue_url)
         if dlq is None:
             return _fail([f"{queue_url} has no RedrivePolicy: there is no dead-letter queue"])
         if args.action == "list":
             return cmd_dlq_list(dlq, as_json=args.json)
-        return cmd_dlq_redrive(dlq, max_messages=args.max, fallback=args.fallback)
+        return cmd_dlq_redrive(dlq, max_messages=max_messages, fallback=fallback)
     except ConfigError:
         raise  # a settings problem: main prints its line and exits 2
     except WorkerError as exc:
@@ -213,6 +239,13 @@ def cmd_dlq(settings: Settings, args) -> int:
 
         print(f"dlq {args.action} failed: {error_line(exc)}", file=sys.stderr)
         return 1
+
+
+def cmd_queue(settings: Settings, args) -> int:
+    from worker.ops.queue_view import cmd_queue as queue
+
+    queue_url = _queue_url(settings)
+    return queue(_client("sqs", settings), queue_url, _client("cloudwatch", settings), as_json_output=args.json)
 
 
 def cmd_schema(_settings, _args) -> int:
@@ -233,6 +266,21 @@ def _exits(specific: str, store_file: bool = False, usage: str = "") -> str:
     return textwrap.fill(f"exit codes: {specific}; {settings}; 130 Ctrl-C; 141 quietly, when the reader of "
                          "stdout went away (`| head`)", 96)
 
+DLQ_LIST_TEXT = (
+    "Id, job id, receive count, error attributes and age of each message in the dead-letter queue.\n"
+    "Looking has to receive (SQS has no other way): each message is hidden for a few seconds while\n"
+    "the list is made, then visible again; nothing is deleted. --json prints a JSON array.\n\n"
+    + _exits("0 listed (also none); 1 an SQS call failed", usage=" or no dead-letter queue")
+    + "\n\nexample:\n  python -m worker dlq list --json")
+DLQ_REDRIVE_TEXT = (
+    "StartMessageMoveTask back to SQS_QUEUE_URL (everything, in the background). With --max N or\n"
+    "--fallback (or where the service lacks the move task): receive -> send -> delete, never deleting\n"
+    "before the send succeeded, moving at most the messages there at the start, each once, with\n"
+    "progress on stderr. The first Ctrl-C stops after the current message; a second one at once.\n\n"
+    + _exits("0 moved, or move task started; 1 an SQS call failed (it says how far it got)",
+             usage=", no dead-letter queue, or --max below 1")
+    + "\n\nexample:\n  python -m worker dlq redrive --max 10")
+
 COMMANDS = {
     "run": (cmd_run, True, "run the worker daemon (the default)",
             "Take jobs from SQS_QUEUE_URL until SIGTERM/SIGINT, or until drained by SIGUSR2 (the job in\n"
@@ -241,7 +289,10 @@ COMMANDS = {
             "exit codes: 0 stopped on SIGTERM/SIGINT or drained (SIGUSR2), also during the start-up, even\n"
             "one that was failing; 1 crashed, or could not start (store or queue\n"
             "unreachable after retries); 2 settings: one line each on stderr (missing region, a queue that\n"
-            "does not exist, a bad pipeline config, a clock off from the store's, ...)",
+            "does not exist, a bad pipeline config, a clock off from the store's, ...); 7 host unfit: a\n"
+            "host check failed before any job was received (the base model cannot be fetched or does not\n"
+            "verify, a stage needs a GPU the trainer does not see, WORK_ROOT gone, read-only or below\n"
+            "WORK_MIN_FREE_BYTES), logged as one worker.host_unfit line",
             "SQS_QUEUE_URL=https://sqs.eu-west-1.amazonaws.com/123/jobs MONGO_URI=mongodb://db/voice \\\n"
             "    S3_BUCKET=voice-models python -m worker run"),
     "demo": (cmd_demo, False, "run one sample job end to end on a local SQS/S3 server",
@@ -299,7 +350,8 @@ COMMANDS = {
                         store_file=True),
                "python -m worker cancel 665f1c2e9b1e8a0012ab34cd"),
     "doctor": (cmd_doctor, True, "check credentials, queue, DLQ, bucket, store and pipeline config",
-               "One PASS/FAIL line per check. Opens a STORE_URL file read-only and never creates one.\n\n"
+               "One PASS/FAIL/WARN line per check (a WARN leaves the exit code alone). Opens a STORE_URL\n"
+               "file read-only and never creates one.\n\n"
                + _exits("0 every check passed; 1 a check failed (a missing STORE_URL file is a FAIL)"),
                "python -m worker doctor"),
     "health": (cmd_health, True, "exit 0 while the running worker's liveness file is fresh",
@@ -316,13 +368,17 @@ COMMANDS = {
                   "python -m worker reconcile"),
     "dlq": (cmd_dlq, True, "list the dead-letter queue, or move its messages back",
             "list: id, job id, receive count, error attributes and age of each message (it stays there).\n"
-            "redrive: StartMessageMoveTask back to SQS_QUEUE_URL; with --max N or --fallback (or where the\n"
-            "service lacks it) receive -> send -> delete, never deleting before the send succeeded, moving\n"
-            "at most the messages there at the start, each once, with progress on stderr. The first\n"
-            "Ctrl-C stops after the current message; a second one at once.\n\n"
+            "redrive: move them back to SQS_QUEUE_URL. `dlq list --help` and `dlq redrive --help` say more.\n\n"
             + _exits("0 listed, moved, or move task started; 1 an SQS call failed (redrive says how far it got)",
                      usage=", no dead-letter queue, or --max below 1"),
             "python -m worker dlq list --json\n  python -m worker dlq redrive --max 10"),
+    "queue": (cmd_queue, True, "show the job queue's depth and age, and its dead-letter queue's depth",
+              "Visible, in flight and delayed messages (SQS's approximate counts: nothing is received, so\n"
+              "looking changes no message), the age of the oldest message (CloudWatch's\n"
+              "ApproximateAgeOfOldestMessage, the newest datapoint of 15 minutes, or why there is none), and\n"
+              "the dead-letter queue's depth. --json prints {\"queue\": {...}, \"deadLetters\": {...} or null}.\n\n"
+              + _exits("0 shown; 1 an SQS call failed"),
+              "python -m worker queue --json"),
     "schema": (cmd_schema, False, "print the job message's JSON Schema, for the teams that send jobs",
                "Print the JSON Schema (draft 2020-12) of the SQS message body, generated from the model the\n"
                "worker validates every message with (worker/voice/message.py); docs/job-message.schema.json is\n"
@@ -400,21 +456,30 @@ def build_parser() -> argparse.ArgumentParser:
         elif name in ("status", "cancel"):
             p.add_argument("job_id")
         if name == "dlq":
-            p.add_argument("action", choices=("list", "redrive"))
-            p.add_argument("--json", action="store_true", help="list: print a JSON array")
-            p.add_argument("--max", type=int, default=None, metavar="N",
-                           help="redrive: move at most N messages (receive -> send -> delete)")
-            p.add_argument("--fallback", action="store_true",
-                           help="redrive: receive -> send -> delete even where StartMessageMoveTask exists")
+            # Each action its own parser: its own help, and an option of the other one is an error.
+            actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+            listing = actions.add_parser(
+                "list", help="show the DLQ's messages; they stay there",
+                description=DLQ_LIST_TEXT, formatter_class=argparse.RawDescriptionHelpFormatter)
+            listing.add_argument("--json", action="store_true", help="print a JSON array")
+            redrive = actions.add_parser(
+                "redrive", help="move the DLQ's messages back to SQS_QUEUE_URL",
+                description=DLQ_REDRIVE_TEXT, formatter_class=argparse.RawDescriptionHelpFormatter)
+            redrive.add_argument("--max", type=int, default=None, metavar="N",
+                                 help="move at most N messages (receive -> send -> delete)")
+            redrive.add_argument("--fallback", action="store_true",
+                                 help="receive -> send -> delete even where StartMessageMoveTask exists")
+        if name == "queue":
+            p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
             p.add_argument("--watch", type=watch_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",
                            help="repeat every SECONDS (default 2) until the job ends")
         if name == "jobs":
-            from worker.voice.records.rules import CANCELLED, COMPLETED, ERROR, PENDING, PROCESSING
+            from worker.voice.records.rules import CANCELLED, COMPLETED, ERROR, PENDING, PROCESSING, REFUSED
 
-            p.add_argument("--status", choices=(PENDING, PROCESSING, ERROR, COMPLETED, CANCELLED), default=None,
-                           help="only jobs in this status")
+            p.add_argument("--status", choices=(PENDING, PROCESSING, ERROR, COMPLETED, CANCELLED, REFUSED),
+                           default=None, help="only jobs in this status")
             p.add_argument("--since", type=since_argument, default=None, metavar="TIME",
                            help="only jobs created at or after TIME: ISO 8601, or a duration back (2h, 30m)")
             p.add_argument("--limit", type=positive_count, default=50, metavar="N",

@@ -36,6 +36,8 @@ from worker.voice.records.rules import (
     FINAL_STATUSES,
     PENDING,
     PROCESSING,
+    QUALITY,
+    REFUSED,
     committing,
     lease_live,
 )
@@ -150,8 +152,11 @@ class JobStatus:
 
     def as_json(self) -> dict:
         files = self.files
-        return {"job": _jsonable(self.job.document),
+        document = self.job.document
+        quality = document.get(QUALITY) if isinstance(document, dict) else None
+        return {"job": _jsonable(document),
                 "profile": None if self.profile is None else _jsonable(self.profile.document), "cost": self.job.cost(),
+                "quality": _jsonable(quality),
                 "files": None if files is None else {"modelPaths": files[0], "s3Paths": files[1]},
                 "problems": self.problems()}
 
@@ -285,6 +290,8 @@ def render_status(status: JobStatus) -> str:
             lines += wrapped("?" if e.message is None else e.message, VALUE_INDENT + "| ")
     elif job.invalid("error"):
         lines += fitted("error", "?")
+    if isinstance(job.document, dict) and QUALITY in job.document:
+        lines += quality_lines(job.document[QUALITY])
     for number, h in enumerate(job.history, 1):
         if h is None:
             lines += fitted(f"attempt {number}", "?")
@@ -311,6 +318,58 @@ def render_status(status: JobStatus) -> str:
         # The profile's paths are another job's (a later claim, or the one before a cancelled or failed job).
         lines += fitted("files", "none committed by this job", "(the profile's paths are another job's)")
     return "\n".join(lines)
+
+
+# How a QualityBelowBar's message begins (worker.voice.errors): `jobs` leaves it out for room.
+QUALITY_BAR_PREFIX = "below the quality bar: "
+
+
+def _score(value: Any) -> str:
+    """A score as `status` shows it: two decimals, ``-`` for none (null), ``?`` for what is no number."""
+    if value is None:
+        return "-"
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:.2f}"
+    return "?"
+
+
+def _model_quality(figures: Any) -> str:
+    if not isinstance(figures, dict):
+        return "?"
+    dnsmos, sanity = figures.get("dnsmos"), figures.get("sanity")
+    ovrl = dnsmos.get("ovrl") if isinstance(dnsmos, dict) else None if dnsmos is None else "?"
+    cer = _score(figures.get("cer"))
+    if figures.get("cer") is None and figures.get("asrUnavailable"):
+        cer = f"- ({one_line(figures['asrUnavailable'])[:40]})"
+    sane = "?" if not isinstance(sanity, dict) or not isinstance(sanity.get("ok"), bool) else (
+        "ok" if sanity["ok"] else "NOT ok")
+    return (f"similarity {_score(figures.get('speakerSimilarity'))}  CER {cer}  "
+            f"DNSMOS {_score(ovrl)}  sanity {sane}")
+
+
+def quality_lines(value: Any) -> list[str]:
+    """The job's evaluation (its record's ``quality``, worker.voice.quality.figures): a line per model,
+    the gate's decision and where the report lies; ``?`` for what is not as the worker writes it."""
+    if not isinstance(value, dict):
+        return fitted("quality", "?")
+    models: dict = value["models"] if isinstance(value.get("models"), dict) else {}
+    named = [*(f"{one_line(name)}: {_model_quality(figures)}" for name, figures in models.items())]
+    if value.get("reference") is not None:
+        named.append(f"reference (the recordings): {_model_quality(value['reference'])}")
+    lines = fitted("quality", named[0] if named else "?")
+    lines += [VALUE_INDENT + line for line in named[1:]]
+    gate: dict = value["gate"] if isinstance(value.get("gate"), dict) else {}
+    if gate.get("applied") is False:
+        lines.append(VALUE_INDENT + "gate: none configured (report only)")
+    elif gate.get("passed") is True:
+        lines.append(VALUE_INDENT + "gate: passed")
+    elif isinstance(gate.get("failed"), list):
+        lines += wrapped("gate: below the bar: " + "; ".join(map(str, gate["failed"])), VALUE_INDENT)
+    else:
+        lines.append(VALUE_INDENT + "gate: ?")
+    if isinstance(value.get("report"), str):
+        lines += wrapped(f"report: {value['report']}", VALUE_INDENT)
+    return lines
 
 
 def format_elapsed(elapsed_s: float) -> str:
@@ -405,10 +464,13 @@ def render_job_line(job: JobView) -> list[str]:
         text = f"  {known(p.stage)} {_percent(p.percent)} % at {moment(p.updated_at)}" if p else "  progress ?"
         lines += [text + (f", lease until {moment(job.lease.expires_at)}" if job.lease
                           else ", lease ?" if job.invalid("lease") else ", no lease")]
-    elif job.status == ERROR and (job.error or job.invalid("error")):
+    elif job.status in (ERROR, REFUSED) and (job.error or job.invalid("error")):
         e = job.error
         first = printable(strip_control(e.message or "")).split("\n")[0] if e else ""
-        text = f"  {known(e.type)} ({_kind(e.retryable)}): {first}" if e else "  error ?"
+        if job.status == REFUSED:  # final, not a failure: which bars, first
+            text = f"  {known(e.type)}: {first.removeprefix(QUALITY_BAR_PREFIX)}" if e else "  error ?"
+        else:
+            text = f"  {known(e.type)} ({_kind(e.retryable)}): {first}" if e else "  error ?"
         lines += [text if len(text) <= WIDTH else text[:WIDTH - 1] + "…"]
     if job.cancel_requested and job.status not in FINAL_STATUSES:
         lines += ["  cancel requested"]

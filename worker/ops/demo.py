@@ -173,6 +173,9 @@ def local_stack_env(endpoint: str, queue_url: str, state_dir: Path, mongo_uri: s
         "KEEP_WORK_FILES": "true",  # the demo's summary lists the local files; a developer reads them
         "WORK_ROOT": str(state_dir / "work"),
         "PIPELINE_CONFIG": str(REPO / "config" / "pipeline.toml"),
+        # The local stack's trainer is the reference stand-in, and jobs default to production: allowed here,
+        # explicitly, as nowhere else (a deployment keeps the default, false).
+        "ALLOW_STAND_IN_TRAINER": "true",
         "LOG_FORMAT": "console",
         "METRICS_ENABLED": "false",  # EMF lines are for CloudWatch, not for a person reading along
     }

@@ -113,14 +113,53 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
     except WorkerError as exc:
         checks.append(Check("store reachable", False, str(exc)))
 
+    config = None
     try:
         config = load_pipeline(settings.pipeline_config, settings.trainer_python)
         checks.append(Check("pipeline config", True,
                             f"{settings.pipeline_config}: {len(config.stages)} stages"))
     except WorkerError as exc:
         checks.append(Check("pipeline config", False, str(exc).replace("\n", "; ")))
+    if config is not None:
+        checks.append(stand_in_check(settings, config))
+        checks.extend(host_checks(settings, config, s3))
     checks.append(job_code_check())
     checks.append(metrics_dimensions_check(settings))
+    return checks
+
+
+def stand_in_check(settings: Settings, config) -> Check:
+    """WARN when the pipeline is the reference stand-in (``[pipeline] stand_in = true``): it trains no voice."""
+    if config.stand_in:
+        return Check("pipeline is real", False,
+                     f"{settings.pipeline_config} is the reference stand-in ([pipeline] stand_in = true): "
+                     "its models clone no voice, and staging or production jobs are refused; set "
+                     "PIPELINE_CONFIG to a real trainer's config (config/pipeline.real.toml)", warn_only=True)
+    return Check("pipeline is real", True, f"{settings.pipeline_config} is not marked stand_in")
+
+
+def host_checks(settings: Settings, config, s3) -> list[Check]:
+    """The worker's start-up host checks (``pipeline.host``), each a PASS or a FAIL: a FAIL is a host the
+    daemon refuses to start on (exit 7). The base model is fetched into the cache when absent, as the
+    worker's start would."""
+    import os
+    from pathlib import Path
+
+    from pipeline.base_model import BaseModelCache
+    from pipeline.errors import HostUnfit
+    from pipeline.host import readiness_checks
+    from pipeline.stage_env import stage_environment
+
+    checks = []
+    # The probe gets what a stage gets (the allow-list), never this command's whole environment.
+    env = stage_environment(os.environ, settings.stage_env_passthrough)
+    for check in readiness_checks(config, work_root=Path(settings.work_root),
+                                  min_free_bytes=settings.work_min_free_bytes,
+                                  cache=BaseModelCache(Path(settings.base_model_cache_path)), s3=s3, env=env):
+        try:
+            checks.append(Check(check.name, True, check.run()))
+        except HostUnfit as exc:
+            checks.append(Check(check.name, False, f"{exc.problem} (the worker would exit 7: host unfit)"))
     return checks
 
 

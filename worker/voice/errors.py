@@ -10,8 +10,15 @@ loop's action; the loop decides on the branch alone and never imports this modul
     ├── PermanentError (core)    dead_letter: retrying cannot help
     │   ├── MalformedRecord      the job's or profile's record holds a field the worker decides on in a
     │   │                        shape it never writes (another writer's): fixed by hand, not by retrying
-    │   └── AlreadyFailed        a redelivery of a message whose permanent failure is recorded: back to
-    │                            the DLQ unworked, under the recorded error type
+    │   ├── AlreadyFailed        a redelivery of a message whose permanent failure is recorded: back to
+    │   │                        the DLQ unworked, under the recorded error type
+    │   ├── BadQualityReport     the evaluation report the pipeline config names is missing, too large or
+    │   │                        not the report's schema (a stage-contract error: fix the stage)
+    │   └── StandInRefused       a staging or production job and the reference stand-in trainer, not
+    │                            allowed by ALLOW_STAND_IN_TRAINER: refused before any download
+    ├── QualityBelowBar          ack: a trained model is below a bar of [quality.gate]; the job ends
+    │                            refused (a final status, the scores and the failed bars on the record),
+    │                            nothing committed: a business outcome, never retried nor dead-lettered
     └── IdempotencyMismatch      a submit's idempotency key was used for other fields: nothing created
                                  or sent (``worker.voice.submit``'s, a command's error, never a handler's)
 
@@ -23,7 +30,9 @@ and ``StageFailedPermanently`` (``pipeline.errors``). The job also raises the co
 
 from __future__ import annotations
 
-from worker.core.errors import PermanentError, RetryableError, WorkerError
+from collections.abc import Sequence
+
+from worker.core.errors import Action, PermanentError, RetryableError, WorkerError
 
 
 class StorageError(RetryableError):
@@ -74,3 +83,28 @@ class IdempotencyMismatch(WorkerError):
         super().__init__(f"idempotencyKey {key!r} was used for job {job_id} with a different submission: "
                          "nothing created or sent (use a new key for a new job)")
         self.job_id, self.key = job_id, key
+
+
+class BadQualityReport(PermanentError):
+    """The evaluation stage's report (``[quality] report``) is missing, too large, not JSON or not the
+    report's schema: the stage broke its contract, and a retry of the same stage writes the same."""
+
+
+class StandInRefused(PermanentError):
+    """A job for ``staging`` or ``production`` and a pipeline that is the reference stand-in
+    (``[pipeline] stand_in = true``), which ALLOW_STAND_IN_TRAINER does not allow: an operational
+    misconfiguration, dead-lettered (it should page) before any download."""
+
+
+class QualityBelowBar(WorkerError):
+    """A trained model is below at least one bar of the quality gate: the job ends ``refused``.
+
+    A business outcome, not a fault: the handler records it (final) and acknowledges the message, so
+    no retry is spent and nothing reaches the DLQ. ``failed`` holds one line per failed bar
+    (``full.speaker_similarity 0.41 < 0.70``)."""
+
+    action = Action.ACK
+
+    def __init__(self, failed: Sequence[str]):
+        self.failed = list(failed)
+        super().__init__("below the quality bar: " + "; ".join(self.failed))

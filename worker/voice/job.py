@@ -27,6 +27,13 @@ The rules around that path:
   brings it to ``MAX_FAILED_ATTEMPTS`` ends as ``RetriesExhausted`` (dead-lettered under its own error
   type), and a redelivery of that message counts as permanently failed (above). Releases (shutdown,
   drain, lease handover) and crashes record no failure, so they spend none of that budget.
+* With a ``[quality]`` table the evaluation report is read after the stages and its figures kept on
+  the record (``worker.voice.quality``); a model below a bar of the gate ends the job ``refused``
+  before the commit's first step (nothing uploaded, published or written to the profile), and the
+  message is acknowledged: a business outcome, like a cancellation, not a failure. A redelivery of a
+  refused job is acknowledged without work, as a completed one's is.
+* A pipeline that is the reference stand-in refuses staging and production jobs (``StandInRefused``,
+  permanent) after the claim and before any download, unless ALLOW_STAND_IN_TRAINER allows them.
 * A message that does not parse or validate changes no record: its jobId is only a claim, and
   another message (the job's own) must not inherit its failure. It is dead-lettered with its own
   reason. So is a valid message whose profileId is not the job record's.
@@ -37,7 +44,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -45,9 +52,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
+from pipeline.config import QualityConfig
 from pipeline.remote_work import Ledger
 from pipeline.run import OWN_STEPS
-from pipeline.workdir import WorkRoot, attempt_dir_for, default_models_root, work_dir_for
+from pipeline.workdir import WorkRoot, attempt_dir_for, default_models_root, work_dir_for, work_layout
 from worker.core import tracing
 from worker.core.core_config import DEFAULT_MAX_FAILED_ATTEMPTS
 from worker.core.errors import InvalidMessage, LeaseLost, Stopped, TimeLimitExceeded, UnexpectedError, WorkerError
@@ -59,9 +67,10 @@ from worker.core.metrics import COUNT, NULL_METRICS, SECONDS, Metrics
 from worker.core.queue import Message
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
+from worker.voice import quality as evaluation
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.commit import Commit, Committed
-from worker.voice.errors import AlreadyFailed, JobBusy, MalformedRecord, UnknownJob
+from worker.voice.errors import AlreadyFailed, JobBusy, MalformedRecord, QualityBelowBar, StandInRefused, UnknownJob
 from worker.voice.input_policy import InputPolicy
 from worker.voice.message import Job, job_id_hint, parse_job
 from worker.voice.metrics import JOB_ATTEMPTS, JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS, WASTED_GPU_SECONDS
@@ -73,6 +82,7 @@ from worker.voice.records.models import JobRecord, ProfileRecord
 from worker.voice.records.rules import (
     ERROR,
     ERROR_MESSAGE_MAX_CHARS,
+    QUALITY,
     REQUIRED_ARTIFACTS,
     failed_attempts,
     is_complete,
@@ -122,6 +132,11 @@ class HandlerConfig:
     policy: InputPolicy = DEFAULT_POLICY
     # The artifact keys every commit writes: the pipeline config's ``artifact_keys`` (its [artifacts]).
     artifacts: tuple[str, ...] = REQUIRED_ARTIFACTS
+    # The pipeline config's [quality]: where the evaluation report lies, and the gate (None: no report).
+    quality: QualityConfig | None = None
+    # The environments whose jobs this worker refuses (StandInRefused) before any download: staging and
+    # production when the pipeline is the reference stand-in and ALLOW_STAND_IN_TRAINER is false.
+    refused_environments: frozenset[str] = frozenset()
 
 
 class Acknowledged(StrEnum):
@@ -132,6 +147,8 @@ class Acknowledged(StrEnum):
     CANCELLED = "cancelled"
     ALREADY_COMPLETE = "already_complete"
     DUPLICATE = "duplicate"
+    # Below the quality gate: the job ends refused (final, nothing committed); and its redelivery.
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,8 @@ class Claimed:
     # The profile's published paths of this job, which verify: an earlier attempt reached commit step 3,
     # so this one finishes that commit without training.
     reused: dict[str, Path] | None
+    # The attempt's evaluation figures once read (worker.voice.quality.figures): its events carry them.
+    quality: dict = field(default_factory=dict)
 
     @property
     def number(self) -> int:
@@ -215,10 +234,12 @@ class VoiceJobHandler:
             # Inside the try: a work dir that escapes WORK_ROOT is this attempt's recorded failure.
             attempt_dir = attempt_dir_for(work_dir_for(self.config.work_root, job), claimed.number,
                                           claimed.attempt.token)
+            self._refuse_stand_in(job)  # before any download
             paths = self._artifacts(claimed, attempt_dir, lease.stop)
+            self._evaluate(claimed, attempt_dir)  # the gate: below a bar, QualityBelowBar, nothing uploaded
             with tracing.span("commit"):
                 committed = self._commit.persist(job, claimed.attempt, paths, attempt_dir, lease,
-                                                 claimed.store_lease)
+                                                 claimed.store_lease, quality=claimed.quality or None)
         except Exception as exc:
             return self._settle.ended_short(claimed, exc)
         finally:
@@ -248,7 +269,7 @@ class VoiceJobHandler:
                                       lease_s=self.config.lease_s, message_id=message.message_id)
         if claim.outcome == ClaimOutcome.MISSING:
             raise UnknownJob(f"no job record {job.job_id} (yet)")
-        if claim.outcome in (ClaimOutcome.COMPLETED, ClaimOutcome.CANCELLED):
+        if claim.outcome in (ClaimOutcome.COMPLETED, ClaimOutcome.CANCELLED, ClaimOutcome.REFUSED):
             log.info("job.nothing_to_do", status=claim.outcome)
             return Acknowledged(claim.outcome)
         if claim.outcome == ClaimOutcome.HELD:
@@ -269,6 +290,40 @@ class VoiceJobHandler:
             store_lease.end()
             return self._settle.cancelled(claimed, when="at claim")
         return claimed
+
+    def _refuse_stand_in(self, job: Job) -> None:
+        if job.environment in self.config.refused_environments:
+            raise StandInRefused(
+                f"environment {job.environment!r}: this worker's pipeline is the reference stand-in "
+                "([pipeline] stand_in = true), which never trains a staging or production voice; point "
+                "PIPELINE_CONFIG at the real trainer (ALLOW_STAND_IN_TRAINER=true only for a load test)")
+
+    def _evaluate(self, claimed: Claimed, attempt_dir: Path) -> None:
+        """Read the evaluation report the pipeline config names, keep its figures on the job record
+        (fenced), emit them as metrics, and hold them to the gate: ``QualityBelowBar`` when a model is
+        below a bar. Nothing to do without a [quality] table.
+
+        A retry that finishes an earlier attempt's commit (``reused``) passed the gate then: the figures
+        that attempt recorded go onto the profile."""
+        config = self.config.quality
+        if config is None:
+            return
+        if claimed.reused is not None:
+            recorded = claimed.record.document.get(QUALITY) if claimed.record is not None else None
+            if isinstance(recorded, dict):
+                claimed.quality.update(recorded)
+            return
+        path = work_layout(attempt_dir).output / config.report
+        report = evaluation.read_report(path, shown_as=config.report)
+        failed = evaluation.gate_failures(report, config.gate)
+        claimed.quality.update(evaluation.figures(report, report_path=str(path), gate=config.gate, failed=failed))
+        claimed.attempt.record_quality(claimed.quality)
+        evaluation.emit_metrics(self._metrics, report, job_id=claimed.job.job_id)
+        log.info("job.quality", passed=not failed, failed=failed,
+                 full_similarity=report.models["full"].speaker_similarity,
+                 light_similarity=report.models["light"].speaker_similarity)
+        if failed:
+            raise QualityBelowBar(failed)
 
     def _artifacts(self, claimed: Claimed, attempt_dir: Path, stop: StopSignal) -> dict[str, Path]:
         """Train: the artifacts of this attempt (or the earlier attempt's it finishes the commit of)."""
@@ -300,6 +355,16 @@ class Settlement:
         self._announce(CANCELLED, claimed)
         return Acknowledged.CANCELLED
 
+    def refused(self, claimed: Claimed, below: QualityBelowBar) -> Acknowledged:
+        """The gate refused the trained models: the job ends refused (final, durable before the ack),
+        and a JobFailed event says why, so the product can ask its user to record again."""
+        claimed.attempt.refuse(below.error_type, str(below)[:ERROR_MESSAGE_MAX_CHARS], below.failed,
+                               claimed.quality or None)
+        log.warning("job.refused", failed=below.failed,
+                    note="below the quality gate: nothing committed; acknowledged, not retried")
+        self._announce(FAILED, claimed, error=below, outcome="refused", failedBars=below.failed)
+        return Acknowledged.REFUSED
+
     def wasted(self, claimed: Claimed) -> None:
         self._metrics.seconds(WASTED_GPU_SECONDS, claimed.attempt.trainer_clock.seconds(), jobId=claimed.job.job_id)
 
@@ -310,6 +375,12 @@ class Settlement:
         claimed.store_lease.end()
         if isinstance(exc, Stopped):
             return self._stopped(claimed, exc)
+        if isinstance(exc, QualityBelowBar):
+            try:
+                return self.refused(claimed, exc)
+            except StaleWrite:
+                release(claimed.attempt)  # not ours any more (fenced: a no-op then); nothing refused
+                raise
         if isinstance(exc, StaleWrite):
             # A fenced write refused (a profile claim replaced behind us) while the job lease may still
             # be ours: let go of it (fenced: a no-op if not ours) so the job need not wait for it to lapse.
@@ -371,6 +442,8 @@ class Settlement:
         if error is not None:
             detail["error"] = {"type": error.error_type, "retryable": error.retryable,
                                "message": redact_text(str(error))[:ERROR_MESSAGE_MAX_CHARS]}
+        if claimed.quality:
+            detail["quality"] = claimed.quality
         self._events.publish(event_type, detail)
 
 

@@ -16,6 +16,12 @@ JOB_WASTED_GPU_SECONDS = "JobWastedGpuSeconds"          # of its attempts that d
 JOB_ATTEMPTS = "JobAttempts"
 # At the end of each attempt that did not commit (failed, stopped, released, lease lost): its time.
 WASTED_GPU_SECONDS = "WastedGpuSeconds"
+# A job's evaluation (worker.voice.quality), per trained model (the Model dimension: full, light):
+MODEL_SPEAKER_SIMILARITY = "ModelSpeakerSimilarity"
+MODEL_CER = "ModelCer"                                   # left out when the language has no speech recogniser
+MODEL_DNSMOS = "ModelDnsmos"                             # the overall DNSMOS (ovrl)
+MODEL_DIMENSION = "Model"
+QUALITY_METRICS = (MODEL_SPEAKER_SIMILARITY, MODEL_CER, MODEL_DNSMOS)
 # What one reconcile pass changed (worker.ops.reconcile) -> its count (0 included, so alarms see a
 # steady series).
 RECONCILE_METRICS = {
@@ -26,12 +32,13 @@ RECONCILE_METRICS = {
     "failed": "ReconcileFailures",
 }
 VOICE_METRIC_NAMES = frozenset({STAGE_DURATION, JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS, JOB_ATTEMPTS,
-                                WASTED_GPU_SECONDS, *RECONCILE_METRICS.values()})
+                                WASTED_GPU_SECONDS, *QUALITY_METRICS, *RECONCILE_METRICS.values()})
 METRIC_NAMES = core.METRIC_NAMES | VOICE_METRIC_NAMES
-# Dimensions the voice worker adds to one metric of its own (StageDuration's Stage).
-DIMENSIONS = frozenset({STAGE_DIMENSION})
+# Dimensions the voice worker adds to metrics of its own (StageDuration's Stage, the quality scores' Model).
+DIMENSIONS = frozenset({STAGE_DIMENSION, MODEL_DIMENSION})
 
 __all__ = ["DIMENSIONS", "JOB_ATTEMPTS", "JOB_GPU_SECONDS", "JOB_WASTED_GPU_SECONDS", "METRIC_NAMES",
+           "MODEL_CER", "MODEL_DIMENSION", "MODEL_DNSMOS", "MODEL_SPEAKER_SIMILARITY", "QUALITY_METRICS",
            "RECONCILE_METRICS", "STAGE_DIMENSION", "STAGE_DURATION", "VOICE_METRIC_NAMES",
            "WASTED_GPU_SECONDS", "parse_dimensions"]
 

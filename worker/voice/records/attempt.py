@@ -76,6 +76,13 @@ class FencedWrites(Protocol):
 
     def record_mirror(self, job_id: str, token: str, item: str, sha256_hex: str) -> None: ...
 
+    def record_quality(self, job_id: str, token: str, quality: dict) -> None: ...
+
+    def mark_refused(self, job_id: str, token: str, *, error_type: str, message: str, failed: Sequence[str],
+                     quality: dict | None = None, gpu_seconds: float | None = None) -> None: ...
+
+    def write_profile_quality(self, profile_id: str, token: str, quality: dict, *, job_id: str) -> None: ...
+
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
                      retryable: bool, gpu_seconds: float | None = None) -> bool: ...
 
@@ -122,6 +129,18 @@ class Attempt:
     def vouch_mirror(self, item: str, sha256_hex: str) -> None:
         """Record on the attempt's history entry what it mirrored to S3 (see ``MirrorLedger``)."""
         self.store.record_mirror(self.job_id, self.token, item, sha256_hex)
+
+    def record_quality(self, quality: dict) -> None:
+        """Keep the attempt's evaluation figures on the job record (``rules.with_quality``)."""
+        self.store.record_quality(self.job_id, self.token, quality)
+
+    def refuse(self, error_type: str, message: str, failed: Sequence[str], quality: dict | None) -> None:
+        """End the job ``refused`` (final; below the quality gate): nothing of it is committed."""
+        self.store.mark_refused(self.job_id, self.token, error_type=error_type, message=message, failed=failed,
+                                quality=quality, gpu_seconds=self.trainer_clock.seconds())
+
+    def write_profile_quality(self, quality: dict) -> None:
+        self.store.write_profile_quality(self._profile(), self.token, quality, job_id=self.job_id)
 
     def write_paths(self, model_paths: dict, s3_paths: dict) -> None:
         self.store.write_paths(self._profile(), self.token, model_paths, s3_paths, job_id=self.job_id)

@@ -34,7 +34,9 @@ from worker.core.names import is_sha256_hex
 
 PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED = (
     "pending", "processing", "completed", "error", "cancelled")
-JOB_STATUSES = (PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED)
+# A job whose trained models fell below the quality gate: final, nothing committed (mark_refused).
+REFUSED = "refused"
+JOB_STATUSES = (PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED, REFUSED)
 PROFILE_STATUSES = (PENDING, PROCESSING, COMPLETED)
 RECORD = "(the record)"  # a Problem's field when the document itself is not one
 # Beyond any record the worker writes; deeper nesting is not searched for unwritable times.

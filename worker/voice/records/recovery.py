@@ -91,7 +91,8 @@ def lost(job: dict, *, worker: str, now: datetime) -> dict:
 
 def dead_lettered(job: dict, dead_letter: dict, *, worker: str, now: datetime) -> dict:
     """``dead_letter``: messageId, receiveCount, and the DLQ's errorType/errorMessage/sourceQueue."""
-    reason = f"dead-lettered after {dead_letter.get('receiveCount', '?')} receives"
+    count = dead_letter.get("receiveCount", "?")
+    reason = f"dead-lettered after {count} receive{'' if str(count) == '1' else 's'}"
     if dead_letter.get("errorType") or dead_letter.get("errorMessage"):
         reason += f": {dead_letter.get('errorType') or 'error'}: {dead_letter.get('errorMessage') or '-'}"
     error = {"type": dead_letter.get("errorType") or "DeadLettered", "message": reason,

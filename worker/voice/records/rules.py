@@ -27,6 +27,7 @@ from worker.voice.records.models import (
     ERROR,
     PENDING,
     PROCESSING,
+    REFUSED,
     JobRecord,
     ProfileRecord,
     read_job,
@@ -40,11 +41,12 @@ class ClaimOutcome(StrEnum):
     HELD = "held"  # another attempt's lease is live
     COMPLETED = COMPLETED  # a final status: nothing left to do
     CANCELLED = CANCELLED
+    REFUSED = REFUSED
     MISSING = "missing"  # no job record (yet)
 
 
 # No claim, error or cancel request ever moves a job out of these.
-FINAL_STATUSES = (COMPLETED, CANCELLED)
+FINAL_STATUSES = (COMPLETED, CANCELLED, REFUSED)
 HISTORY_LIMIT = 20
 # A record is not a log file: an unbounded message (a stage's whole stderr) must not bloat it.
 ERROR_MESSAGE_MAX_CHARS = 2000
@@ -71,6 +73,9 @@ GPU_SECONDS, EARLIER_GPU_SECONDS, EARLIER_WASTED_GPU_SECONDS = (
 MIRROR = "mirror"
 # An attempt's history entry: its stages' NOTE lines (what they left out of the data, say), the last few.
 NOTES, NOTES_KEPT, NOTE_MAX_CHARS = "notes", 10, 500
+# The evaluation's figures (worker.voice.quality builds them): on the job record (with_quality, fenced
+# on the attempt's token; kept by a refusal) and on the profile at the commit.
+QUALITY = "quality"
 _HEX_TOKEN = re.compile(r"[0-9a-f]{8,64}")
 
 
@@ -315,6 +320,27 @@ def completed(job: dict, token: str, now: datetime, gpu_seconds: float | None = 
     marked = {**job, "status": COMPLETED, "completedAt": now, "lease": None, "error": None, "history": history}
     if artifacts is not None:
         marked[ARTIFACTS] = list(artifacts)
+    return marked
+
+
+def with_quality(job: dict, quality: dict) -> dict:
+    """The job with the attempt's evaluation figures (``QUALITY``), replacing an earlier attempt's."""
+    return {**job, QUALITY: dict(quality)}
+
+
+def refused(job: dict, token: str, now: datetime, *, error_type: str, message: str, failed: Sequence[str],
+            quality: dict | None) -> dict:
+    """A final refusal (the quality gate): ``REFUSED``, the lease cleared, the attempt's entry closed
+    ``refused``, and why in ``error`` (not retryable; ``failed``: one line per failed bar), with the
+    figures. The retry budget is left alone: nothing failed."""
+    history = close_attempt(job.get("history"), REFUSED, now, token)
+    error = {"type": error_type, "message": redact_text(str(message))[:ERROR_MESSAGE_MAX_CHARS],
+             "retryable": False, "at": now, "failed": [str(line)[:NOTE_MAX_CHARS] for line in failed][:20]}
+    if (job.get("lease") or {}).get("messageId"):
+        error["messageId"] = job["lease"]["messageId"]
+    marked = {**job, "status": REFUSED, "refusedAt": now, "lease": None, "error": error, "history": history}
+    if quality is not None:
+        marked[QUALITY] = dict(quality)
     return marked
 
 

@@ -76,6 +76,19 @@ class Store(ABC):
         """Vouch, on the attempt's own history entry, for what it mirrored to S3 (``rules.with_mirror``)."""
 
     @abstractmethod
+    def record_quality(self, job_id: str, token: str, quality: dict) -> None:
+        """Keep the attempt's evaluation figures on the job (``rules.with_quality``), fenced on the token."""
+
+    @abstractmethod
+    def mark_refused(self, job_id: str, token: str, *, error_type: str, message: str, failed: Sequence[str],
+                     quality: dict | None = None, gpu_seconds: float | None = None) -> None:
+        """The job ends ``refused`` (``rules.refused``: final, nothing committed), fenced on the token."""
+
+    @abstractmethod
+    def write_profile_quality(self, profile_id: str, token: str, quality: dict, *, job_id: str) -> None:
+        """Set the profile's ``quality`` (the committed models' figures); fenced as ``write_paths``."""
+
+    @abstractmethod
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
                      retryable: bool, gpu_seconds: float | None = None) -> bool: ...
 

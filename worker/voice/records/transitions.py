@@ -148,6 +148,19 @@ class TransitionStore(Store):
         self._fenced_job("record_mirror", job_id, token,
                          lambda j, _now: rules.with_mirror(j, token, item, sha256_hex))
 
+    def record_quality(self, job_id: str, token: str, quality: dict) -> None:
+        self._fenced_job("record_quality", job_id, token, lambda j, _now: rules.with_quality(j, quality))
+
+    def mark_refused(self, job_id: str, token: str, *, error_type: str, message: str, failed: Sequence[str],
+                     quality: dict | None = None, gpu_seconds: float | None = None) -> None:
+        self._fenced_job("mark_refused", job_id, token,
+                         lambda j, now: rules.refused(_with_time(j, token, gpu_seconds), token, now,
+                                                      error_type=error_type, message=message, failed=failed,
+                                                      quality=quality))
+
+    def write_profile_quality(self, profile_id: str, token: str, quality: dict, *, job_id: str) -> None:
+        self._fenced_profile("write_profile_quality", profile_id, job_id, token, {rules.QUALITY: dict(quality)})
+
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
                      retryable: bool, gpu_seconds: float | None = None) -> bool:
         return self._swap_job(
