@@ -31,6 +31,7 @@ from worker.voice.artifacts import (
     verify_local,
 )
 from worker.voice.errors import StorageError
+from worker.voice.records.models import read_job
 
 BUCKET = "voice-artifacts"
 MIB = 1024 * 1024
@@ -559,12 +560,12 @@ def test_cleanup_keeps_every_referenced_key():
 @pytest.mark.parametrize("status", ["processing", "error", "cancelled", None])
 def test_a_stale_attempt_deletes_nothing_before_the_job_is_committed(status):
     """Until the job record says completed, a stale attempt keeps what it wrote (the holder cleans up)."""
-    assert stale_leftovers(["a"], {"status": status} if status else None, []) == []
+    assert stale_leftovers(["a"], read_job({"status": status}) if status else None, []) == []
 
 
 def test_a_stale_attempt_never_deletes_a_key_the_committed_profile_names():
     """Once committed, a stale attempt deletes only its keys the committed paths do not name."""
-    assert stale_leftovers(["same-bytes", "own"], {"status": "completed"}, ["same-bytes", "x"]) == ["own"]
+    assert stale_leftovers(["same-bytes", "own"], read_job({"status": "completed"}), ["same-bytes", "x"]) == ["own"]
 
 
 # ---------------------------------------------------------------- the five together, hashed once

@@ -17,6 +17,7 @@ from worker.voice.artifacts import ArtifactUploader
 from worker.voice.job import HandlerConfig, VoiceJobHandler
 from worker.voice.records import rules
 from worker.voice.records.attempt import TrainerClock
+from worker.voice.records.models import read_job
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -54,9 +55,10 @@ def test_usage_sums_every_attempt_and_wastes_only_those_that_did_not_commit():
     job = {"attempts": 5, "history": [history_entry("released", 10), history_entry("retry", 20.5),
                                       history_entry("abandoned", None), history_entry("completed", 100),
                                       history_entry("running", 7)]}
-    assert rules.usage(job) == {"attempts": 5, "gpuSeconds": 137.5, "wastedGpuSeconds": 30.5}
+    assert rules.usage(read_job(job)) == {"attempts": 5, "gpuSeconds": 137.5, "wastedGpuSeconds": 30.5}
     assert rules.usage(None) == {"attempts": 0, "gpuSeconds": 0.0, "wastedGpuSeconds": 0.0}
-    assert rules.usage({"history": [history_entry("retry", "ten")]})["gpuSeconds"] == 0.0  # odd data reads as none
+    odd = read_job({"history": [history_entry("retry", "ten")]})
+    assert rules.usage(odd)["gpuSeconds"] == 0.0  # odd data reads as none
 
 
 def test_totals_stay_exact_when_old_attempts_leave_the_history():
@@ -67,8 +69,9 @@ def test_totals_stay_exact_when_old_attempts_leave_the_history():
         job = rules.with_gpu_seconds(job, f"t{n}", 2.0)
         job = rules.errored(job, token=f"t{n}", error_type="StageFailed", message="x", retryable=True, now=NOW)
     assert len(job["history"]) == rules.HISTORY_LIMIT
-    assert rules.usage(job) == {"attempts": rules.HISTORY_LIMIT + 7, "gpuSeconds": 2.0 * (rules.HISTORY_LIMIT + 7),
-                                "wastedGpuSeconds": 2.0 * (rules.HISTORY_LIMIT + 7)}
+    assert rules.usage(read_job(job)) == {"attempts": rules.HISTORY_LIMIT + 7,
+                                          "gpuSeconds": 2.0 * (rules.HISTORY_LIMIT + 7),
+                                          "wastedGpuSeconds": 2.0 * (rules.HISTORY_LIMIT + 7)}
 
 
 def test_an_attempt_writes_only_its_own_history_entry():

@@ -8,8 +8,6 @@ attempt claimed the job, the same write would be refused (``StaleWrite``) and no
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 
 from tests.voice.conftest import BUCKET, JOB_ID, PROFILE_ID, message_body, take_over

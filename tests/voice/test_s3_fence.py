@@ -3,8 +3,6 @@ once it learns it lost, and what no committed path names is cleaned up."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import boto3
 
 from tests.support import ARTIFACT_KEYS, client_error

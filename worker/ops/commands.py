@@ -26,6 +26,7 @@ from worker.core.logs import scrub
 from worker.core.redact import strip_control
 from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.settings import Settings
+from worker.voice.errors import IdempotencyMismatch
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.records import Store
 from worker.voice.records.rules import (
@@ -40,8 +41,8 @@ from worker.voice.records.rules import (
     committing,
     lease_live,
 )
-from worker.voice.records.view import JobView, Problem, ProfileView, job_view, profile_view, shown
-from worker.voice.submit import SUBMISSION_HASH, IdempotencyMismatch, prepare, submit_prepared
+from worker.voice.records.view import JobView, Problem, ProfileView, job_view, shown
+from worker.voice.submit import SUBMISSION_HASH, prepare, submit_prepared
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOTHING_TO_DO, EXIT_TOO_LATE = 0, 1, 2, 3, 4, 5
 # submit: the idempotencyKey is known, with a different submission (nothing created or sent).
@@ -91,7 +92,7 @@ def cmd_submit(open_store: Callable[[], AbstractContextManager[Store]], sqs, que
         with open_store() as store:
             job_id, created = submit_prepared(store, sqs, queue_url, prepared)
             unverified = (not created and prepared[2] is not None
-                          and (store.get_job(job_id) or {}).get(SUBMISSION_HASH) is None)
+                          and _stored(store.get_job(job_id), SUBMISSION_HASH) is None)
     except InvalidMessage as exc:
         for line in exc.problems:
             print(line, file=err)
@@ -116,6 +117,11 @@ def cmd_submit(open_store: Callable[[], AbstractContextManager[Store]], sqs, que
     return EXIT_OK
 
 
+def _stored(record: JobView | None, field: str) -> Any:
+    """A field of the stored document that the models do not name (None for no record)."""
+    return None if record is None else record.document.get(field)
+
+
 def job_files(job: JobView, profile: ProfileView | None) -> tuple[dict[str, str], dict[str, str]] | None:
     """(modelPaths, s3Paths) that this job committed, or None: the profile's paths are its latest
     committed job's, so they are this job's only when it completed and no later job claimed the profile."""
@@ -126,11 +132,9 @@ def job_files(job: JobView, profile: ProfileView | None) -> tuple[dict[str, str]
 
 @dataclass(frozen=True)
 class JobStatus:
-    """One job as `status` shows it: the records as read (what --json prints) and their views (what
-    the text is drawn from, and the problems found in them)."""
+    """One job as `status` shows it: the typed records, read tolerantly (the text is drawn from their
+    fields, the problems found in them are the warnings; --json prints the documents as stored)."""
 
-    record: Any
-    profile_record: Any
     job: JobView
     profile: ProfileView | None
 
@@ -148,20 +152,20 @@ class JobStatus:
 
     def as_json(self) -> dict:
         files = self.files
-        quality = self.record.get(QUALITY) if isinstance(self.record, dict) else None
-        return {"job": _jsonable(self.record), "profile": _jsonable(self.profile_record), "cost": self.job.cost(),
+        document = self.job.document
+        quality = document.get(QUALITY) if isinstance(document, dict) else None
+        return {"job": _jsonable(document),
+                "profile": None if self.profile is None else _jsonable(self.profile.document), "cost": self.job.cost(),
                 "quality": _jsonable(quality),
                 "files": None if files is None else {"modelPaths": files[0], "s3Paths": files[1]},
                 "problems": self.problems()}
 
 
 def status_document(store: Store, job_id: str) -> JobStatus | None:
-    record = store.get_job(job_id)
-    if record is None:
+    job = store.get_job(job_id)
+    if job is None:
         return None
-    job = job_view(record)
-    profile = store.get_profile(job.profile_id) if job.profile_id else None
-    return JobStatus(record, profile, job, None if profile is None else profile_view(profile))
+    return JobStatus(job, store.get_profile(job.profile_id) if job.profile_id else None)
 
 
 def warning_lines(job: JobView, profile: ProfileView | None = None) -> list[str]:
@@ -273,9 +277,9 @@ def render_status(status: JobStatus) -> str:
         lines += fitted("lease", f"until {moment(held.expires_at)}", f"held by {known(held.owner)}")
     elif job.invalid("lease"):
         lines += fitted("lease", "?")
-    cost = job.cost()
-    lines += fitted("cost", f"{cost['gpuSeconds']:.0f} GPU-s, of which {cost['wastedGpuSeconds']:.0f} wasted",
-                    f"failed attempts: {known(cost['failedAttempts'])}")
+    spent = job.cost()
+    lines += fitted("cost", f"{spent['gpuSeconds']:.0f} GPU-s, of which {spent['wastedGpuSeconds']:.0f} wasted",
+                    f"failed attempts: {known(spent['failedAttempts'])}")
     if job.cancel_requested is None:
         lines += fitted("cancel", "?")
     elif job.cancel_requested and job.status != CANCELLED:
@@ -286,8 +290,8 @@ def render_status(status: JobStatus) -> str:
             lines += wrapped("?" if e.message is None else e.message, VALUE_INDENT + "| ")
     elif job.invalid("error"):
         lines += fitted("error", "?")
-    if isinstance(status.record, dict) and QUALITY in status.record:
-        lines += quality_lines(status.record[QUALITY])
+    if isinstance(job.document, dict) and QUALITY in job.document:
+        lines += quality_lines(job.document[QUALITY])
     for number, h in enumerate(job.history, 1):
         if h is None:
             lines += fitted(f"attempt {number}", "?")
@@ -296,8 +300,8 @@ def render_status(status: JobStatus) -> str:
         end = moment(h.end, same_day_as=h.start) if h.end or job.invalid(f"history[{number - 1}].end") else "…"
         lines += fitted(f"attempt {number}", f"{moment(h.start)} -> {end}  {known(h.outcome)}",
                         *filter(None, [gpu, f"on {known(h.worker)}"]))
-        for stage, text in h.notes:  # what its stages left out of the data, say: the user's to act on
-            lines += wrapped(f"note from {stage}: {text}", VALUE_INDENT + "| ")
+        for note in h.notes:  # what its stages left out of the data, say: the user's to act on
+            lines += wrapped(f"note from {note.stage or '?'}: {note.text or '?'}", VALUE_INDENT + "| ")
     if job.invalid("history") and not job.history:
         lines += fitted("history", "?")
     if job.completed_at or job.invalid("completedAt"):
@@ -510,10 +514,12 @@ def cmd_jobs(store: Store, *, status: str | None = None, since: datetime | timed
     return EXIT_OK
 
 
-def cancel_outcome(job: dict, heartbeat_s: float, now: datetime) -> tuple[int, str]:
+def cancel_outcome(job: JobView | dict, heartbeat_s: float, now: datetime) -> tuple[int, str]:
     """(EXIT_OK when a cancel request can still change anything, else why not as an exit code; what
-    happens next) for this job: decided by the store's rules, worded from the record's view."""
+    happens next) for this job (a record, or a stored document): decided by the store's rules, on the
+    stored document as the store's own swap decides, worded from the typed record."""
     view = job_view(job)
+    job = view.document
     job_id, status, owner = known(view.id), view.status, known(view.lease.owner if view.lease else None)
     if status in FINAL_STATUSES:
         return EXIT_NOTHING_TO_DO, f"job {job_id} is already {status}: nothing to cancel"

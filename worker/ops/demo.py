@@ -29,10 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import boto3
 
 from worker.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from worker.voice.records.models import JobRecord, ProfileRecord
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
@@ -258,11 +262,11 @@ class StageClock:
 def _watch(store, job_id: str, clock: StageClock, done: threading.Event, out) -> None:
     last = None
     while not done.wait(0.05):
-        job = store.get_job(job_id) or {}
-        progress = job.get("progress") or {}
-        stage, percent = progress.get("stage"), progress.get("percent")
-        if stage is None or percent is None:  # with_progress writes both, or nothing yet
+        job = store.get_job(job_id)
+        progress = job.progress if job is not None else None
+        if progress is None or progress.stage is None or progress.percent is None:  # nothing written yet
             continue
+        stage, percent = progress.stage, progress.percent
         clock.see(stage, percent, time.monotonic())
         if (stage, percent) != last:
             print(f"  {stage:<12} {percent:5.1f} %", file=out, flush=True)
@@ -310,23 +314,24 @@ def run_demo(out=None, real: bool = False, store: str = "sqlite") -> int:
             watcher = threading.Thread(target=_watch, args=(app.store, job_id, clock, done, out), daemon=True)
             watcher.start()
             deadline = time.monotonic() + (REAL_DEMO_TIMEOUT_S if real else DEMO_TIMEOUT_S)
-            job = {}
+            job = None
             while time.monotonic() < deadline:
                 app.worker.run_once()
-                job = app.store.get_job(job_id) or {}
-                if job.get("status") in ("completed", "cancelled") or (
-                        job.get("error") and not job["error"].get("retryable")):
+                job = app.store.get_job(job_id)
+                if job is not None and (job.status in ("completed", "cancelled") or (
+                        job.error is not None and not job.error.retryable)):
                     break
             done.set()
             watcher.join()
             ended = time.monotonic()
-            profile = app.store.get_profile(job["profileId"]) if job else None
+            profile = app.store.get_profile(job.profile_id) if job is not None and job.profile_id else None
             s3 = session.client("s3", endpoint_url=aws.url)
             code = _summary(out, job_id, job, profile, clock.durations(ended), ended - started, s3)
         finally:
             app.close()
     if real and code == 0:
-        return speak_cloned_voice(out, (profile or {}).get("modelPaths") or {}, run_dir / "cloned-voice.wav")
+        return speak_cloned_voice(out, dict(profile.model_paths) if profile is not None else {},
+                                  run_dir / "cloned-voice.wav")
     return code
 
 
@@ -343,23 +348,23 @@ def speak_cloned_voice(out, model_paths: dict, wav: Path, sentence: str = REAL_S
     return 0
 
 
-def _summary(out, job_id, job, profile, stages, total_s, s3) -> int:
-    status = job.get("status", "missing")
+def _summary(out, job_id, job: JobRecord | None, profile: ProfileRecord | None, stages, total_s, s3) -> int:
+    status = job.status if job is not None else "missing"
     print("\nsummary", file=out)
     print(f"  job id        {job_id}", file=out)
-    print(f"  status        {status} (attempts: {job.get('attempts')})", file=out)
+    print(f"  status        {status} (attempts: {job.attempts if job is not None else None})", file=out)
     print("  stages", file=out)
     for name, seconds in stages:
         print(f"    {name:<12} {seconds:6.2f} s", file=out)
-    if job.get("error"):
-        print(f"  error         {job['error'].get('type')}: {job['error'].get('message')}", file=out)
-    profile = profile or {}
+    if job is not None and job.error is not None:
+        print(f"  error         {job.error.type}: {job.error.message}", file=out)
+    model_paths, s3_paths = (profile.model_paths, profile.s3_paths) if profile is not None else ({}, {})
     print("  local files", file=out)
-    for key, path in (profile.get("modelPaths") or {}).items():
+    for key, path in model_paths.items():
         print(f"    {key:<18} {path}", file=out)
     print("  S3 objects", file=out)
     missing = 0
-    for key, uri in (profile.get("s3Paths") or {}).items():
+    for key, uri in s3_paths.items():
         bucket, _, obj = uri.removeprefix("s3://").partition("/")
         try:
             size = s3.head_object(Bucket=bucket, Key=obj)["ContentLength"]
@@ -368,6 +373,6 @@ def _summary(out, job_id, job, profile, stages, total_s, s3) -> int:
             missing += 1
             print(f"    {key:<18} {uri} (MISSING)", file=out)
     print(f"  wall time     {total_s:.1f} s", file=out)
-    ok = status == "completed" and len(profile.get("s3Paths") or {}) == 5 and not missing
+    ok = status == "completed" and len(s3_paths) == 5 and not missing
     print("\nthe job completed" if ok else "\nthe job did NOT complete", file=out, flush=True)
     return 0 if ok else 1

@@ -169,7 +169,8 @@ class Reconciler:
                 if job is None:
                     report.notes.append(f"DLQ message {letter.message_id}: no record of job {letter.job_id}")
                     continue
-                if not may_record_dead_letter(job, letter.message_id, now):
+                # The store's own swap decides on the stored document: so does this look before it.
+                if not may_record_dead_letter(job.document, letter.message_id, now):
                     continue
                 if self._store.record_dead_letter(letter.job_id, dead_letter=letter.for_record(),
                                                   worker=self._worker_id):

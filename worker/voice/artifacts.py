@@ -71,6 +71,7 @@ from worker.core.names import is_sha256_hex
 from worker.core.redact import redact_urls_in_text
 from worker.voice.errors import StorageError
 from worker.voice.message import is_safe_name
+from worker.voice.records.models import COMPLETED, JobRecord
 from worker.voice.records.rules import REQUIRED_ARTIFACTS
 
 log = structlog.get_logger(__name__)
@@ -156,11 +157,11 @@ def unreferenced(keys: Iterable[str], referenced: Iterable[str]) -> list[str]:
     return [key for key in keys if key not in keep]
 
 
-def stale_leftovers(written: Iterable[str], job: Mapping | None, referenced: Iterable[str]) -> list[str]:
+def stale_leftovers(written: Iterable[str], job: JobRecord | None, referenced: Iterable[str]) -> list[str]:
     """Of the objects a stale attempt wrote, those it may delete: only once the job is committed (its
     holder's own cleanup may already have run), and never one the committed paths name (the same bytes
     make the same key, so the committed object can be the one this attempt wrote)."""
-    if (job or {}).get("status") != "completed":
+    if job is None or job.status != COMPLETED:
         return []
     return unreferenced(written, referenced)
 

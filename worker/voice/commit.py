@@ -65,6 +65,7 @@ from worker.voice.publish import publish_all
 from worker.voice.records import Store
 from worker.voice.records.attempt import Attempt, StoreLease
 from worker.voice.records.errors import StaleWrite, StoreError
+from worker.voice.records.models import ProfileRecord
 from worker.voice.records.rules import COMMITTING, REQUIRED_ARTIFACTS
 
 log = structlog.get_logger(__name__)
@@ -97,7 +98,7 @@ class Commit:
         self._forget_remote_work = forget_remote_work
         self._crash = crash_points.reached
 
-    def reusable(self, job: Job, profile: dict | None) -> dict[str, Path] | None:
+    def reusable(self, job: Job, profile: ProfileRecord | None) -> dict[str, Path] | None:
         """The profile's published paths of this job when every configured artifact's verifies (an earlier
         attempt reached step 3): the retry then finishes that commit instead of training, and a cancel is
         too late."""
@@ -188,12 +189,12 @@ class Commit:
             return
         try:
             record, profile = self._store.get_job(job.job_id), self._store.get_profile(job.profile_id)
-            if str((profile or {}).get("jobId")) != job.job_id:
+            if profile is None or profile.job_id != job.job_id:
                 # Another job of the profile has claimed it since: its paths say nothing about what this
                 # job committed, so nothing is provably unreferenced.
                 log.info("artifacts.stale_uploads_kept", written=len(written), why="the profile moved on")
                 return
-            committed = ((profile or {}).get("s3Paths") or {}).values()
+            committed = profile.s3_paths.values()
             referenced = filter(None, (self._uploader.key_of(uri) for uri in committed))
             doomed = stale_leftovers(written, record, referenced)
             for key in doomed:
@@ -278,14 +279,14 @@ class _ClaimProof:
         self.store_lease.ensure_live()
 
 
-def reusable_paths(profile: dict | None, output_dir: Path,
+def reusable_paths(profile: ProfileRecord | None, output_dir: Path,
                    artifacts: Sequence[str] = REQUIRED_ARTIFACTS) -> dict[str, Path] | None:
     """The profile's local model paths of ``artifacts`` from an earlier attempt of this job, when every
     one verifies on disk.
 
     ``output_dir`` is where they must lie: the job's published models directory.
     """
-    stored = (profile or {}).get("modelPaths") or {}
+    stored = profile.model_paths if profile is not None else {}
     if not all(stored.get(k) for k in artifacts):
         return None
     paths = {k: Path(stored[k]) for k in artifacts}

@@ -19,8 +19,8 @@ loop's action; the loop decides on the branch alone and never imports this modul
     ├── QualityBelowBar          ack: a trained model is below a bar of [quality.gate]; the job ends
     │                            refused (a final status, the scores and the failed bars on the record),
     │                            nothing committed: a business outcome, never retried nor dead-lettered
-    └── IdempotencyMismatch      (``worker.voice.submit``) a submit's idempotency key was used for other
-                                 fields: nothing created or sent (a command's error, never a handler's)
+    └── IdempotencyMismatch      a submit's idempotency key was used for other fields: nothing created
+                                 or sent (``worker.voice.submit``'s, a command's error, never a handler's)
 
 The layers below add their own: the records' ``StoreError`` and ``StaleWrite``
 (``worker.voice.records.errors``), the pipeline's ``DownloadError``, ``StageFailed``, ``BadRecording``
@@ -74,6 +74,15 @@ class AlreadyFailed(PermanentError):
     @property
     def error_type(self) -> str:
         return self.recorded_type
+
+
+class IdempotencyMismatch(WorkerError):
+    """An idempotency key already used for a submission with other fields (raised by ``submit``)."""
+
+    def __init__(self, job_id: str, key: str):
+        super().__init__(f"idempotencyKey {key!r} was used for job {job_id} with a different submission: "
+                         "nothing created or sent (use a new key for a new job)")
+        self.job_id, self.key = job_id, key
 
 
 class BadQualityReport(PermanentError):

@@ -78,6 +78,7 @@ from worker.voice.mirror_ledger import RecordLedger
 from worker.voice.records import ClaimOutcome, Store
 from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
 from worker.voice.records.errors import StaleWrite, StoreError
+from worker.voice.records.models import JobRecord, ProfileRecord
 from worker.voice.records.rules import (
     ERROR,
     ERROR_MESSAGE_MAX_CHARS,
@@ -156,7 +157,7 @@ class Claimed:
 
     job: Job
     attempt: Attempt
-    record: dict | None  # the job record as the claim wrote it
+    record: JobRecord | None  # the job record as the claim wrote it
     store_lease: StoreLease
     # The profile's published paths of this job, which verify: an earlier attempt reached commit step 3,
     # so this one finishes that commit without training.
@@ -166,7 +167,7 @@ class Claimed:
 
     @property
     def number(self) -> int:
-        return int((self.record or {}).get("attempts") or 0)
+        return (self.record.attempts if self.record is not None else None) or 0
 
 
 def unexpected(exc: Exception) -> UnexpectedError:
@@ -249,14 +250,15 @@ class VoiceJobHandler:
         log.info("job.completed")
         return Acknowledged.COMPLETED
 
-    def _already_complete(self, job: Job, profile: dict) -> str:
+    def _already_complete(self, job: Job, profile: ProfileRecord) -> str:
         log.info("job.already_complete", note="redelivery acknowledged without work")
-        if str(profile.get("jobId")) == job.job_id:
+        if profile.job_id == job.job_id:
             # The paths are this job's: redo the (idempotent) clean-ups a crash after the commit skipped.
-            self._commit.clean_up(job, profile["s3Paths"], profile["modelPaths"].values())
+            self._commit.clean_up(job, profile.s3_paths, profile.model_paths.values())
         return Acknowledged.ALREADY_COMPLETE
 
-    def _claim(self, job: Job, message: Message, lease: Lease, profile: dict | None) -> Claimed | Acknowledged:
+    def _claim(self, job: Job, message: Message, lease: Lease,
+               profile: ProfileRecord | None) -> Claimed | Acknowledged:
         """Claim the job (a fenced lease, renewed with the message's from now on), or what to acknowledge
         when there is nothing to work on."""
         # A claim that fails after its job swap (the profile stamp, a lost reply) lets go of the job itself.
@@ -271,8 +273,8 @@ class VoiceJobHandler:
             log.info("job.nothing_to_do", status=claim.outcome)
             return Acknowledged(claim.outcome)
         if claim.outcome == ClaimOutcome.HELD:
-            return held(claim.job or {}, message, claim.now)
-        log.info("job.claimed", attempt=(claim.job or {}).get("attempts"))
+            return held(claim.job, message, claim.now)
+        log.info("job.claimed", attempt=claim.job.attempts if claim.job is not None else None)
         if claim.attempt is None:  # Store.claim's contract: a claimed outcome carries its Attempt
             raise StoreError("the store claimed the job but handed back no attempt")
         # An earlier attempt of this job wrote its published paths (commit step 3) and died: the profile
@@ -307,7 +309,7 @@ class VoiceJobHandler:
         if config is None:
             return
         if claimed.reused is not None:
-            recorded = (claimed.record or {}).get(QUALITY)
+            recorded = claimed.record.document.get(QUALITY) if claimed.record is not None else None
             if isinstance(recorded, dict):
                 claimed.quality.update(recorded)
             return
@@ -448,14 +450,23 @@ class Settlement:
 # --- before the claim
 
 
-def refuse_another_profile(job: Job, record: dict | None) -> None:
-    if record is not None and record.get("profileId") and str(record["profileId"]) != job.profile_id:
+def refuse_another_profile(job: Job, record: JobRecord | None) -> None:
+    if record is not None and (named := another_profile(job, record)) is not None:
         # Writing this message's paths to another profile than the job's would corrupt both.
-        raise InvalidMessage(f"profileId: the job record belongs to profile {record['profileId']}, "
-                             f"not {job.profile_id}")
+        raise InvalidMessage(f"profileId: the job record belongs to profile {named}, not {job.profile_id}")
 
 
-def refuse_recorded_failure(record: dict | None, message: Message, max_failed_attempts: int) -> None:
+def another_profile(job: Job, record: JobRecord) -> str | None:
+    """The profile the record names when it is not the message's, as text; None when it is the same or
+    names none. A profileId that does not read as an id (a list, a flag: another writer's) names some
+    other profile too, as it always has: the message is refused, not the record."""
+    if record.profile_id is not None:
+        return record.profile_id if record.profile_id != job.profile_id else None
+    stored = record.get("profileId")  # unreadable, or absent: the stored value says which
+    return str(stored) if stored and str(stored) != job.profile_id else None
+
+
+def refuse_recorded_failure(record: JobRecord | None, message: Message, max_failed_attempts: int) -> None:
     failed = recorded_failure(record, message, max_failed_attempts)
     if failed is not None:
         log.warning("job.already_failed", error_type=failed.error_type,
@@ -463,28 +474,30 @@ def refuse_recorded_failure(record: dict | None, message: Message, max_failed_at
         raise failed
 
 
-def recorded_failure(record: dict | None, message: Message,
+def recorded_failure(record: JobRecord | None, message: Message,
                      max_failed_attempts: int | None = None) -> AlreadyFailed | None:
     """The permanent failure this message already met (see the module docstring), or None.
 
     A retryable error that brought the job's failed attempts to ``max_failed_attempts`` counts as
     permanent: its message was dead-lettered by the attempt that recorded it.
     """
-    error = (record or {}).get("error") or {}
-    spent = (error.get("retryable") is True and max_failed_attempts is not None
+    error = record.error if record is not None else None
+    if record is None or error is None or record.status != ERROR:
+        return None
+    spent = (error.retryable is True and max_failed_attempts is not None
              and failed_attempts(record) >= max_failed_attempts)
-    if (record or {}).get("status") != ERROR or (error.get("retryable") is not False and not spent):
+    if error.retryable is not False and not spent:
         return None
-    if "deadLetter" in error or message.receive_count < 2:
+    if error.dead_lettered or message.receive_count < 2:
         return None
-    if error.get("messageId") != message.message_id:
+    if error.message_id != message.message_id:
         # Another message for the job (a resubmit), or an error no message met (recorded before any
         # claim): this message has not failed, so it is worked on.
         return None
-    return AlreadyFailed(str(error.get("type") or "PermanentError"), str(error.get("message") or ""))
+    return AlreadyFailed(error.type or "PermanentError", error.message or "")
 
 
-def refuse_malformed(store: Store, job: Job, record: dict | None, profile: dict | None) -> None:
+def refuse_malformed(store: Store, job: Job, record: JobRecord | None, profile: ProfileRecord | None) -> None:
     """Dead-letter, before any claim, a job whose records hold a field the worker decides on in a
     shape it never writes (``MalformedRecord``): no retry mends it, and read further in it would
     fail as an ``UnexpectedError``, retried until the DLQ.
@@ -493,7 +506,7 @@ def refuse_malformed(store: Store, job: Job, record: dict | None, profile: dict 
     write: the error write replaces a malformed lease, history or failedAttempts, but a record
     under a live lease elsewhere, final, or holding a time no store can encode, keeps what it holds.
     """
-    if isinstance(record, dict) and str(record.get("profileId") or job.profile_id) != job.profile_id:
+    if record is not None and another_profile(job, record) is not None:
         return  # a message naming another profile: InvalidMessage, just below, writing nothing
     problems = unworkable(record, profile)
     if not problems:
@@ -513,20 +526,20 @@ def refuse_malformed(store: Store, job: Job, record: dict | None, profile: dict 
 # --- the claim and its end
 
 
-def held(record: dict, message: Message, store_now: datetime | None) -> Acknowledged:
+def held(record: JobRecord | None, message: Message, store_now: datetime | None) -> Acknowledged:
     """Another worker holds a live lease on the job: is this delivery a duplicate, or its own message?"""
-    holder = record.get("lease") or {}
-    if holder.get("messageId") == message.message_id:
+    holder = record.lease if record is not None else None
+    if holder is not None and holder.message_id == message.message_id:
         # The holder's SQS lease on this very message lapsed, so SQS handed it to us. Deleting it
         # would leave the job with no message if the holder (which will stop) commits nothing.
         # Come back just after the holder's record lease ends, not after the generic backoff.
-        expires_at = holder.get("expiresAt")
+        expires_at = holder.expires_at
         # On the store's clock, which set expiresAt: this host's clock may be off.
         now = store_now or utc_now()
         wait_s = (expires_at - now).total_seconds() + 5 if expires_at else None
-        raise JobBusy(f"message is held by {holder.get('owner')} under an expired SQS lease; "
+        raise JobBusy(f"message is held by {holder.owner} under an expired SQS lease; "
                       "retrying once its record lease ends", retry_after_s=wait_s)
-    log.warning("job.duplicate_delivery", holder=holder.get("owner"),
+    log.warning("job.duplicate_delivery", holder=holder.owner if holder is not None else None,
                 note="another message for this job is being worked on; acknowledged without work")
     return Acknowledged.DUPLICATE
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from pipeline.workdir import attempt_dir_name
 from worker.voice.records.attempt import Attempt
+from worker.voice.records.models import JobRecord
 from worker.voice.records.rules import vouched_mirrors
 
 
@@ -20,7 +21,7 @@ class RecordLedger:
     """One attempt's view of the record: the other attempts' vouched mirrors as the claim read them,
     and its own vouches, each a fenced write."""
 
-    def __init__(self, attempt: Attempt, claimed: dict | None):
+    def __init__(self, attempt: Attempt, claimed: JobRecord | None):
         self._attempt = attempt
         # As the claim read them: an attempt before ours can write no more (its token is fenced out).
         self._vouched = {attempt_dir_name(number, token): items

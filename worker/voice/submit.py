@@ -23,6 +23,7 @@ import structlog
 from worker.core import tracing
 from worker.core.errors import InvalidMessage, QueueError, WorkerError
 from worker.core.queue import Queue
+from worker.voice.errors import IdempotencyMismatch
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.message import Job, parse_job
 from worker.voice.records import Store
@@ -32,15 +33,6 @@ log = structlog.get_logger(__name__)
 SUBMISSION_HASH = "submissionHash"
 # The ids a submit generates when the caller left them out: not part of what defines the job.
 _GENERATED = ("jobId", "idempotencyKey")
-
-
-class IdempotencyMismatch(WorkerError):
-    """An idempotency key already used for a submission with other fields."""
-
-    def __init__(self, job_id: str, key: str):
-        super().__init__(f"idempotencyKey {key!r} was used for job {job_id} with a different submission: "
-                         "nothing created or sent (use a new key for a new job)")
-        self.job_id, self.key = job_id, key
 
 
 def submission_hash(body: dict) -> str:
@@ -104,7 +96,9 @@ def submit_prepared(store: Store, sqs, queue_url: str,
     if not created and key is not None:
         # The stored hash was written with the record, so a concurrent submit that lost the race
         # to ours is judged on the body that won.
-        existing = store.get_job(job_id) or {}
+        found = store.get_job(job_id)
+        # Not a field of the typed record: the submit's own bookkeeping, kept in the stored document.
+        existing = found.document if found is not None else {}
         stored = existing.get(SUBMISSION_HASH)
         if stored is None:
             log.info("submit.idempotency_unverified", job_id=job_id,

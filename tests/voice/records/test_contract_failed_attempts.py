@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.voice.records.conftest import JOB_ID, LEASE_S, claim, submit
+from worker.voice.records.models import read_job
 from worker.voice.records.rules import failed_attempts
 
 
@@ -88,4 +89,4 @@ def test_the_reconciler_recording_the_dead_letter_starts_a_fresh_budget(store):
                                           ({"failedAttempts": 3}, 3)])
 def test_a_record_made_before_the_count_has_failed_no_attempt(record, count):
     """Records written before failedAttempts existed (or none at all) read as 0."""
-    assert failed_attempts(record) == count
+    assert failed_attempts(None if record is None else read_job(record)) == count

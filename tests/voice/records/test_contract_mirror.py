@@ -7,6 +7,7 @@ import pytest
 from tests.voice.records.conftest import JOB_ID, LEASE_S, claim, submit
 from worker.voice.mirror_ledger import RecordLedger
 from worker.voice.records.errors import StaleWrite
+from worker.voice.records.models import read_job
 from worker.voice.records.rules import MIRROR, usage, vouched_mirrors
 
 A = "a" * 32
@@ -61,7 +62,7 @@ def test_the_next_attempt_sees_what_earlier_ones_vouched_for_under_their_names(s
 ])
 def test_entries_of_any_other_shape_vouch_for_nothing(entry):
     """A history entry edited by hand, or written before attempt numbers, gives a restore nothing."""
-    assert vouched_mirrors({"history": [entry]}, B) == []
+    assert vouched_mirrors(read_job({"history": [entry]}), B) == []
 
 
 def test_the_reconciler_keeps_the_gpu_seconds_of_the_entries_it_trims(store, clock):

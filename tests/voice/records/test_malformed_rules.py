@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from worker.voice.records.models import read_job
 from worker.voice.records.rules import (
     close_attempt,
     committing,
@@ -44,7 +45,7 @@ def test_closing_an_attempt_drops_what_is_no_entry(history):
                                              (True, 0), (2, 2), (3.0, 3)])
 def test_a_failed_attempts_count_that_is_no_count_reads_as_none(count, expected):
     """Only a whole number counts; any other value reads as no failed attempts, to be written over."""
-    assert failed_attempts({"failedAttempts": count}) == expected
+    assert failed_attempts(read_job({"failedAttempts": count})) == expected
 
 
 def test_an_error_found_before_a_claim_replaces_the_malformed_fields():

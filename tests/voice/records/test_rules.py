@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.voice.records.conftest import MODEL_PATHS, S3_PATHS
+from worker.voice.records.models import JobRecord, ProfileRecord, read_job, read_profile
 from worker.voice.records.rules import (
     ARTIFACTS,
     CLAIMS_KEPT,
@@ -41,6 +42,11 @@ def done_profile(**changes):
     return {"status": "completed", "modelPaths": dict(MODEL_PATHS), "s3Paths": dict(S3_PATHS), **changes}
 
 
+def records(job: dict | None, profile: dict | None) -> tuple[JobRecord | None, ProfileRecord | None]:
+    """The documents as the stores' reads hand them to the rules: typed records."""
+    return (None if job is None else read_job(job)), (None if profile is None else read_profile(profile))
+
+
 @pytest.mark.parametrize("job,profile,expected", [
     (done_job(), done_profile(), True),
     (None, done_profile(), False),
@@ -55,7 +61,7 @@ def done_profile(**changes):
 ])
 def test_is_complete_truth_table(job, profile, expected):
     """Complete only when both records are completed and every artifact's local and S3 path is non-empty."""
-    assert is_complete(job, profile) is expected
+    assert is_complete(*records(job, profile)) is expected
 
 
 SIX = {**MODEL_PATHS, "vocoder": "/work/vocoder.pth"}, {**S3_PATHS, "vocoder": "s3://voices/vocoder.pth"}
@@ -79,7 +85,7 @@ SIX = {**MODEL_PATHS, "vocoder": "/work/vocoder.pth"}, {**S3_PATHS, "vocoder": "
 ])
 def test_is_complete_judges_the_set_the_job_committed(job, profile, expected):
     """Completion is judged against the artifact keys the job's commit recorded, not the current config's."""
-    assert is_complete(job, profile) is expected
+    assert is_complete(*records(job, profile)) is expected
 
 
 def test_the_commit_marker_records_the_committed_artifacts():

@@ -28,6 +28,7 @@ from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailu
 from worker.core.errors import ConfigError
 from worker.voice.records import recovery, rules
 from worker.voice.records.errors import StoreError
+from worker.voice.records.models import JobRecord, ProfileRecord, read_job, read_profile
 from worker.voice.records.store import Clock
 from worker.voice.records.store_config import MongoConfig
 from worker.voice.records.transitions import TransitionStore
@@ -273,15 +274,15 @@ class MongoStore(TransitionStore):
 
     # ------------------------------------------------------------ reads
 
-    def get_job(self, job_id: str) -> dict | None:
+    def get_job(self, job_id: str) -> JobRecord | None:
         with translated("get_job"):
             raw = self._jobs.find_one({"_id": db_id(job_id)})
-        return None if raw is None else from_bson(raw)
+        return None if raw is None else read_job(from_bson(raw))
 
-    def get_profile(self, profile_id: str) -> dict | None:
+    def get_profile(self, profile_id: str) -> ProfileRecord | None:
         with translated("get_profile"):
             raw = self._profiles.find_one({"_id": db_id(profile_id)})
-        return None if raw is None else from_bson(raw)
+        return None if raw is None else read_profile(from_bson(raw))
 
     def list_jobs(self, status: str | None = None, since: datetime | None = None,
                   limit: int = 50) -> list[dict]:

@@ -3,8 +3,12 @@
 Each store decides with the same small functions here (is this job claimable? does this token hold
 it? what does the record look like after a claim?) and enforces the same conditions again inside its
 own atomic conditional write, so the two implementations cannot drift apart in what they allow.
-Records are plain dicts with DESIGN.md's camelCase field names, ``_id`` as ``str`` and timezone-aware
-UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores return identical records.
+Stored documents are plain dicts with DESIGN.md's camelCase field names, ``_id`` as ``str`` and
+timezone-aware UTC datetimes truncated to milliseconds (what MongoDB keeps), so both stores hold
+identical records. The fences and the changes a swap makes work on those documents, so a write keeps
+every field it does not change, whoever stored it; what the worker decides from a record it read
+(complete? failed how often? what did it cost? which mirrors are vouched for?) is decided on the
+typed records of ``worker.voice.records.models``.
 """
 
 from __future__ import annotations
@@ -14,15 +18,20 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
-from pipeline.config import ARTIFACT_KEY, REQUIRED_ARTIFACTS
+from pipeline.config import REQUIRED_ARTIFACTS
 from worker.core.errors import InvalidMessage
-from worker.core.names import is_sha256_hex
 from worker.core.redact import redact_text
-
-PENDING, PROCESSING, COMPLETED, ERROR, CANCELLED = (
-    "pending", "processing", "completed", "error", "cancelled")
-# A job whose trained models fell below the quality gate: final, nothing committed (mark_refused).
-REFUSED = "refused"
+from worker.voice.records.models import (
+    CANCELLED,
+    COMPLETED,
+    ERROR,
+    PENDING,
+    PROCESSING,
+    REFUSED,
+    JobRecord,
+    ProfileRecord,
+    read_job,
+)
 
 
 class ClaimOutcome(StrEnum):
@@ -82,41 +91,31 @@ def to_ms(moment: datetime) -> datetime:
     return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
 
 
-def committed_artifacts(job: dict | None) -> tuple[str, ...]:
+def committed_artifacts(job: JobRecord | None) -> tuple[str, ...]:
     """The artifact keys the job's commit wrote (its record's ``artifacts``); ``REQUIRED_ARTIFACTS`` for a
     job committed before records kept them, and for a value another writer left that is no list of names."""
-    keys = (job or {}).get(ARTIFACTS)
-    if (isinstance(keys, list) and keys
-            and all(isinstance(key, str) and ARTIFACT_KEY.fullmatch(key) for key in keys)):
-        return tuple(keys)
-    return REQUIRED_ARTIFACTS
+    return (job.artifacts if job is not None else None) or REQUIRED_ARTIFACTS
 
 
-def is_complete(job: dict | None, profile: dict | None) -> bool:
+def is_complete(job: JobRecord | None, profile: ProfileRecord | None) -> bool:
     """Both records status 'completed' and the profile holds a non-empty ``modelPaths`` and ``s3Paths``
     entry for every artifact the job committed (``committed_artifacts``): not the current config's set,
     which may have grown since."""
-    if not job or not profile:
+    if job is None or profile is None:
         return False
-    if job.get("status") != COMPLETED or profile.get("status") != COMPLETED:
+    if job.status != COMPLETED or profile.status != COMPLETED:
         return False
-    for field in ("modelPaths", "s3Paths"):
-        paths = profile.get(field) or {}
-        if not all(isinstance(paths.get(key), str) and paths.get(key) for key in committed_artifacts(job)):
-            return False
-    return True
+    keys = committed_artifacts(job)
+    return all(paths.get(key) for paths in (profile.model_paths, profile.s3_paths) for key in keys)
 
 
 
 # ---------------------------------------------------------------- decisions (pure)
 
-def failed_attempts(job: dict | None) -> int:
+def failed_attempts(job: JobRecord | None) -> int:
     """The job's attempts that ended in a recorded retryable failure (0 on records made before the count,
     and on a count another writer left that is no count: the error written over it replaces it)."""
-    count = (job or {}).get(FAILED_ATTEMPTS)
-    if isinstance(count, int | float) and not isinstance(count, bool) and 0 <= count < 2**31:
-        return int(count)
-    return 0
+    return (job.failed_attempts if job is not None else None) or 0
 
 
 def lease_live(job: dict, now: datetime) -> bool:
@@ -193,7 +192,7 @@ def with_history(job: dict, history: list[dict]) -> dict:
     dropped, kept = history[:-HISTORY_LIMIT], history[-HISTORY_LIMIT:]
     if not dropped:
         return {**job, "history": kept}
-    earlier = usage({"history": dropped})
+    earlier = usage(read_job({"history": dropped}))
     return {
         **job,
         EARLIER_GPU_SECONDS: _seconds(job.get(EARLIER_GPU_SECONDS)) + earlier["gpuSeconds"],
@@ -224,19 +223,9 @@ def claimed(job: dict, *, owner: str, token: str, lease_s: float, now: datetime,
     }
 
 
-def usage(job: dict | None) -> dict[str, float]:
-    """GPU-seconds of the job's attempts: in all, and of those that ended without committing (wasted;
-    an attempt still running is neither yet), with the attempt count."""
-    job = job or {}
-    total = _seconds(job.get(EARLIER_GPU_SECONDS))
-    wasted = _seconds(job.get(EARLIER_WASTED_GPU_SECONDS))
-    for entry in job.get("history") or []:
-        seconds = _seconds(entry.get(GPU_SECONDS))
-        total += seconds
-        if entry.get("outcome") not in ("completed", "running"):
-            wasted += seconds
-    return {"attempts": int(job.get("attempts") or 0), "gpuSeconds": round(total, 3),
-            "wastedGpuSeconds": round(wasted, 3)}
+def usage(job: JobRecord | None) -> dict[str, float]:
+    """GPU-seconds of the job's attempts, in all and wasted, with the attempt count (``JobRecord.usage``)."""
+    return job.usage() if job is not None else {"attempts": 0, "gpuSeconds": 0.0, "wastedGpuSeconds": 0.0}
 
 
 def _seconds(value: object) -> float:
@@ -281,22 +270,16 @@ def with_note(job: dict, token: str, stage: str, text: str) -> dict:
     return {**job, "history": [*history[:-1], entry]}
 
 
-def vouched_mirrors(job: dict | None, own_token: str) -> list[tuple[int, str, dict[str, str]]]:
+def vouched_mirrors(job: JobRecord | None, own_token: str) -> list[tuple[int, str, dict[str, str]]]:
     """(attempt number, claim token, {item: sha256}) of every other attempt in the record that vouched
     for a mirror, newest first. Entries of any other shape (a record edited by hand, written before
-    attempt numbers) vouch for nothing."""
+    attempt numbers) vouch for nothing: the model reads their number as None and their mirror as empty."""
     found = []
-    for entry in (job or {}).get("history") or []:
-        if not isinstance(entry, dict):
+    for entry in job.history if job is not None else ():
+        if (entry is None or entry.attempt is None or entry.token is None or entry.token == own_token
+                or not _HEX_TOKEN.fullmatch(entry.token) or not entry.mirror):
             continue
-        number, token, mirror = entry.get("attempt"), entry.get("token"), entry.get(MIRROR)
-        if (type(number) is not int or number < 1 or not isinstance(token, str) or token == own_token
-                or not _HEX_TOKEN.fullmatch(token) or not isinstance(mirror, dict)):
-            continue
-        items = {item: digest for item, digest in mirror.items()
-                 if isinstance(item, str) and is_sha256_hex(digest)}
-        if items:
-            found.append((number, token, items))
+        found.append((entry.attempt, entry.token, dict(entry.mirror)))
     return sorted(found, key=lambda found_entry: found_entry[0], reverse=True)
 
 
@@ -325,7 +308,7 @@ def errored(job: dict, *, token: str | None, error_type: str, message: str, retr
         error["messageId"] = job["lease"]["messageId"]
     # Only an attempt's own retryable failure spends the retry budget: an error found outside any
     # attempt (no token) did not run the job, and a permanent one is dead-lettered anyway.
-    failed = failed_attempts(job) + (1 if token is not None and retryable else 0)
+    failed = failed_attempts(read_job(job)) + (1 if token is not None and retryable else 0)
     return {**job, "status": ERROR, "error": error, "lease": None, "history": history,
             FAILED_ATTEMPTS: failed}
 

@@ -22,6 +22,7 @@ import structlog
 from worker.core.errors import ConfigError
 from worker.voice.records import recovery, rules
 from worker.voice.records.errors import StoreError
+from worker.voice.records.models import JobRecord, ProfileRecord, read_job, read_profile
 from worker.voice.records.store import Clock
 from worker.voice.records.transitions import TransitionStore
 
@@ -203,13 +204,15 @@ class SqliteStore(TransitionStore):
 
     # ------------------------------------------------------------ reads
 
-    def get_job(self, job_id: str) -> dict | None:
+    def get_job(self, job_id: str) -> JobRecord | None:
         with self._guarded("get_job") as conn:
-            return self._read(conn, "jobs", job_id)
+            doc = self._read(conn, "jobs", job_id)
+        return None if doc is None else read_job(doc)
 
-    def get_profile(self, profile_id: str) -> dict | None:
+    def get_profile(self, profile_id: str) -> ProfileRecord | None:
         with self._guarded("get_profile") as conn:
-            return self._read(conn, "profiles", profile_id)
+            doc = self._read(conn, "profiles", profile_id)
+        return None if doc is None else read_profile(doc)
 
     def list_jobs(self, status: str | None = None, since: datetime | None = None,
                   limit: int = 50) -> list[dict]:

@@ -1,4 +1,9 @@
-"""The records store's one narrow interface: domain operations, each fenced, on the store's clock."""
+"""The records store's one narrow interface: domain operations, each fenced, on the store's clock.
+
+Reads of one record hand back the typed records of ``worker.voice.records.models`` (read tolerantly:
+never an error for what a field holds, its problems on the record); writes take plain values and
+documents, and change only the fields they name.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Any
 
 from worker.voice.records import rules
 from worker.voice.records.attempt import Attempt
+from worker.voice.records.models import JobRecord, ProfileRecord
 
 Clock = Callable[[], datetime]
 
@@ -17,7 +23,7 @@ Clock = Callable[[], datetime]
 @dataclass(frozen=True)
 class Claim:
     outcome: rules.ClaimOutcome
-    job: dict | None
+    job: JobRecord | None
     cancel_requested: bool = False
     attempt: Attempt | None = None  # set when the outcome is CLAIMED
     # The store's clock when it decided: a HELD job's lease end is judged on it, never on ours.
@@ -41,10 +47,12 @@ class Store(ABC):
         return (self.now() - (local or rules.utc_now)()).total_seconds()
 
     @abstractmethod
-    def get_job(self, job_id: str) -> dict | None: ...
+    def get_job(self, job_id: str) -> JobRecord | None:
+        """The job's record, read tolerantly (``models.read_job``); None when there is none."""
 
     @abstractmethod
-    def get_profile(self, profile_id: str) -> dict | None: ...
+    def get_profile(self, profile_id: str) -> ProfileRecord | None:
+        """The profile's record, read tolerantly (``models.read_profile``); None when there is none."""
 
     @abstractmethod
     def claim(self, job_id: str, *, owner: str, token: str, lease_s: float,

@@ -2,7 +2,7 @@
 
 A backend (SQLite, MongoDB) supplies only those, its clock, its queries and ``submit``:
 
-    get_job / get_profile       read one record
+    get_job / get_profile       read one record (typed: ``models.read_job`` / ``read_profile``)
     _now                        the store's clock
     _swap_job(op, id, allowed, change)
     _swap_profile(op, id, allowed, change)
@@ -31,6 +31,7 @@ import structlog
 from worker.voice.records import recovery, rules
 from worker.voice.records.attempt import Attempt
 from worker.voice.records.errors import StaleWrite, StoreError
+from worker.voice.records.models import read_job
 from worker.voice.records.store import Claim, Store
 
 log = structlog.get_logger(__name__)
@@ -101,12 +102,12 @@ class TransitionStore(Store):
         cancel = bool(job.get("cancelRequested"))
         now = decided_at[-1]
         if not changed:
-            return Claim(rules.claim_refusal(job, now) or rules.ClaimOutcome.HELD, job, cancel, now=now)
+            return Claim(rules.claim_refusal(job, now) or rules.ClaimOutcome.HELD, read_job(job), cancel, now=now)
         profile_id = str(job["profileId"]) if job.get("profileId") else None
         if profile_id is not None:
             self._stamp_profile(job_id, profile_id, token, epoch=int(job["attempts"]))
-        return Claim(rules.ClaimOutcome.CLAIMED, job, cancel, Attempt(self, job_id, profile_id, token, lease_s),
-                     now=now)
+        return Claim(rules.ClaimOutcome.CLAIMED, read_job(job), cancel,
+                     Attempt(self, job_id, profile_id, token, lease_s), now=now)
 
     def _stamp_profile(self, job_id: str, profile_id: str, token: str, *, epoch: int) -> None:
         """Set this claim's entry on the profile, unless a newer claim of the job (higher epoch) is there."""
