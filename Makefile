@@ -62,10 +62,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/job.py
 
 # The real trainers (trainers/, their own virtualenv; not part of `make test`): a voice actually cloned
-# on this CPU. Both build trainers/.venv on first use.
+# on this CPU, then the trainers' own tests (the scorers' discrimination, fine-tuning from a base, the
+# device rule). Both build trainers/.venv on first use.
 .PHONY: test-real demo-real
 test-real: $(STAMP) $(TRAINER_STAMP)
 	$(BIN)/python -m pytest -q tests/real
+	cd trainers && .venv/bin/python -m pytest -q tests
 
 demo-real: $(STAMP) $(TRAINER_STAMP)
 	$(BIN)/python -m worker demo --real

@@ -28,10 +28,11 @@ def test_the_default_collection_skips_the_real_tests(pytestconfig):
 
 
 def test_test_real_builds_the_trainer_environment_then_runs_the_real_tests():
-    """`make test-real` depends on the trainer virtualenv and runs pytest on tests/real with the worker's interpreter."""
+    """`make test-real` depends on the trainer virtualenv, runs pytest on tests/real with the worker's interpreter,
+    then the trainers' own tests with theirs."""
     prerequisites, recipe = _recipe("test-real")
     assert "$(TRAINER_STAMP)" in prerequisites.split() and "$(STAMP)" in prerequisites.split()
-    assert recipe == ["$(BIN)/python -m pytest -q tests/real"]
+    assert recipe == ["$(BIN)/python -m pytest -q tests/real", "cd trainers && .venv/bin/python -m pytest -q tests"]
 
 
 def test_demo_real_builds_the_trainer_environment_then_runs_the_second_act():

@@ -169,6 +169,7 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
             artifacts=config.artifact_keys,
             quality=config.quality,
             refused_environments=stand_in_refusals(config.stand_in, settings.allow_stand_in_trainer),
+            base_model=config.base_model.identity.as_record() if config.base_model is not None else None,
         )
         return VoiceJobHandler(
             handler_config,

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ HEARTBEAT_MS = 2000
 # Torch's intra-op threads: the machine's two cores.
 TORCH_THREADS = "2"
 LOG_TAIL_LINES = 40
+# A job in one of these states stays in it: waiting for another would wait for nothing.
+FINAL_STATUSES = frozenset({"completed", "refused", "cancelled"})
 CHECKER_TIMEOUT_S = 600
 
 
@@ -74,11 +77,12 @@ class RealJob:
         return sorted(self.work_dir.glob(f"attempts/*/checkpoints/{stage}/{pattern}"))
 
 
-def make_real_stack(endpoint: str, root: Path, pipeline: Path = REAL_PIPELINE) -> Stack:
-    """A fresh stack whose workers run ``pipeline`` in the trainers' ci profile (the demo's copy of it:
-    the shipped file trains the production profile)."""
+def make_real_stack(endpoint: str, root: Path, pipeline: Path = REAL_PIPELINE, *, gate: dict | None = None) -> Stack:
+    """A fresh stack whose workers run ``pipeline`` in the trainers' ci profile on the CPU (the demo's
+    copy of it: the shipped file trains the production profile on a GPU); ``gate`` replaces its
+    ``[quality.gate]`` (``{}``: report only; None: the file's own)."""
     root.mkdir(parents=True, exist_ok=True)
-    ci = pipeline_with_profile(pipeline, CI_PROFILE, root / "pipeline.ci.toml")
+    ci = pipeline_with_profile(pipeline, CI_PROFILE, root / "pipeline.ci.toml", device="cpu", gate=gate)
     load_pipeline_config(ci, trainer_python=str(trainer_python()))
     # make_stack checks the config it is given without TRAINER_PYTHON: it gets a stand-in, checked above.
     stack = make_stack(endpoint, root, quick_pipeline())
@@ -143,20 +147,25 @@ def diagnosis(job: RealJob, *workers: WorkerProcess) -> str:
     return "\n".join(parts)
 
 
-def wait_for_commit(job: RealJob, worker: WorkerProcess, timeout_s: float, *others: WorkerProcess) -> None:
-    """Until the job is completed and the worker has deleted its message; AssertionError with the logs
-    as soon as the worker dies, the job fails for good, or ``timeout_s`` passes."""
+def wait_for_commit(job: RealJob, worker: WorkerProcess, timeout_s: float, *others: WorkerProcess,
+                    status: str = "completed") -> None:
+    """Until the job has ``status`` (completed: committed) and the worker has deleted its message;
+    AssertionError with the logs as soon as the worker dies, the job ends otherwise, or ``timeout_s`` passes."""
 
-    def committed() -> bool:
+    def ended() -> bool:
         record = job.record()
+        if record.get("status") == status and "message.deleted" in worker.event_names():
+            return True
         error = record.get("error") or {}
-        if not worker.running() or (error and not error.get("retryable")):
-            raise AssertionError(f"the job cannot complete (worker running: {worker.running()})\n"
-                                 + diagnosis(job, worker, *others))
-        return record.get("status") == "completed" and "message.deleted" in worker.event_names()
+        ended_otherwise = record.get("status") in FINAL_STATUSES - {status}
+        if not worker.running() or ended_otherwise or (error and not error.get("retryable")
+                                                        and record.get("status") != status):
+            raise AssertionError(f"the job cannot end {status} (worker running: {worker.running()}, "
+                                 f"status {record.get('status')!r})\n" + diagnosis(job, worker, *others))
+        return False
 
     try:
-        wait_until(committed, timeout_s, f"job {job.job_id} to be committed", interval_s=1.0)
+        wait_until(ended, timeout_s, f"job {job.job_id} to end {status}", interval_s=1.0)
     except AssertionError as exc:
         if "timed out" in str(exc):
             raise AssertionError(f"{exc}\n{diagnosis(job, worker, *others)}") from None
@@ -279,3 +288,17 @@ def kill_after_first_checkpoint(job: RealJob, first: WorkerProcess, second: Work
     second.start()
     wait_for_commit(job, second, timeout_s, first)
     return KillOutcome(job, first, second, [p.name for p in found], stage_processes, verified)
+
+
+def worker_status(stack: Stack, job_id: str, *, as_json: bool = False) -> str:
+    """What `python -m worker status JOB_ID [--json]` prints for the stack's records (exit 0 asserted)."""
+    argv = [sys.executable, "-m", "worker", "status", job_id, *(["--json"] if as_json else [])]
+    proc = subprocess.run(argv, cwd=REPO, env=stack.env(LOG_FORMAT="console"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def unwrapped(text: str) -> str:
+    """``text`` with every run of whitespace one space: a wrapped line reads as it was before wrapping."""
+    return " ".join(text.split())

@@ -46,7 +46,8 @@ def speak(text: str, path: Path, voice: str = ESPEAK_VOICE, words_per_minute: in
     return path
 
 
-def speech_clips(directory: Path, count: int = len(SENTENCES)) -> list[tuple[Path, str]]:
-    """``count`` clips ``clip-NN.wav`` in ``directory``, each with the sentence it speaks."""
+def speech_clips(directory: Path, count: int = len(SENTENCES), voice: str = ESPEAK_VOICE) -> list[tuple[Path, str]]:
+    """``count`` clips ``clip-NN.wav`` in ``directory``, each with the sentence it speaks, in espeak-ng's ``voice``."""
     directory.mkdir(parents=True, exist_ok=True)
-    return [(speak(text, directory / f"clip-{n:02d}.wav"), text) for n, text in enumerate(SENTENCES[:count])]
+    return [(speak(text, directory / f"clip-{n:02d}.wav", voice=voice), text)
+            for n, text in enumerate(SENTENCES[:count])]

@@ -38,7 +38,9 @@ from tests.real.harness import (
     requested_steps,
     s3_problems,
     submit_speech_job,
+    unwrapped,
     wait_for_commit,
+    worker_status,
 )
 from tests.real.speech import speech_clips
 from worker.ops.demo import CI_PROFILE
@@ -65,7 +67,7 @@ def clips(tmp_path_factory):
 def committed(moto_server, tmp_path_factory, clips):
     """One job run start to finish by one worker."""
     root = tmp_path_factory.mktemp("clean")
-    stack = make_real_stack(moto_server, root)
+    stack = make_real_stack(moto_server, root, gate={})  # report only, whatever the shipped file's gate
     job = submit_speech_job(stack, clips)
     worker = real_worker(stack, root, "clean")
     try:
@@ -95,13 +97,40 @@ def test_the_job_commits_five_non_empty_artifacts_to_s3(committed):
 
 
 def test_each_stage_ran_once_in_the_ci_profile(committed):
-    """embed, train_full and train_light each ran once, in the ci profile, and exited 0."""
-    for stage in ("embed", "train_full", "train_light"):
+    """embed, train_full, train_light and evaluate each ran once, in the ci profile, and exited 0."""
+    for stage in ("embed", "train_full", "train_light", "evaluate"):
         logs = committed.stage_logs(stage)
         assert len(logs) == 1, (stage, logs)
         text = logs[0].read_text()
         assert f"profile {PROFILE}," in text, text[-2000:]
         assert f"stage {stage} exited with code 0\n" in text, text[-2000:]
+
+
+def test_the_scores_land_on_the_records_and_in_status(committed):
+    """The evaluate stage's scores of both models and of the recordings are on the job and the profile, the
+    report-only gate decided nothing, and `status` shows them: a line per model as text, the stored
+    document with --json."""
+    record, profile = committed.record(), committed.profile()
+    quality = record.get("quality")
+    assert isinstance(quality, dict), record
+    assert profile.get("quality") == quality
+    assert quality["gate"]["applied"] is False and quality["gate"]["failed"] == []
+    assert quality["report"].endswith("eval/quality.json")
+    assert sorted(quality["models"]) == ["full", "light"] and quality["reference"] is not None
+    for figures in [*quality["models"].values(), quality["reference"]]:
+        assert -1.0 <= figures["speakerSimilarity"] <= 1.0, figures
+        assert isinstance(figures["sanity"]["ok"], bool)
+        assert figures["dnsmos"] is None or 1.0 <= figures["dnsmos"]["ovrl"] <= 5.0, figures
+    # The recordings are the speaker: they sound more like themselves than the six-step models do.
+    assert quality["reference"]["speakerSimilarity"] > max(m["speakerSimilarity"] for m in quality["models"].values())
+
+    text = unwrapped(worker_status(committed.stack, committed.job_id))
+    for name, figures in quality["models"].items():
+        assert f"{name}: similarity {figures['speakerSimilarity']:.2f} " in text, text
+    assert f"reference (the recordings): similarity {quality['reference']['speakerSimilarity']:.2f} " in text
+    assert "gate: none configured (report only)" in text
+    shown = json.loads(worker_status(committed.stack, committed.job_id, as_json=True))
+    assert shown["job"]["quality"] == quality
 
 
 def test_full_model_reloads_into_the_vits_its_config_describes(report):
@@ -147,6 +176,17 @@ def test_the_second_act_clones_the_shipped_clips_and_writes_a_wav_of_the_cloned_
     assert spoken, proc.stdout[-2000:]
     wav = Path(spoken.group(1))
     try:
+        # Beside the WAV, the scores the evaluate stage wrote, as the demo's job read them: a block per model.
+        [report] = wav.parent.glob("work/**/eval/quality.json")
+        scores = json.loads(report.read_text())
+        after = proc.stdout[spoken.end():]
+        for name in ("full", "light"):
+            model = scores["models"][name]
+            block = re.search(rf"^  {name} model\n((?:    .*\n?)+)", after, re.M)
+            assert block, after
+            assert f"speaker similarity  {model['speaker_similarity']:.2f}\n" in block.group(1), block.group(1)
+            if model["dnsmos"] is not None:
+                assert f"DNSMOS overall      {model['dnsmos']['ovrl']:.2f}\n" in block.group(1), block.group(1)
         with wave.open(str(wav), "rb") as audio:
             assert audio.getnframes() > 0 and audio.getnchannels() == 1
             assert audio.getframerate() == json.loads(next(wav.parent.glob("work/.models/**/model.onnx.json")

@@ -12,19 +12,30 @@ from pipeline.config import load_pipeline_config
 
 REAL = Path(__file__).resolve().parents[2] / "config" / "pipeline.real.toml"
 PLACEHOLDERS = {"{dataset_dir}": "/w/job/dataset", "{output_dir}": "/w/job/output",
-                "{checkpoint_dir}": "/w/job/checkpoints/s", "{language}": "pt-BR"}
+                "{checkpoint_dir}": "/w/job/checkpoints/s", "{language}": "pt-BR", "{device}": "cuda"}
 
 
-def test_the_real_pipeline_runs_the_three_trainer_stages():
-    """embed, train_full, train_light through {trainer_python} -m voice_trainers, 65 permanent, the five artifacts."""
+def test_the_real_pipeline_runs_the_four_trainer_stages():
+    """embed, train_full, train_light, evaluate through {trainer_python} -m voice_trainers, 65 permanent, the five
+    artifacts and the evaluation report the [quality] table names."""
     config = load_pipeline_config(REAL, trainer_python=sys.executable)
-    assert [s.name for s in config.stages] == ["embed", "train_full", "train_light"]
-    for stage, mode in zip(config.stages, ["embed", "full", "light"], strict=True):
+    assert [s.name for s in config.stages] == ["embed", "train_full", "train_light", "evaluate"]
+    assert config.quality is not None and config.quality.report == "eval/quality.json"
+    for stage, mode in zip(config.stages, ["embed", "full", "light", "evaluate"], strict=True):
         assert list(stage.argv[:4]) == ["{trainer_python}", "-m", "voice_trainers", mode]
         assert list(stage.permanent_exit_codes) == [65]
     outputs = [o for s in config.stages for o in s.outputs]
-    assert sorted(outputs) == ["full/config.json", "full/model.pth", "full/speakers.pth", "light/model.onnx",
-                               "light/model.onnx.json"]
+    assert sorted(outputs) == ["eval/quality.json", "full/config.json", "full/model.pth", "full/speakers.pth",
+                               "light/model.onnx", "light/model.onnx.json"]
+
+
+def test_the_gpu_stages_declare_cuda_and_pass_it_to_the_trainer():
+    """embed and train_full declare device cuda and take --device {device}: never a silent CPU run."""
+    stages = {s.name: s for s in load_pipeline_config(REAL, trainer_python=sys.executable).stages}
+    for name in ("embed", "train_full"):
+        assert stages[name].device == "cuda"
+        argv = list(stages[name].argv)
+        assert argv[argv.index("--device") + 1] == "{device}"
 
 
 def test_only_train_full_resumes_and_takes_the_checkpoint_signal():

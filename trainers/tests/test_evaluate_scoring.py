@@ -20,7 +20,6 @@ import soundfile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_dataset import SENTENCES, make_dataset  # noqa: E402
-
 from voice_trainers.dataset import load_clips  # noqa: E402
 from voice_trainers.evaluate import split_reference  # noqa: E402
 from voice_trainers.scoring import Scorers, Utterance  # noqa: E402
@@ -215,7 +214,6 @@ def test_the_numpy_features_are_librosas_and_dnsmos_is_speechmoss():
     mel spectrograms for Resemblyzer's and DNSMOS's settings, and the same DNSMOS as speechmos's ``run``."""
     import librosa
     from speechmos import dnsmos as speechmos_dnsmos
-
     from voice_trainers.scoring.dnsmos import Dnsmos
     from voice_trainers.scoring.features import melspectrogram, power_to_db
 

@@ -18,7 +18,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_dataset import make_dataset  # noqa: E402
-
 from voice_trainers.dataset import read_metadata  # noqa: E402
 from voice_trainers.evaluate import SENTENCES_PER_PROFILE  # noqa: E402
 from voice_trainers.sentences import held_out  # noqa: E402

@@ -30,6 +30,7 @@ from worker.voice.errors import IdempotencyMismatch
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.records import Store
 from worker.voice.records.rules import (
+    BASE_MODEL,
     CANCELLED,
     COMPLETED,
     ERROR,
@@ -218,6 +219,16 @@ LABEL = 10  # "  label      value": values start in column 13
 VALUE_INDENT = " " * (LABEL + 3)
 
 
+def base_model_lines(base: dict) -> list[str]:
+    """The base model the job's stages started from: its name, then the digest and licence (anyone able
+    to write the record chose these strings: each is one line of printable text)."""
+    def part(key: str) -> str:
+        value = base.get(key)
+        return one_line(value) if isinstance(value, str) and value else "?"
+
+    return fitted("base", part("name"), f"licence {part('licence')}", part("digest"))
+
+
 def fitted(label: str, text: str, *tails: str) -> list[str]:
     """``  label      text``, then each of ``tails`` on the same line while it fits in WIDTH, else on
     a line of its own under the value."""
@@ -292,6 +303,8 @@ def render_status(status: JobStatus) -> str:
         lines += fitted("error", "?")
     if isinstance(job.document, dict) and QUALITY in job.document:
         lines += quality_lines(job.document[QUALITY])
+    if isinstance(job.document, dict) and isinstance(base := job.document.get(BASE_MODEL), dict):
+        lines += base_model_lines(base)
     for number, h in enumerate(job.history, 1):
         if h is None:
             lines += fitted(f"attempt {number}", "?")

@@ -10,13 +10,15 @@ The demo keeps the job's work files (KEEP_WORK_FILES), so the local files it lis
 ``--real`` (``make demo-real``) is the second act: the same job with the real trainers
 (config/pipeline.real.toml, run by the trainer virtualenv's interpreter, TRAINER_PYTHON), which clone
 the voice of the shipped clips; then piper-tts speaks a sentence with the cloned light model into a
-WAV file next to the run, and the demo prints its path so a person can listen to it.
+WAV file next to the run, and the demo prints its path so a person can listen to it, with the
+scores the evaluate stage gave each model (the job record's ``quality``) beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
 import ssl
 import subprocess
@@ -181,11 +183,15 @@ def local_stack_env(endpoint: str, queue_url: str, state_dir: Path, mongo_uri: s
     }
 
 
-def pipeline_with_profile(source: Path, profile: str, dest: Path) -> Path:
+def pipeline_with_profile(source: Path, profile: str, dest: Path, *, device: str | None = None,
+                          gate: dict | None = None) -> Path:
     """``source`` with every stage's ``--profile`` value replaced by ``profile``, written to ``dest``.
 
-    The copy is the shipped file in every other respect; a stage without a ``--profile`` argument is
-    a ValueError, so a change to the shipped file cannot silently leave a stage in production.
+    The copy is the shipped file in every other respect (every table: the artifacts, the stages, the
+    quality report and its gate, a pinned base model), except that a ``device`` given replaces every
+    stage's declared device (the CPU copy of a GPU pipeline), and a ``gate`` given replaces the
+    ``[quality.gate]`` table (``{}`` removes it: report only). A stage without a ``--profile`` argument
+    is a ValueError, so a change to the shipped file cannot silently leave a stage in production.
     """
     data = tomllib.loads(source.read_text(encoding="utf-8"))
     for stage in data["stages"]:
@@ -193,32 +199,54 @@ def pipeline_with_profile(source: Path, profile: str, dest: Path) -> Path:
         if argv.count("--profile") != 1 or argv.index("--profile") == len(argv) - 1:
             raise ValueError(f"{source}: stage {stage.get('name')!r} has no single --profile argument")
         argv[argv.index("--profile") + 1] = profile
-    lines = ["# " + f"{source.name} with --profile {profile} (written by worker.ops.demo)", "", "[artifacts]"]
-    lines += [f"{key} = {_toml(value)}" for key, value in data["artifacts"].items()]
-    for stage in data["stages"]:
-        lines += ["", "[[stages]]", *[f"{key} = {_toml(value)}" for key, value in stage.items()]]
+        if device is not None and "device" in stage:
+            stage["device"] = device
+    if gate is not None and "quality" in data:
+        data["quality"].pop("gate", None)
+        if gate:
+            data["quality"]["gate"] = dict(gate)
+    lines = ["# " + f"{source.name} with --profile {profile} (written by worker.ops.demo)"]
+    for table, value in data.items():
+        if isinstance(value, list):  # an array of tables: [[stages]]
+            for item in value:
+                lines += ["", f"[[{table}]]", *_toml_table(item, table, lines_only=True)]
+        else:
+            lines += _toml_table(value, table)
     dest.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return dest
 
 
+def _toml_table(table: dict, name: str, *, lines_only: bool = False) -> list[str]:
+    """A table's ``key = value`` lines, its sub-tables after them as ``[name.sub]`` (TOML's order)."""
+    plain = [f"{key} = {_toml(value)}" for key, value in table.items() if not isinstance(value, dict)]
+    lines = plain if lines_only else ["", f"[{name}]", *plain]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines += _toml_table(value, f"{name}.{key}")
+    return lines
+
+
 def _toml(value) -> str:
     """A TOML value for the pipeline config's types: strings (JSON's escapes are TOML's), integers,
-    booleans and arrays of them."""
+    floats, booleans, arrays of them and inline tables (a base model's files)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
+    if isinstance(value, int | float):
+        return repr(value)
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"no TOML form for {type(value).__name__} in a pipeline config")
 
 
 def demo_settings(endpoint: str, queue_url: str, run_dir: Path, real: bool = False,
                   mongo_uri: str | None = None) -> Settings:
     trainers = {} if not real else {
-        "PIPELINE_CONFIG": str(pipeline_with_profile(REAL_PIPELINE, CI_PROFILE, run_dir / "pipeline.real.ci.toml")),
+        "PIPELINE_CONFIG": str(pipeline_with_profile(REAL_PIPELINE, CI_PROFILE, run_dir / "pipeline.real.ci.toml",
+                                                     device="cpu", gate={})),
         "TRAINER_PYTHON": str(TRAINER_PYTHON)}
     return load_settings({**local_stack_env(endpoint, queue_url, run_dir, mongo_uri),
                           "SQS_WAIT_TIME_SECONDS": "1", "LOG_LEVEL": "WARNING", "WORKER_ID": "demo-worker",
@@ -330,8 +358,11 @@ def run_demo(out=None, real: bool = False, store: str = "sqlite") -> int:
         finally:
             app.close()
     if real and code == 0:
-        return speak_cloned_voice(out, dict(profile.model_paths) if profile is not None else {},
-                                  run_dir / "cloned-voice.wav")
+        spoken = speak_cloned_voice(out, dict(profile.model_paths) if profile is not None else {},
+                                    run_dir / "cloned-voice.wav")
+        quality = job.document.get("quality") if job is not None else None
+        print("\n".join(score_lines(quality)), file=out, flush=True)
+        return spoken
     return code
 
 
@@ -346,6 +377,46 @@ def speak_cloned_voice(out, model_paths: dict, wav: Path, sentence: str = REAL_S
         return 1
     print(f"\nthe cloned light model says {sentence!r}; listen to it:\n  {wav}", file=out, flush=True)
     return 0
+
+
+def score_lines(quality) -> list[str]:
+    """The job's evaluation (its record's ``quality``: the evaluate stage's eval/quality.json as the worker
+    read it) as the second act prints it beside the WAV: a short block per model, and the recordings'
+    own scores, the bar a model is measured against."""
+    models = quality.get("models") if isinstance(quality, dict) else None
+    if not isinstance(models, dict) or not models:
+        return ["\nno scores: the job record has no quality report"]
+    gate: dict = quality["gate"] if isinstance(quality.get("gate"), dict) else {}
+    decided = ("none configured, report only" if gate.get("applied") is False else "passed" if gate.get("passed")
+               else "below the bar: " + "; ".join(map(str, gate.get("failed") or ["?"])))
+    lines = [f"\nthe models' scores (the evaluate stage's {quality.get('report', 'report')}; gate: {decided}):"]
+    blocks = [(f"{name} model", figures) for name, figures in models.items()]
+    if isinstance(quality.get("reference"), dict):
+        blocks.append(("reference (the recordings themselves)", quality["reference"]))
+    for title, figures in blocks:
+        figures = figures if isinstance(figures, dict) else {}
+        dnsmos: dict = figures["dnsmos"] if isinstance(figures.get("dnsmos"), dict) else {}
+        sanity: dict = figures["sanity"] if isinstance(figures.get("sanity"), dict) else {}
+        cer = _score(figures.get("cer"))
+        if figures.get("cer") is None and figures.get("asrUnavailable"):
+            cer += f" (no ASR: {str(figures['asrUnavailable'])[:60]})"
+        sane = "?" if not isinstance(sanity.get("ok"), bool) else "ok" if sanity["ok"] else (
+            "NOT ok: " + "; ".join(map(str, sanity.get("problems") or []))[:100])
+        lines += [f"  {title}",
+                  f"    speaker similarity  {_score(figures.get('speakerSimilarity'))}",
+                  f"    CER                 {cer}",
+                  f"    DNSMOS overall      {_score(dnsmos.get('ovrl'))}",
+                  f"    sanity              {sane}"]
+    return lines
+
+
+def _score(value) -> str:
+    """Two decimals, ``-`` for none, ``?`` for what is no number."""
+    if value is None:
+        return "-"
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:.2f}"
+    return "?"
 
 
 def _summary(out, job_id, job: JobRecord | None, profile: ProfileRecord | None, stages, total_s, s3) -> int:

@@ -11,6 +11,7 @@ refuses cancel requests), then, each step only after the previous one succeeded:
     3 write local and S3 paths            (fenced on the profile claim; local = the published files)
    3b write the quality figures           (fenced on the profile claim; only with a [quality] report,
                                            which the handler's gate passed before step 1)
+   3c name the base model                 (fenced on the profile claim; only with a pinned [base_model])
     4 mark the profile completed          (fenced on the profile claim)
     5 mark the job completed              (fenced on the job lease: the commit marker, with the artifact
                                            keys it committed, which is_complete judges the job against)
@@ -108,7 +109,8 @@ class Commit:
             return None  # a models directory that escapes MODELS_ROOT fails in persist, recorded
 
     def persist(self, job: Job, attempt: Attempt, paths: dict[str, Path], attempt_dir: Path, lease: Lease,
-                store_lease: StoreLease, *, quality: dict | None = None) -> Committed:
+                store_lease: StoreLease, *, quality: dict | None = None,
+                base_model: Mapping[str, str] | None = None) -> Committed:
         """Commit steps 1-5 for the artifact files ``paths`` (the attempt's outputs, or ``reusable``'s)."""
         # Past this point only a lost lease stops us: a cancel or shutdown now would strand half a commit.
         lease.stop.raise_if_set()
@@ -133,7 +135,7 @@ class Commit:
         claim = _ClaimProof(lease, store_lease)
         written: list[str] = []
         try:
-            return self._steps(job, attempt, paths, base_dir, rels, models_dir, claim, written, quality)
+            return self._steps(job, attempt, paths, base_dir, rels, models_dir, claim, written, quality, base_model)
         except (LeaseLost, StaleWrite):
             self._remove_stale_uploads(job, written)
             raise
@@ -143,7 +145,8 @@ class Commit:
             raise
 
     def _steps(self, job: Job, attempt: Attempt, paths: dict[str, Path], base_dir: Path, rels: dict[str, str],
-               models_dir: Path, claim: _ClaimProof, written: list[str], quality: dict | None) -> Committed:
+               models_dir: Path, claim: _ClaimProof, written: list[str], quality: dict | None,
+               base_model: Mapping[str, str] | None) -> Committed:
         # The uploader names each file by its path under base_dir; the key takes the artifact's own
         # relative path (a published file's path under MODELS_ROOT starts with its digest).
         sources = {name: Path(paths[name]).relative_to(base_dir).as_posix() for name in paths}
@@ -174,6 +177,9 @@ class Commit:
         claim.check()
         if quality is not None:
             attempt.write_profile_quality(quality)                               # 3b
+            claim.check()
+        if base_model is not None:
+            attempt.write_profile_base_model(dict(base_model))                   # 3c
             claim.check()
         attempt.complete_profile()                                               # 4
         self._crash("after_profile_completed")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -137,6 +137,9 @@ class HandlerConfig:
     # The environments whose jobs this worker refuses (StandInRefused) before any download: staging and
     # production when the pipeline is the reference stand-in and ALLOW_STAND_IN_TRAINER is false.
     refused_environments: frozenset[str] = frozenset()
+    # The pipeline's pinned base model ({name, digest, licence}), named on every job and on the profile
+    # its models are committed to, so a product team knows what each voice was derived from.
+    base_model: Mapping[str, str] | None = None
 
 
 class Acknowledged(StrEnum):
@@ -235,11 +238,14 @@ class VoiceJobHandler:
             attempt_dir = attempt_dir_for(work_dir_for(self.config.work_root, job), claimed.number,
                                           claimed.attempt.token)
             self._refuse_stand_in(job)  # before any download
+            if self.config.base_model is not None:
+                claimed.attempt.record_base_model(dict(self.config.base_model))
             paths = self._artifacts(claimed, attempt_dir, lease.stop)
             self._evaluate(claimed, attempt_dir)  # the gate: below a bar, QualityBelowBar, nothing uploaded
             with tracing.span("commit"):
                 committed = self._commit.persist(job, claimed.attempt, paths, attempt_dir, lease,
-                                                 claimed.store_lease, quality=claimed.quality or None)
+                                                 claimed.store_lease, quality=claimed.quality or None,
+                                                 base_model=self.config.base_model)
         except Exception as exc:
             return self._settle.ended_short(claimed, exc)
         finally:

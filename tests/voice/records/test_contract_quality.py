@@ -8,7 +8,7 @@ import pytest
 
 from tests.voice.records.conftest import JOB_ID, LEASE_S, PROFILE_ID, claim, submit
 from worker.voice.records.errors import StaleWrite
-from worker.voice.records.rules import QUALITY, REFUSED, ClaimOutcome, failed_attempts, usage
+from worker.voice.records.rules import BASE_MODEL, QUALITY, REFUSED, ClaimOutcome, failed_attempts, usage
 
 A = "a" * 32
 B = "b" * 32
@@ -86,3 +86,23 @@ def test_the_profile_takes_the_figures_only_under_the_jobs_claim(store, clock):
     with pytest.raises(StaleWrite):
         store.write_profile_quality(PROFILE_ID, A, {"models": {}}, job_id=JOB_ID)
     assert store.get_profile(PROFILE_ID)[QUALITY] == FIGURES
+
+
+BASE = {"name": "espeak-base", "digest": "sha256:" + "c" * 64, "licence": "Apache-2.0"}
+
+
+def test_the_base_model_is_named_on_the_job_and_the_profile_only_under_the_claim(store, clock):
+    """The job and the profile name the base model (name, digest, licence); an attempt that lost the job names none."""
+    submit(store)
+    claim(store, A)
+    store.record_base_model(JOB_ID, A, BASE)
+    store.write_profile_base_model(PROFILE_ID, A, BASE, job_id=JOB_ID)
+    assert store.get_job(JOB_ID)[BASE_MODEL] == BASE and store.get_profile(PROFILE_ID)[BASE_MODEL] == BASE
+    clock.advance(LEASE_S + 1)
+    claim(store, B)
+    other = {**BASE, "name": "planted"}
+    with pytest.raises(StaleWrite):
+        store.record_base_model(JOB_ID, A, other)
+    with pytest.raises(StaleWrite):
+        store.write_profile_base_model(PROFILE_ID, A, other, job_id=JOB_ID)
+    assert store.get_job(JOB_ID)[BASE_MODEL] == BASE and store.get_profile(PROFILE_ID)[BASE_MODEL] == BASE

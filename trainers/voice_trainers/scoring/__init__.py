@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from voice_trainers.scoring.audio import Utterance, sanity
 from voice_trainers.scoring.asr import Recogniser, error_rates
+from voice_trainers.scoring.audio import Utterance, sanity
 from voice_trainers.scoring.dnsmos import Dnsmos
 from voice_trainers.scoring.similarity import SpeakerEncoder, mean_cosine
 

@@ -81,6 +81,10 @@ class FencedWrites(Protocol):
     def mark_refused(self, job_id: str, token: str, *, error_type: str, message: str, failed: Sequence[str],
                      quality: dict | None = None, gpu_seconds: float | None = None) -> None: ...
 
+    def record_base_model(self, job_id: str, token: str, base_model: dict) -> None: ...
+
+    def write_profile_base_model(self, profile_id: str, token: str, base_model: dict, *, job_id: str) -> None: ...
+
     def write_profile_quality(self, profile_id: str, token: str, quality: dict, *, job_id: str) -> None: ...
 
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
@@ -138,6 +142,13 @@ class Attempt:
         """End the job ``refused`` (final; below the quality gate): nothing of it is committed."""
         self.store.mark_refused(self.job_id, self.token, error_type=error_type, message=message, failed=failed,
                                 quality=quality, gpu_seconds=self.trainer_clock.seconds())
+
+    def record_base_model(self, base_model: dict) -> None:
+        """Name on the job record the base model this attempt's stages start from."""
+        self.store.record_base_model(self.job_id, self.token, base_model)
+
+    def write_profile_base_model(self, base_model: dict) -> None:
+        self.store.write_profile_base_model(self._profile(), self.token, base_model, job_id=self.job_id)
 
     def write_profile_quality(self, quality: dict) -> None:
         self.store.write_profile_quality(self._profile(), self.token, quality, job_id=self.job_id)

@@ -76,6 +76,8 @@ NOTES, NOTES_KEPT, NOTE_MAX_CHARS = "notes", 10, 500
 # The evaluation's figures (worker.voice.quality builds them): on the job record (with_quality, fenced
 # on the attempt's token; kept by a refusal) and on the profile at the commit.
 QUALITY = "quality"
+# The base model a job's stages started from (pipeline.base_model.BaseModelIdentity.as_record()).
+BASE_MODEL = "baseModel"
 _HEX_TOKEN = re.compile(r"[0-9a-f]{8,64}")
 
 

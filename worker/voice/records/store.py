@@ -85,6 +85,14 @@ class Store(ABC):
         """The job ends ``refused`` (``rules.refused``: final, nothing committed), fenced on the token."""
 
     @abstractmethod
+    def record_base_model(self, job_id: str, token: str, base_model: dict) -> None:
+        """Name on the job the base model its stages start from (``BASE_MODEL``), fenced on the token."""
+
+    @abstractmethod
+    def write_profile_base_model(self, profile_id: str, token: str, base_model: dict, *, job_id: str) -> None:
+        """Name on the profile the base its committed models were derived from; fenced as ``write_paths``."""
+
+    @abstractmethod
     def write_profile_quality(self, profile_id: str, token: str, quality: dict, *, job_id: str) -> None:
         """Set the profile's ``quality`` (the committed models' figures); fenced as ``write_paths``."""
 

@@ -158,6 +158,14 @@ class TransitionStore(Store):
                                                       error_type=error_type, message=message, failed=failed,
                                                       quality=quality))
 
+    def record_base_model(self, job_id: str, token: str, base_model: dict) -> None:
+        self._fenced_job("record_base_model", job_id, token,
+                         lambda j, _now: {**j, rules.BASE_MODEL: dict(base_model)})
+
+    def write_profile_base_model(self, profile_id: str, token: str, base_model: dict, *, job_id: str) -> None:
+        self._fenced_profile("write_profile_base_model", profile_id, job_id, token,
+                             {rules.BASE_MODEL: dict(base_model)})
+
     def write_profile_quality(self, profile_id: str, token: str, quality: dict, *, job_id: str) -> None:
         self._fenced_profile("write_profile_quality", profile_id, job_id, token, {rules.QUALITY: dict(quality)})
 
