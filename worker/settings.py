@@ -515,13 +515,7 @@ def _queue_time_problems(s: Settings) -> list[str]:
 
 def models_root_problem(work_root: str, models_root: str) -> str | None:
     """Why MODELS_ROOT could meet a job's work directory (whose cleanup would remove models), or None."""
-    work, models = Path(os.path.abspath(work_root)), Path(os.path.abspath(models_root))
-    if models == work or work in models.parents and re.fullmatch(SAFE_NAME, models.relative_to(work).parts[0]):
-        return (f"MODELS_ROOT={models_root} must not be WORK_ROOT or a directory below it that an "
-                "environment name could take (use a name starting with a dot, or a path outside WORK_ROOT)")
-    if models in work.parents:
-        return f"MODELS_ROOT={models_root} must not hold WORK_ROOT={work_root}"
-    return None
+    return below_work_root_problem("MODELS_ROOT", work_root, models_root)
 
 
 def below_work_root_problem(name: str, work_root: str, path: str) -> str | None:

@@ -57,3 +57,11 @@ def test_each_stage_argv_parses_in_the_trainer():
         args = parse_args(argv)
         assert args.profile == "production" and args.language == "pt-BR"
         assert str(args.out).startswith("/w/job/output/")
+
+
+def test_the_production_pipeline_holds_every_model_to_the_measured_bars():
+    """The shipped real pipeline gates both models on similarity, CER, DNSMOS and sanity: below a bar, no commit."""
+    gate = load_pipeline_config(REAL, trainer_python=sys.executable).quality.gate
+    assert gate is not None
+    assert (gate.min_speaker_similarity, gate.max_cer, gate.min_dnsmos_ovrl, gate.require_sanity) == (
+        0.75, 0.75, 2.3, True)
