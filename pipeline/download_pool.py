@@ -26,6 +26,7 @@ What the step promises is what the one-at-a-time loop promised, whatever the tim
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -123,7 +124,10 @@ class DownloadPool:
         if not self._items:
             self._stop.raise_if_set()
             return self.sizes
-        threads = [threading.Thread(target=self._work, name=f"download-{n}", daemon=True)
+        # Each thread in a copy of this one's context: the job's log fields (job_id, message_id) stay
+        # on every download line.
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(self._work,),
+                                    name=f"download-{n}", daemon=True)
                    for n in range(self._threads)]
         with self._cond:
             self._running = len(threads)

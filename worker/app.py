@@ -24,6 +24,7 @@ from worker.core.metrics import Metrics
 from worker.core.queue import Queue
 from worker.core.reporting import Reporter
 from worker.settings import Settings, daemon_targets
+from worker.voice.message import log_fields as message_log_fields
 from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
 
@@ -191,7 +192,8 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
                     crash_points=crash_points, metrics=metrics,
-                    activity=pulse.announcing(task_protection(settings.ecs_agent_uri)))
+                    activity=pulse.announcing(task_protection(settings.ecs_agent_uri)),
+                    log_fields=message_log_fields)
     spot_watch = None
     if settings.spot_interruption_check_s > 0:
         def reclaimed() -> None:  # as SIGTERM does (worker.core.daemon): systemd hears it at once

@@ -34,7 +34,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -185,8 +185,12 @@ class Worker:
         clock: Callable[[], float] = time.monotonic,
         wait: Callable[[threading.Event, float], object] = threading.Event.wait,
         activity: Activity | None = None,
+        log_fields: Callable[[Message], Mapping[str, object]] | None = None,
     ):
         self._config = config
+        # What the handler can tell of a message before it parses it (the voice job: its jobId), bound
+        # to every log line of the message from its receipt to its delete; never trusted beyond logs.
+        self._log_fields = log_fields
         self._clock, self._wait = clock, wait  # the heartbeat's; tests pass a FakeClock
         self._rng = rng  # the backoff's jitter; tests pass a seeded one
         self._metrics = metrics or NULL_METRICS
@@ -248,9 +252,9 @@ class Worker:
             self._alive()
         if message is None:
             return None
-        structlog.contextvars.bind_contextvars(
-            message_id=message.message_id, receive_count=message.receive_count
-        )
+        fields = {**self._handler_log_fields(message), "message_id": message.message_id,
+                  "receive_count": message.receive_count}
+        structlog.contextvars.bind_contextvars(**fields)
         try:
             if not self._receiving():
                 # Arrived while we were stopping or draining: hand it straight back.
@@ -259,7 +263,15 @@ class Worker:
                 return RELEASE
             return self._process(message)
         finally:
-            structlog.contextvars.unbind_contextvars("message_id", "receive_count")
+            structlog.contextvars.unbind_contextvars(*fields)
+
+    def _handler_log_fields(self, message: Message) -> dict[str, object]:
+        if self._log_fields is None:
+            return {}
+        try:
+            return dict(self._log_fields(message))
+        except Exception:  # noqa: BLE001 - a hint for the logs must never cost the message
+            return {}
 
     # --- one message
     def _process(self, message: Message) -> str:

@@ -205,7 +205,12 @@ class VoiceJobHandler:
             log.warning("job.invalid_message", named_job_id=job_id_hint(message.body),
                         note="dead-lettered with its own reason; no job record changed")
             raise
-        structlog.contextvars.bind_contextvars(job_id=job.job_id)
+        # Bound for the job's lines, and restored after (the loop may have bound the same hint already,
+        # for its own lines up to the message's delete).
+        with structlog.contextvars.bound_contextvars(job_id=job.job_id):
+            return self._traced(job, message, lease)
+
+    def _traced(self, job: Job, message: Message, lease: Lease) -> str:
         try:
             # The submitter's trace goes on here (worker.core.tracing; nothing while tracing is off).
             span_attributes: dict[str, str | int] = {"job.id": job.job_id, "messaging.message.id": message.message_id,
@@ -218,8 +223,6 @@ class VoiceJobHandler:
             # The adapter boundary for everything the job touches: a bug or an unforeseen library
             # error is retried (and reported), not a crash of the whole worker.
             raise unexpected(exc) from exc
-        finally:
-            structlog.contextvars.unbind_contextvars("job_id")
 
     def _handle(self, job: Job, message: Message, lease: Lease) -> str:
         """The life of a job, once its message parsed: completion check -> claim -> train -> commit."""

@@ -44,6 +44,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError, PydanticKnownError
 
 from pipeline.errors import BadRecording
 from pipeline.recording_url import RecordingUrl, parse_recording_url
+from worker.core.broker import Message
 from worker.core.errors import InvalidMessage
 from worker.core.names import SAFE_NAME
 from worker.core.redact import MAX_SHOWN_CHARS, show
@@ -414,6 +415,13 @@ def parse_job(body: str | bytes, policy: InputPolicy = SHAPE_ONLY) -> Job:
     except ValidationError as exc:
         raise InvalidMessage(_problem_lines(exc)) from None
     return Job.from_message(message, raw)
+
+
+def log_fields(message: Message) -> dict[str, str]:
+    """``job_id`` for every log line of a message, from its receipt on (``Worker(log_fields=)``): the
+    body's jobId when it is a safe name, else nothing. Never raises."""
+    hint = job_id_hint(message.body)
+    return {"job_id": hint} if hint else {}
 
 
 def job_id_hint(body: str | bytes) -> str | None:
