@@ -43,7 +43,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline.base_model import BaseModelFile, BaseModelSpec
 from pipeline.errors import HostUnfit
-from pipeline.files import OutputRefused, open_regular
+from pipeline.files import OutputRefused, fsync_dir, open_regular, sha256_and_size_of
 
 log = structlog.get_logger(__name__)
 
@@ -199,7 +199,7 @@ class BaseModelCache:
                                             "it again") from None
             with os.fdopen(fd, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
-                digest = _sha256(handle) if size == file.size else None
+                digest = sha256_and_size_of(handle)[0] if size == file.size else None
             if size != file.size or digest != file.sha256:
                 raise HostUnfit(CHECK_NAME, f"cached {entry / file.path} does not match the config "
                                             f"(size or sha256); remove {entry} to fetch it again")
@@ -245,7 +245,7 @@ class BaseModelCache:
                 _fetch_file(source, file, temp)
             _seal(temp)
             os.rename(temp, entry)
-            _fsync_dir(self.root)
+            fsync_dir(self.root, strict=True)
         except BaseException as exc:
             _remove_tree(temp)
             if isinstance(exc, OSError):
@@ -288,19 +288,11 @@ def _seal(temp: Path) -> None:
             os.chmod(os.path.join(current, name), 0o444)
         for name in dirs:
             path = os.path.join(current, name)
-            _fsync_dir(Path(path))
+            fsync_dir(Path(path), strict=True)
             os.chmod(path, 0o555)
-    _fsync_dir(temp)
+    fsync_dir(temp, strict=True)
     # The entry's own directory stays writable by its owner until it is renamed (a directory's rename
     # to a new parent needs it); it holds no file a stage could change in place.
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_tree(path: Path) -> None:
@@ -315,10 +307,3 @@ def _remove_tree(path: Path) -> None:
                 with contextlib.suppress(OSError):
                     os.chmod(child, 0o700)
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _sha256(handle) -> str:
-    digest = hashlib.sha256()
-    while chunk := handle.read(_CHUNK):
-        digest.update(chunk)
-    return digest.hexdigest()

@@ -61,7 +61,14 @@ from typing import Any, Protocol
 import structlog
 
 from pipeline.config import MANIFEST_DIR_NAME, StageSpec
-from pipeline.files import OutputRefused, open_real_dir, open_regular, output_parts, real_directory
+from pipeline.files import (
+    OutputRefused,
+    open_real_dir,
+    open_regular,
+    output_parts,
+    real_directory,
+    sha256_and_size_of,
+)
 from pipeline.manifest import TEMP_MARKER, atomic_write_at, manifest_from_bytes, manifest_path, replaced_at
 from pipeline.reuse import attempt_order, remove_tree
 from worker.core.names import is_sha256_hex
@@ -218,7 +225,7 @@ class RemoteWork:
                 if cached is not None and cached[0] == before:
                     digest = cached[1]
                 else:
-                    digest, _size = _sha256(handle)
+                    digest, _size = sha256_and_size_of(handle)
                     if _identity(os.fstat(handle.fileno())) != before:
                         complete = False  # being written: the next round takes it
                         continue
@@ -597,14 +604,6 @@ def _write_in_real_dir(root: Path, directory: str, name: str, data: bytes) -> No
 
 def _identity(st: os.stat_result) -> tuple:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _sha256(handle) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    while chunk := handle.read(_CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
-    return digest.hexdigest(), size
 
 
 def _empty(directory: Path) -> None:

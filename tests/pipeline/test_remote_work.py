@@ -169,14 +169,14 @@ def test_a_file_that_changes_while_it_is_mirrored_keeps_the_last_whole_set(s3, t
     ours = mirror(s3, "1-aaaa")
     ours.push_checkpoints("train_full", source)
     write(source, {"model.pt": b"m2", "step.json": b"2"})
-    real = remote_work_module._sha256
+    real = remote_work_module.sha256_and_size_of
 
     def busy_writer(handle):
         digest = real(handle)
         os.utime(handle.fileno(), ns=(1, 1))  # the trainer touched it while it was read
         return digest
 
-    monkeypatch.setattr(remote_work_module, "_sha256", busy_writer)
+    monkeypatch.setattr(remote_work_module, "sha256_and_size_of", busy_writer)
     ours.push_checkpoints("train_full", source)
     monkeypatch.undo()
     restored = tmp_path / "restored"
