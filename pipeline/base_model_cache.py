@@ -44,6 +44,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from pipeline.base_model import BaseModelFile, BaseModelSpec
 from pipeline.errors import HostUnfit
 from pipeline.files import OutputRefused, fsync_dir, open_regular, sha256_and_size_of
+from worker.core.aws import aws_error_text
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +85,7 @@ class S3Source:
         try:
             response = self._s3.get_object(Bucket=self._bucket, Key=key)
         except (ClientError, BotoCoreError) as exc:
-            raise HostUnfit(CHECK_NAME, f"s3://{self._bucket}/{key}: {_aws_text(exc)}") from None
+            raise HostUnfit(CHECK_NAME, f"s3://{self._bucket}/{key}: {aws_error_text(exc)}") from None
         body = response["Body"]
         try:
             length = response.get("ContentLength")
@@ -138,13 +139,6 @@ def source_for(spec: BaseModelSpec, s3: Any | None) -> Source:
             raise HostUnfit(CHECK_NAME, f"{spec.location}: no S3 client to fetch it with")
         return S3Source(s3, spec.location)
     return LocalSource(spec.location)
-
-
-def _aws_text(exc: Exception) -> str:
-    if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        return f"{error.get('Code')}: {error.get('Message')}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 # ---------------------------------------------------------------- the cache

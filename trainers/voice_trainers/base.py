@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from voice_trainers.checkpoints import atomic_write
+from voice_trainers.coqui import DISCRIMINATOR_PREFIX
 from voice_trainers.dataset import SAMPLE_RATE_HZ, UnusableData
 from voice_trainers.device import HostUnfit
 
 BASE_MODEL_NAME = "model.pth"
 BASE_CONFIG_NAME = "config.json"
-DISCRIMINATOR_PREFIX = "disc."
 TEXT_EMBEDDING = "text_encoder.emb.weight"
 # The config fields a fine-tune takes from its base: whatever decides the token ids, the features and the
 # tensors' shapes. The rest (batch, clip lengths, the phoneme cache, the espeak voice of the job's
@@ -41,7 +41,6 @@ BASE_FIELDS = ("model_args", "audio", "characters", "text_cleaner", "use_phoneme
 # Speaker and language conditioning need a speaker or language file of the base; the stage trains one speaker.
 _CONDITIONING = ("use_speaker_embedding", "use_d_vector_file", "use_language_embedding", "use_speaker_encoder_as_loss")
 NAMED = 3
-_HASH_CHUNK = 1 << 20
 
 
 class UnfitBase(UnusableData):
@@ -58,11 +57,8 @@ class Base:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def base_identity(directory: Path) -> str:

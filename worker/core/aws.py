@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import NoRegionError
+from botocore.exceptions import ClientError, NoRegionError
 
 from worker.core.core_config import AwsConfig
 from worker.core.errors import ConfigError
@@ -82,3 +82,11 @@ def make_client(service: str, aws: AwsConfig, session: boto3.session.Session | N
                               endpoint_url=aws.endpoint_url)
     except NoRegionError:
         raise ConfigError(NO_REGION) from None
+
+
+def aws_error_text(exc: Exception) -> str:
+    """One line for an AWS call that failed: the service's error code and message, else the exception."""
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        return f"{error.get('Code')}: {error.get('Message')}"
+    return f"{type(exc).__name__}: {exc}"

@@ -26,7 +26,7 @@ from worker.core.logs import scrub
 from worker.core.redact import strip_control
 from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.settings import Settings
-from worker.voice.errors import IdempotencyMismatch
+from worker.voice.errors import QUALITY_BAR_PREFIX, IdempotencyMismatch
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
 from worker.voice.records import Store
 from worker.voice.records.rules import (
@@ -333,12 +333,8 @@ def render_status(status: JobStatus) -> str:
     return "\n".join(lines)
 
 
-# How a QualityBelowBar's message begins (worker.voice.errors): `jobs` leaves it out for room.
-QUALITY_BAR_PREFIX = "below the quality bar: "
-
-
-def _score(value: Any) -> str:
-    """A score as `status` shows it: two decimals, ``-`` for none (null), ``?`` for what is no number."""
+def score_text(value: Any) -> str:
+    """A score as `status` (and the demo) shows it: two decimals, ``-`` for none (null), ``?`` for what is no number."""
     if value is None:
         return "-"
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
@@ -351,13 +347,13 @@ def _model_quality(figures: Any) -> str:
         return "?"
     dnsmos, sanity = figures.get("dnsmos"), figures.get("sanity")
     ovrl = dnsmos.get("ovrl") if isinstance(dnsmos, dict) else None if dnsmos is None else "?"
-    cer = _score(figures.get("cer"))
+    cer = score_text(figures.get("cer"))
     if figures.get("cer") is None and figures.get("asrUnavailable"):
         cer = f"- ({one_line(figures['asrUnavailable'])[:40]})"
     sane = "?" if not isinstance(sanity, dict) or not isinstance(sanity.get("ok"), bool) else (
         "ok" if sanity["ok"] else "NOT ok")
-    return (f"similarity {_score(figures.get('speakerSimilarity'))}  CER {cer}  "
-            f"DNSMOS {_score(ovrl)}  sanity {sane}")
+    return (f"similarity {score_text(figures.get('speakerSimilarity'))}  CER {cer}  "
+            f"DNSMOS {score_text(ovrl)}  sanity {sane}")
 
 
 def quality_lines(value: Any) -> list[str]:

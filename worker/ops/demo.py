@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import socket
 import ssl
 import subprocess
@@ -383,6 +382,7 @@ def score_lines(quality) -> list[str]:
     """The job's evaluation (its record's ``quality``: the evaluate stage's eval/quality.json as the worker
     read it) as the second act prints it beside the WAV: a short block per model, and the recordings'
     own scores, the bar a model is measured against."""
+    from worker.ops.commands import score_text  # status's own rendering of a score
     models = quality.get("models") if isinstance(quality, dict) else None
     if not isinstance(models, dict) or not models:
         return ["\nno scores: the job record has no quality report"]
@@ -397,26 +397,17 @@ def score_lines(quality) -> list[str]:
         figures = figures if isinstance(figures, dict) else {}
         dnsmos: dict = figures["dnsmos"] if isinstance(figures.get("dnsmos"), dict) else {}
         sanity: dict = figures["sanity"] if isinstance(figures.get("sanity"), dict) else {}
-        cer = _score(figures.get("cer"))
+        cer = score_text(figures.get("cer"))
         if figures.get("cer") is None and figures.get("asrUnavailable"):
             cer += f" (no ASR: {str(figures['asrUnavailable'])[:60]})"
         sane = "?" if not isinstance(sanity.get("ok"), bool) else "ok" if sanity["ok"] else (
             "NOT ok: " + "; ".join(map(str, sanity.get("problems") or []))[:100])
         lines += [f"  {title}",
-                  f"    speaker similarity  {_score(figures.get('speakerSimilarity'))}",
+                  f"    speaker similarity  {score_text(figures.get('speakerSimilarity'))}",
                   f"    CER                 {cer}",
-                  f"    DNSMOS overall      {_score(dnsmos.get('ovrl'))}",
+                  f"    DNSMOS overall      {score_text(dnsmos.get('ovrl'))}",
                   f"    sanity              {sane}"]
     return lines
-
-
-def _score(value) -> str:
-    """Two decimals, ``-`` for none, ``?`` for what is no number."""
-    if value is None:
-        return "-"
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return f"{value:.2f}"
-    return "?"
 
 
 def _summary(out, job_id, job: JobRecord | None, profile: ProfileRecord | None, stages, total_s, s3) -> int:

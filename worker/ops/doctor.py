@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from worker.core.aws import aws_error_text
 from worker.core.errors import WorkerError
 from worker.core.queue import Queue
 from worker.core.redact import redact_url
@@ -23,13 +24,6 @@ class Check:
     ok: bool
     detail: str
     warn_only: bool = False  # a finding that is not ok is a WARN, and leaves the exit code at 0
-
-
-def _aws_text(exc: Exception) -> str:
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        return f"{err.get('Code')}: {err.get('Message')}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def queue_checks(settings: Settings, attrs: dict, dlq_attrs: dict | None) -> list[Check]:
@@ -76,7 +70,7 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
         who = sts.get_caller_identity()
         checks.append(Check("credentials", True, f"account {who.get('Account')} as {who.get('Arn')}"))
     except (ClientError, BotoCoreError) as exc:
-        checks.append(Check("credentials", False, _aws_text(exc)))
+        checks.append(Check("credentials", False, aws_error_text(exc)))
 
     attrs = None
     queue = Queue(sqs, targets.queue_url)
@@ -101,7 +95,7 @@ def run_checks(settings: Settings, *, sqs, s3, sts, open_store: Callable, load_p
         s3.delete_object(Bucket=targets.bucket, Key=key)
         checks.append(Check("bucket writable", True, f"s3://{targets.bucket}/{key} written and removed"))
     except (ClientError, BotoCoreError) as exc:
-        checks.append(Check("bucket writable", False, f"s3://{targets.bucket}: {_aws_text(exc)}"))
+        checks.append(Check("bucket writable", False, f"s3://{targets.bucket}: {aws_error_text(exc)}"))
 
     try:
         store = open_store(settings)

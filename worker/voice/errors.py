@@ -96,6 +96,10 @@ class StandInRefused(PermanentError):
     misconfiguration, dead-lettered (it should page) before any download."""
 
 
+# How a QualityBelowBar's message begins; ``status`` shows the failed bars without it.
+QUALITY_BAR_PREFIX = "below the quality bar: "
+
+
 class QualityBelowBar(WorkerError):
     """A trained model is below at least one bar of the quality gate: the job ends ``refused``.
 
@@ -107,4 +111,4 @@ class QualityBelowBar(WorkerError):
 
     def __init__(self, failed: Sequence[str]):
         self.failed = list(failed)
-        super().__init__("below the quality bar: " + "; ".join(self.failed))
+        super().__init__(QUALITY_BAR_PREFIX + "; ".join(self.failed))

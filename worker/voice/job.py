@@ -82,6 +82,7 @@ from worker.voice.records.models import JobRecord, ProfileRecord
 from worker.voice.records.rules import (
     ERROR,
     ERROR_MESSAGE_MAX_CHARS,
+    FINAL_STATUSES,
     QUALITY,
     REQUIRED_ARTIFACTS,
     failed_attempts,
@@ -278,7 +279,7 @@ class VoiceJobHandler:
                                       lease_s=self.config.lease_s, message_id=message.message_id)
         if claim.outcome == ClaimOutcome.MISSING:
             raise UnknownJob(f"no job record {job.job_id} (yet)")
-        if claim.outcome in (ClaimOutcome.COMPLETED, ClaimOutcome.CANCELLED, ClaimOutcome.REFUSED):
+        if claim.outcome in FINAL_STATUSES:  # the claim names the final status it found
             log.info("job.nothing_to_do", status=claim.outcome)
             return Acknowledged(claim.outcome)
         if claim.outcome == ClaimOutcome.HELD:
