@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test check run clean
+.PHONY: demo test check run clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,12 @@ demo: $(STAMP)
 	$(BIN)/python -m worker demo
 
 # Lint and types first: they take seconds, and `make test` (what CI runs) then covers them too.
-test: $(STAMP) check
+test: $(STAMP) check browser
 	$(BIN)/python -m pytest -q -n 2
+
+# Debian's chromium for the web page's browser tests, installed on first use.
+browser:
+	scripts/install-browser.sh
 
 check: $(STAMP)
 	$(BIN)/ruff check .

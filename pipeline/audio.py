@@ -45,6 +45,8 @@ from pipeline.manifest import replaced_atomically
 
 TARGET_RATE_HZ = 22_050
 SILENCE_PEAK_DBFS = -60.0
+# What to_pcm16 rounds to +-32,767, the int16 limits it writes.
+FULL_SCALE = 32766.5 / 32767.0
 ALLOWED_FORMATS = frozenset({"WAV", "WAVEX", "FLAC", "OGG", "MP3"})
 MIN_RATE_HZ = 8_000
 MAX_RATE_HZ = 192_000
@@ -75,6 +77,14 @@ class Converted:
     channels: int
     frames_in: int
     frames_out: int
+    # Output samples at full scale: the input's own clipping, or resampling's overshoot past it (a
+    # full-scale input rings a few per cent over it), which 16 bits cannot hold. Counted and reported,
+    # never hidden: the trainers' data preparation leaves clipped clips out (docs/trainer.md).
+    full_scale_samples: int = 0
+
+    @property
+    def full_scale_fraction(self) -> float:
+        return self.full_scale_samples / self.frames_out if self.frames_out else 0.0
 
     @property
     def seconds(self) -> float:
@@ -120,7 +130,11 @@ def convert(path: Path, dest: Path, index: int, *, max_seconds: float, job_secon
         blocks = _checked_mono_blocks(audio, index, decoded, max_seconds=max_seconds,
                                       job_seconds_left=job_seconds_left, more_job_seconds=more_job_seconds,
                                       stop=stop)
-        frames_out = sum(write(block) for block in resample_blocks(blocks, rate_hz))
+        full_scale = 0
+        frames_out = 0
+        for block in resample_blocks(blocks, rate_hz):
+            full_scale += count_full_scale(block)
+            frames_out += write(block)
         if decoded.frames == 0:
             raise BadRecording(f"recording {index} is empty (no audio samples)")
         peak_dbfs = 20.0 * math.log10(decoded.peak) if decoded.peak > 0 else -math.inf
@@ -130,7 +144,7 @@ def convert(path: Path, dest: Path, index: int, *, max_seconds: float, job_secon
         if frames_out == 0:
             # A few frames at a high rate round to no output sample: an empty WAV is no utterance.
             raise BadRecording(f"recording {index} is empty (no audio samples at {TARGET_RATE_HZ} Hz)")
-    return Converted(rate_hz, channels, decoded.frames, frames_out)
+    return Converted(rate_hz, channels, decoded.frames, frames_out, full_scale)
 
 
 def resample_blocks(blocks: Iterable[np.ndarray], rate_hz: int) -> Iterator[np.ndarray]:
@@ -205,6 +219,11 @@ def _reading(index: int) -> Iterator[None]:
         raise BadRecording(f"recording {index} is not decodable audio ({_short(exc)})") from None
     except OSError as exc:
         raise DownloadError(f"recording {index}: downloaded file unreadable ({exc.strerror})") from exc
+
+
+def count_full_scale(samples: np.ndarray) -> int:
+    """Samples ``to_pcm16`` writes at its limits (+-32,767): at full scale, or clipped there."""
+    return int(np.count_nonzero(np.abs(samples) >= FULL_SCALE))
 
 
 def to_pcm16(samples: np.ndarray) -> np.ndarray:

@@ -49,7 +49,7 @@ MANIFEST_DIR_NAME = ".manifests"
 _STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _STAGE_KEYS = frozenset(
     {"name", "argv", "outputs", "resumable", "permanent_exit_codes", "timeout_seconds",
-     "checkpoint_signal", "device"}
+     "checkpoint_signal", "device", "weight"}
 )
 _TOP_KEYS = frozenset({"artifacts", "stages", "quality", "pipeline", "base_model"})
 # [quality]: where the evaluation stage writes its report, and the gate the worker holds it to.
@@ -74,6 +74,9 @@ class StageSpec:
     device: str | None = None
     # The base model's digest when the stage reads ``{base_model_dir}``: another base voids its manifests.
     base_digest: str | None = None
+    # ``weight``: the stage's share of a job's time, for the overall percent and the ETA that ``status``
+    # shows (``worker.voice.records.training``). Not in the fingerprint: it changes nothing a stage does.
+    weight: float = 1.0
 
     @property
     def fingerprint(self) -> str:
@@ -457,9 +460,13 @@ def _parse_stage_body(
     device = table.get("device")
     if device is not None and device not in DEVICES:
         problems.append(f"{label}: device must be one of {', '.join(sorted(DEVICES))}")
+    weight = table.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < 1e6:
+        problems.append(f"{label}: weight must be a number above 0 (a share of the job's time; default 1)")
     if len(problems) > before:
         return None
     return {
+        "weight": float(weight),
         "device": device,
         "argv": tuple(argv),
         "outputs": tuple(outputs),

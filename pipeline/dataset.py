@@ -203,6 +203,8 @@ def build_dataset(
                 notes.append(
                     f"{utterance_id(index)}: input {index}, {done.rate_hz} Hz, {done.channels} ch, "
                     f"{done.seconds:.3f} s -> {done.frames_out} samples at {TARGET_RATE_HZ} Hz"
+                    + (f", {done.full_scale_samples} at full scale ({100 * done.full_scale_fraction:.2f} %: clipped)"
+                       if done.full_scale_samples else "")
                 )
                 if on_converted is not None:
                     on_converted(index)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from pipeline.dataset import DatasetResult, build_dataset, dataset_is_complete
-from pipeline.errors import BadRecording, StageFailed
+from pipeline.errors import BadRecording, HostCondition, StageFailed
 from pipeline.limits import JobLimits
 from pipeline.manifest import atomic_write_bytes
 from worker.core.stop import StopSignal
@@ -127,8 +127,7 @@ def run_dataset_stage(
     ``child``: one started ahead for this ``dataset_dir`` (``prestart_dataset``), run or ended here;
     without one, a child is started now.
     """
-    from pipeline.stages import how_it_ended, tail_lines
-    from worker.core.redact import redact_text
+    from pipeline.stages import failure_message, how_it_ended, tail_lines
 
     metadata = dataset_dir / "metadata.csv"
     if dataset_is_complete(dataset_dir, [text for _, text in recordings]):
@@ -153,11 +152,11 @@ def run_dataset_stage(
     if code == EXIT_BAD_RECORDING and "bad_recording" in outcome:
         raise BadRecording(str(outcome["bad_recording"]))
     if code == EXIT_DISK_FULL:
-        raise StageFailed(f"the dataset step ran out of disk space (No space left on device) writing "
+        raise HostCondition(f"the dataset step ran out of disk space (No space left on device) writing "
                           f"{dataset_dir.name}/; see {log_path.name}")
     if code != 0 or "notes" not in outcome:
-        raise StageFailed(f"the dataset step {how_it_ended(code)}; last lines of {log_path.name}:\n"
-                          f"{redact_text(tail_lines(log_path))}")
+        raise StageFailed(failure_message(f"the dataset step {how_it_ended(code)}", log_path.name,
+                                          tail_lines(log_path)))
     return DatasetResult(metadata, rebuilt=True, notes=tuple(outcome["notes"]))
 
 

@@ -10,8 +10,13 @@ the loop's action; the loop decides on the branch alone and never imports this m
     ├── DownloadError            a recording could not be fetched this time (timeout, 5xx, network,
     │                            the disk its file was written to)
     └── StageFailed              a stage exited with a code not declared permanent, was killed, left an
-                                 output missing, empty or linked, or the job's work files could not be
-                                 written (disk full, read-only, WORK_ROOT gone)
+        │                        output missing, empty or linked, or the job's work files could not be
+        │                        written (disk full, read-only, WORK_ROOT gone)
+        └── HostCondition        ... because of the host: a stage exited EXIT_DEVICE_LOST (70: its GPU is
+                                 not there), the dataset child found the disk full, WORK_ROOT is gone or
+                                 replaced. The job handler turns it (and any failure caused by a full,
+                                 read-only or failing work file system) into the core's ``HostFault``
+                                 (``pipeline.host_faults``)
     PermanentError (core)        dead_letter: retrying cannot help
     ├── BadRecording             a recording is gone, refused, too large, too long, or not usable audio
     └── StageFailedPermanently   a stage exited with a code listed in permanent_exit_codes
@@ -42,6 +47,11 @@ class DownloadError(RetryableError):
 
 class StageFailed(RetryableError):
     pass
+
+
+class HostCondition(StageFailed):
+    """A stage failed because of the host, not the job (see the tree above): a ``StageFailed`` for any
+    caller that knows no better, a host fault for the job handler."""
 
 
 class BadRecording(PermanentError):

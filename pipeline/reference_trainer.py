@@ -16,11 +16,16 @@ pipeline can run anywhere. It still does real, deterministic work on the dataset
 ``.pth`` and ``.onnx`` files hold a zip of ``.npy`` arrays (readable with ``numpy.load``) written with
 fixed zip timestamps, so the same dataset always gives byte-identical files. ``full`` and ``light``
 write a checkpoint after every step (atomically) and resume from the newest valid one. Each step
-prints ``PROGRESS n``; ``--step-delay-s`` slows each step for crash and shutdown tests. Exit codes:
-65 unusable data (no WAVs, bad metadata, undecodable or wrong-format audio), 66 missing teacher model.
+prints ``PROGRESS n`` and a ``METRIC`` line (docs/trainer.md) with the stand-in's own figures: ``loss``
+(the predictor's mean squared error, no voice's loss), ``lr`` and ``step_time_s``; ``--step-delay-s``
+slows each step for crash and shutdown tests. Exit codes:
+65 unusable data (no WAVs, bad metadata, undecodable or wrong-format audio), 66 missing teacher model,
+70 the device lost: only with ``--lose-device-once MARKER``, which, while MARKER does not exist, creates it
+and exits 70 after loading the data (a GPU gone mid-run, once: the host fault tests).
 
     python -m pipeline.reference_trainer <embed|full|light> --dataset D --out O --checkpoints C
         [--steps N] [--step-delay-s S] [--language L] [--full-model PATH]   (light needs --full-model)
+        [--lose-device-once MARKER]
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ LIGHT_BANDS = 20
 DEFAULT_STEPS = {"embed": 1, "full": 40, "light": 20}
 EXIT_UNUSABLE_DATA = 65
 EXIT_MISSING_INPUT = 66
+EXIT_DEVICE_LOST = 70  # as a real trainer exits when its GPU is gone (docs/trainer.md)
 _ID = re.compile(SAFE_NAME)
 _CKPT = re.compile(r"ckpt-([0-9]{6})\.npz")
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -197,6 +203,7 @@ def fit_linear(
     gram_w = matmul(gram, weights)
     loss = scale * (float(np.sum(weights * gram_w)) - 2.0 * float(np.sum(weights * cross)) + yy)
     for step in range(done + 1, steps + 1):
+        started_s = time.monotonic()
         gradient = (2.0 / len(x1)) * (gram_w - cross)
         weights = weights - learning_rate * gradient
         gram_w = matmul(gram, weights)
@@ -205,6 +212,8 @@ def fit_linear(
             time.sleep(step_delay_s)
         save_checkpoint(checkpoints, step, weights, fingerprint)
         print(f"step {step}/{steps} loss {loss:.6f}", flush=True)
+        print(f"METRIC step={step} loss={loss:.6g} lr={learning_rate:.6g} "
+              f"step_time_s={time.monotonic() - started_s:.4f}", flush=True)
         if step < steps:
             print(f"PROGRESS {100 * step // steps}", flush=True)
     return weights, loss
@@ -329,6 +338,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--language", default="")
     parser.add_argument("--full-model", type=Path, default=None)
+    parser.add_argument("--lose-device-once", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = DEFAULT_STEPS[args.mode]
@@ -349,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         filterbank = mel_filterbank()
         features = [log_mel(utt.samples, filterbank) for utt in utterances]
         print(f"{args.mode}: {len(utterances)} utterances, {sum(map(len, features))} frames", flush=True)
+        if args.lose_device_once is not None and not args.lose_device_once.exists():
+            args.lose_device_once.touch()
+            print("device lost: CUDA error: unspecified launch failure (injected)", file=sys.stderr, flush=True)
+            return EXIT_DEVICE_LOST
         {"embed": lambda: run_embed(features, args.out),
          "full": lambda: run_full(args, features, fingerprint, args.out),
          "light": lambda: run_light(args, features, fingerprint, args.out)}[args.mode]()

@@ -10,11 +10,14 @@ new attempt's files. What it already finished is still worth having, so before t
   is then skipped, exactly as if it had run here;
 - a resumable stage with no such manifest gets the newest earlier checkpoint directory copied, so it
   resumes instead of starting over;
-- a recording downloaded by an earlier attempt is copied rather than fetched again (a download is
-  renamed into place only when whole, so a file under its final name is complete).
+- a recording downloaded by an earlier attempt is moved (renamed) rather than fetched again (a download
+  is renamed into place only when whole, so a file under its final name is complete). Moved, not
+  copied: only the worker writes downloads, never a trainer, and this host's earlier stages were
+  ended first (``end_survivors``), so a retry costs no second copy of the recordings. On a shared
+  work root (another host's stale attempt may still read it) they are copied.
 
-Everything is copied, never hard-linked: a surviving old trainer writing a file in place would
-otherwise change the new attempt's copy too. Nothing is read through a symbolic link (each source is
+Outputs and checkpoints are copied, never hard-linked: a surviving old trainer writing a file in
+place would otherwise change the new attempt's copy too. Nothing is read through a symbolic link (each source is
 walked from its attempt directory, component by component, its root included), nothing is written
 through one (a link where a target directory should be is replaced by a real directory), and each
 copy lands under its final name only once complete (temp file, fsync, rename).
@@ -118,20 +121,37 @@ def adopt_checkpoints(earlier_work_dirs: Sequence[Path], work_dir: Path, relativ
     return None
 
 
-def adopt_downloads(earlier_download_dirs: Sequence[Path], downloads_dir: Path, names: Sequence[str]) -> list[str]:
-    """Copy each named download missing here from the newest earlier attempt that has it; the names copied."""
+def adopt_downloads(earlier_download_dirs: Sequence[Path], downloads_dir: Path, names: Sequence[str], *,
+                    move: bool = False) -> list[str]:
+    """Take each named download missing here from the newest earlier attempt that has it: moved with
+    ``move`` (see the module docstring), else copied; the names taken."""
     copied = []
     for name in names:
         if (downloads_dir / name).exists():
             continue
         for source in earlier_download_dirs:
             try:
-                copy_file(source, name, downloads_dir)
+                if move:
+                    move_file(source, name, downloads_dir)
+                else:
+                    copy_file(source, name, downloads_dir)
             except (CopyMismatch, OSError):
                 continue
             copied.append(name)
             break
     return copied
+
+
+def move_file(source_root: Path, name: str, target_dir: Path) -> None:
+    """Rename the regular file ``source_root/name`` (a real directory, no link anywhere: checked as
+    ``copy_file`` does) to ``target_dir/name``; ``CopyMismatch`` when it is not such a file."""
+    try:
+        fd = open_regular(source_root, name)
+    except OutputRefused as exc:
+        raise CopyMismatch(f"{name}: {exc}") from None
+    os.close(fd)
+    os.rename(source_root / name, target_dir / name)
+    fsync_dir(target_dir)
 
 
 def copy_file(source_root: Path, rel: str, target_root: Path, *, expect: tuple | None = None) -> None:

@@ -35,7 +35,7 @@ from pipeline.limits import JobLimits
 from pipeline.manifest import manifest_path
 from pipeline.proctree import ATTEMPT_NAME, JOB_NAME
 from pipeline.recording_url import RecordingUrl
-from pipeline.remote_work import Ledger, RemoteWork, RemoteWorkConfig, job_key
+from pipeline.remote_work import Ledger, RemoteWork, RemoteWorkConfig, job_key, shared_file_system
 from pipeline.reuse import adopt_checkpoints, adopt_downloads, adopt_verified_outputs
 from pipeline.stage_env import stage_environment
 from pipeline.stages import (
@@ -47,7 +47,15 @@ from pipeline.stages import (
     open_step_log,
     run_stage,
 )
-from pipeline.workdir import download_path, earlier_attempts, is_attempt_dir, job_dir_of, work_layout
+from pipeline.workdir import (
+    download_path,
+    earlier_attempts,
+    is_attempt_dir,
+    job_dir_of,
+    remove_attempt_dirs,
+    trim_earlier_attempts,
+    work_layout,
+)
 from worker.core import tracing
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.stop import StopSignal
@@ -238,10 +246,15 @@ def _run(
     dataset_child = prestart_dataset([rec.text for rec in job.recordings], dirs.dataset, dirs.logs,
                                      env=env, grace_s=grace_s)
     try:
+        # Another host's stale attempt may still read a shared root: nothing of its earlier attempts moves.
+        local_root = shared_file_system(work_dir) is None
         copied = adopt_downloads([work_layout(d).downloads for d in earlier], dirs.downloads,
-                                 [download_path(dirs.downloads, i).name for i in range(len(job.recordings))])
+                                 [download_path(dirs.downloads, i).name for i in range(len(job.recordings))],
+                                 move=local_root)
         if copied:
-            log.info("pipeline.downloads_reused", count=len(copied))
+            log.info("pipeline.downloads_reused", count=len(copied), moved=local_root)
+        if local_root:
+            _left(trim_earlier_attempts(earlier))
         with tracing.span("download", recordings=len(job.recordings), reused=len(copied)):
             sources = download_all(job, dirs.downloads, dirs.logs, stop, fetch, progress,
                                    limits.max_job_download_bytes, plan)
@@ -283,6 +296,8 @@ def _run(
             last = index == len(config.stages) - 1
             _adopt_earlier_work(stage, ctx, earlier, None if last else remote,
                                 checkpoints_from=remote)
+            if last and earlier and local_root:  # nothing more is taken from them
+                _left(remove_attempt_dirs(earlier))
             # After the copies and restores: the stage's time (its GPU-seconds) starts with its run.
             progress(stage.name, 0.0)
             with tracing.span(f"stage {stage.name}", stage=stage.name):
@@ -299,6 +314,11 @@ def _run(
 
     stop.raise_if_set()
     return verify_artifacts(config, dirs.output)
+
+
+def _left(failures: Sequence[str]) -> None:
+    if failures:
+        log.warning("pipeline.earlier_attempts_not_removed", left=failures[:20])
 
 
 def _adopt_earlier_work(stage, ctx: StageContext, earlier: Sequence[Path], remote: RemoteWork | None = None,
@@ -416,6 +436,24 @@ class ReportedProgress:
         note = getattr(self._progress, "note", None)
         if note is not None:
             note(stage, text)
+
+    def metric(self, stage: str, step: int, values: Mapping[str, float]) -> None:
+        """A stage's ``METRIC`` line, to the job's record when the job's progress keeps metrics."""
+        metric = getattr(self._progress, "metric", None)
+        if metric is not None:
+            metric(stage, step, values)
+
+    def tick(self) -> None:
+        """Passed on from the stage runner's loop: the job's progress writes and logs at its intervals."""
+        tick = getattr(self._progress, "tick", None)
+        if tick is not None:
+            tick()
+
+    def flush(self) -> None:
+        """Passed on from the stage runner once a stage exited: the job's progress writes what it held back."""
+        flush = getattr(self._progress, "flush", None)
+        if flush is not None:
+            flush()
 
 
 def _write_step_log(log_dir: Path, step: str, lines: Sequence[str]) -> None:

@@ -15,7 +15,8 @@ Why it is shaped this way:
   stdin is a pipe it waits on for a line) or ended unsupervised (``StartedStage.end``): the job starts
   its dataset child before the downloads, so that the child's start-up overlaps them.
 - Output goes through a pipe that a reader thread copies line by line into a timestamped log (kept
-  across retries) while it picks out ``PROGRESS n`` lines. The reader can be ended without
+  across retries) while it picks out ``PROGRESS n``, ``NOTE`` and ``METRIC step=<n> <name>=<value> ...``
+  lines (``parse_metric``: bounded, a malformed line is only logged). The reader can be ended without
   end-of-file, so a process that still holds the pipe never keeps ``run_stage`` waiting. The
   progress callback runs on the caller's thread, so an error it raises (``StaleWrite``) reaches the
   caller after the stage is stopped, never silently in a thread.
@@ -37,6 +38,7 @@ Why it is shaped this way:
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import re
@@ -59,7 +61,7 @@ from typing import IO
 import structlog
 
 from pipeline.config import StageSpec, render_argv
-from pipeline.errors import StageFailed, StageFailedPermanently
+from pipeline.errors import HostCondition, StageFailed, StageFailedPermanently
 from pipeline.files import output_problem, real_directory, relative_output, remove_output
 from pipeline.manifest import manifest_path, manifest_problem, write_manifest
 from pipeline.proctree import (
@@ -86,6 +88,12 @@ Progress = Callable[[str, float], None]
 
 DEFAULT_GRACE_S = 10.0
 TAIL_LINES = 20
+# How the runner's own lines in a step's log begin (``_log_line``): not the step's output.
+RUNNER_MARK = "[runner "
+# A failed step's message: its last line, cut to this, heads it; the whole fits the record's error
+# message (worker/voice/records/rules.py's ERROR_MESSAGE_MAX_CHARS, 2,000) with room to spare.
+LAST_LINE_MAX_CHARS = 300
+FAILURE_MESSAGE_MAX_CHARS = 1900
 _TAIL_MAX_BYTES = 64 * 1024
 _LINE_MAX_BYTES = 64 * 1024
 _READER_DRAIN_S = 1.0
@@ -96,6 +104,17 @@ _PROGRESS_LINE = re.compile(rb"^\s*PROGRESS\s+(\d{1,3}(?:\.\d+)?)\s*$")
 # ``NOTE <text>``: something a stage that succeeds wants on the job's record (clips it left out, say).
 _NOTE_LINE = re.compile(rb"NOTE[ \t]+(\S.*?)\s*", re.DOTALL)
 NOTE_MAX_CHARS = 500
+# ``METRIC step=<n> <name>=<value> ...`` (docs/trainer.md, "Stage contract"): what a trainer measures
+# at a step. Bounded, so that a stage's output can never make the worker keep more than this per line.
+METRIC_MAX_PAIRS = 16
+METRIC_LINE_MAX_BYTES = 2048
+METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.]{0,47}")
+_METRIC_LINE = re.compile(rb"\s*METRIC[ \t]+step=([0-9]{1,12})((?:[ \t]+[^ \t\r\n=]+=[^ \t\r\n]+){1,%d})\s*"
+                          % METRIC_MAX_PAIRS)
+# Decimal notation only: Python's float() would also take "1_0" or "infinity" in any case; nan and inf
+# are accepted as words so that a trainer's diverged loss is not a malformed line, and then dropped.
+_METRIC_VALUE = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]{1,4})?|[-+]?(?:nan|inf)",
+                           re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -161,6 +180,34 @@ class Note(str):
     """A stage's ``NOTE`` text on its way from the output reader to the job's progress object."""
 
 
+@dataclass(frozen=True)
+class Metric:
+    """A stage's ``METRIC`` line: its step and the finite values it named (at least one)."""
+
+    step: int
+    values: Mapping[str, float]
+
+
+def parse_metric(line: bytes) -> Metric | None:
+    """A ``METRIC step=<n> <name>=<value> ...`` line's step and finite values, or None for any other
+    line, a malformed one (a bad name or number, too long, more than ``METRIC_MAX_PAIRS`` pairs) or
+    one whose every value is NaN or infinite. A name given twice keeps its last value."""
+    if len(line) > METRIC_LINE_MAX_BYTES or b"METRIC" not in line[:64]:
+        return None
+    match = _METRIC_LINE.fullmatch(line)
+    if not match:
+        return None
+    values: dict[str, float] = {}
+    for pair in match.group(2).decode("ascii", "replace").split():
+        name, _, text = pair.partition("=")
+        if not METRIC_NAME.fullmatch(name) or not _METRIC_VALUE.fullmatch(text):
+            return None
+        value = float(text)  # 1e999 overflows to inf: dropped below with NaN
+        if math.isfinite(value):
+            values[name] = value
+    return Metric(int(match.group(1)), values) if values else None
+
+
 def parse_progress(line: bytes) -> float | None:
     """The percent of a ``PROGRESS n`` line (0..100), or None for any other line."""
     match = _PROGRESS_LINE.match(line)
@@ -175,14 +222,20 @@ def log_file_name(now: datetime, step: str) -> str:
     return f"{now.astimezone(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}-{step}.log"
 
 
+# A trainer's "the device is not there" (docs/trainer.md): at start, or lost mid-run. The host's fault.
+EXIT_DEVICE_LOST = 70
+
+
 def exit_error(stage: StageSpec, code: int, log_name: str, tail: str) -> WorkerError:
     """The typed error for a non-zero exit: permanent only for the codes the config declares.
 
     The tail is redacted here, since the message leaves the worker: record, DLQ, logs, Sentry.
     """
-    message = f"stage {stage.name} {how_it_ended(code)}; last lines of {log_name}:\n{redact_text(tail)}"
+    message = failure_message(f"stage {stage.name} {how_it_ended(code)}", log_name, tail)
     if code in stage.permanent_exit_codes:
         return StageFailedPermanently(message)
+    if code == EXIT_DEVICE_LOST:
+        return HostCondition(message)
     return StageFailed(message)
 
 
@@ -191,12 +244,34 @@ def how_it_ended(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
+def failure_message(what: str, log_name: str, tail: str) -> str:
+    """``<what>: <the step's last line>``, then its last lines: the first line, which one-line views
+    (``jobs``, ``dlq list``, events) show, is the failure's own, never the argv. Redacted here, since
+    the message leaves the worker; the block keeps the newest lines that fit the record."""
+    lines = redact_text(tail).splitlines()
+    if not lines:
+        return f"{what}, printing nothing; see {log_name}"
+    head = f"{what}: {lines[-1][:LAST_LINE_MAX_CHARS]}\nlast lines of {log_name}:"
+    kept: list[str] = []
+    room = FAILURE_MESSAGE_MAX_CHARS - len(head)
+    for line in reversed(lines):
+        room -= len(line) + 1
+        if room < 0:
+            break
+        kept.insert(0, line)
+    return "\n".join([head, *kept])
+
+
 def tail_lines(path: Path, count: int = TAIL_LINES) -> str:
+    """The last ``count`` non-empty lines the step itself wrote to its log: the runner's own lines (the
+    argv it started, how it ended) stay in the log, out of the failure's message."""
     with open(path, "rb") as handle:
         handle.seek(0, os.SEEK_END)
         handle.seek(max(0, handle.tell() - _TAIL_MAX_BYTES))
         data = handle.read()
-    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-count:])
+    lines = [line for line in data.decode("utf-8", errors="replace").splitlines()
+             if line.strip() and not line.startswith(RUNNER_MARK)]
+    return "\n".join(lines[-count:])
 
 
 def open_step_log(log_dir: Path, step: str, now: datetime | None = None) -> tuple[Path, IO[bytes]]:
@@ -609,7 +684,7 @@ def _supervise(
             end_tree(proc, tree, grace_s)
         if not reader.finish(_READER_DRAIN_S):
             log.warning("stage.output_still_open", stage=stage.name)
-    _report(stage.name, updates, progress, last_reported)
+    _report(stage.name, updates, progress, last_reported, final=True)
     if checkpoint_sent and stage.checkpoint_signal is not None and proc.returncode == -stage.checkpoint_signal:
         # Killed by the signal meant to save its work (no handler yet, or a launcher that does not pass
         # it on): the shutdown ended this attempt, not a fault of the job, so no retry is spent.
@@ -667,7 +742,8 @@ def _wait_for_exit(exited: int | None, stop: StopSignal, timeout_s: float) -> No
         poller.poll(max(0.0, timeout_s) * 1000)
 
 
-def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, last: list) -> None:
+def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, last: list, *,
+            final: bool = False) -> None:
     latest = None
     while True:
         try:
@@ -680,15 +756,27 @@ def _report(stage_name: str, updates: queue.SimpleQueue, progress: Progress, las
             note = getattr(progress, "note", None)
             if note is not None:
                 note(stage_name, str(update))
+        elif isinstance(update, Metric):
+            # Likewise metrics: the job's callback keeps a series of each on the record.
+            metric = getattr(progress, "metric", None)
+            if metric is not None:
+                metric(stage_name, update.step, update.values)
         else:
             latest = update
     if latest is not None and latest != last[0]:
         last[0] = latest
         progress(stage_name, latest)
+    # Called on every pass of the supervising loop, so a callback that writes or logs at an interval
+    # (the job's) does so on time also while the stage prints nothing; once the stage has exited
+    # (``final``), what such a callback still holds back is written: a failed stage's last metrics too.
+    tick = getattr(progress, "flush" if final else "tick", None)
+    if tick is not None:
+        tick()
 
 
 class OutputReader:
-    """Copies a stage's output into its log line by line, noting ``PROGRESS`` values on the way.
+    """Copies a stage's output into its log line by line, noting ``PROGRESS``, ``NOTE`` and ``METRIC``
+    lines on the way.
 
     It reads with a timeout rather than until end-of-file alone, so ``finish`` can end it even when
     some process we could not kill still holds the pipe's write end.
@@ -754,9 +842,11 @@ class OutputReader:
             self._updates.put(value)
         elif (text := parse_note(line)) is not None:
             self._updates.put(Note(text))
+        elif (metric := parse_metric(line)) is not None:
+            self._updates.put(metric)
 
 
 def _log_line(log_file: IO[bytes], text: str) -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    log_file.write(f"[runner {stamp}] {text}\n".encode())
+    log_file.write(f"{RUNNER_MARK}{stamp}] {text}\n".encode())
     log_file.flush()

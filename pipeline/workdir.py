@@ -21,6 +21,13 @@
         +-- <digest>/<path>                      unset; the host's verified base models, shared by its
                                                  workers (pipeline/base_model_cache.py)
 
+A retry takes the downloads of the job's earlier attempts (moved, ``pipeline.reuse``), then trims
+them to what it may still adopt stage by stage (``trim_earlier_attempts``), and removes them once its
+last stage has adopted what it could (``remove_attempt_dirs``): a job holds one attempt's files, and
+its earlier ones only until its stages no longer need them. A job that ended (committed, cancelled,
+refused, dead-lettered) is emptied but for ``logs/`` (``remove_work_files``), and ``prune_stage_logs``
+removes what ended jobs left once it is old or their logs together exceed a bound.
+
 ``work_layout`` maps an attempt directory to its step directories (a directory outside attempts/ is
 a lone job directory: tests and benchmarks, logs inside it, no earlier attempts). After the commit
 ``remove_work_files`` empties the job directory except ``logs/`` and ``remove_unpublished`` removes
@@ -39,7 +46,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from pipeline.errors import StageFailed
+from pipeline.errors import HostCondition, StageFailed
 from pipeline.reuse import attempt_order
 from worker.core.errors import InvalidMessage
 
@@ -200,7 +207,7 @@ class WorkRoot:
             return
         problem = work_root_problem(self._identity, directory_identity(self.path))
         if problem is not None:
-            raise StageFailed(f"WORK_ROOT {self.path} {problem}: no job files are written there until "
+            raise HostCondition(f"WORK_ROOT {self.path} {problem}: no job files are written there until "
                               "it is back; a new file system there is used after a restart of the worker")
 
 
@@ -220,6 +227,31 @@ def work_root_problem(first: tuple[int, int] | None, now: tuple[int, int] | None
     if now is None:
         return "is gone (removed, or its file system unmounted)"
     return "is another directory than the one this worker started with (unmounted, remounted or replaced)"
+
+
+# --- what a retry leaves of the job's earlier attempts
+
+
+# What a retry may still take from an earlier attempt once its downloads were taken: each stage's
+# verified outputs and checkpoints, read stage by stage (pipeline.run). Its dataset and anything else
+# is never read again.
+ADOPTABLE_LATER = (OUTPUT_DIR, CHECKPOINTS_DIR)
+
+
+def trim_earlier_attempts(earlier: Iterable[Path]) -> list[str]:
+    """Remove from each earlier attempt directory all but ``ADOPTABLE_LATER``; one line per entry left."""
+    failures: list[str] = []
+    for attempt in earlier:
+        if attempt.is_dir() and not attempt.is_symlink():
+            failures += [f"{attempt.name}/{line}" for line in
+                         _remove_entries(e for e in _entries(attempt) if e.name not in ADOPTABLE_LATER)]
+    return failures
+
+
+def remove_attempt_dirs(earlier: Iterable[Path]) -> list[str]:
+    """Remove earlier attempt directories whole, once nothing more is taken from them; one line per
+    attempt left behind. A link is removed, never followed."""
+    return _remove_entries(list(earlier))
 
 
 # --- removal after the commit
@@ -286,3 +318,112 @@ def _entries(directory: Path) -> list[Path]:
 def _overlaps(entry: Path, models: Path) -> bool:
     where = entry.parent.resolve() / entry.name  # the entry itself unresolved: a link is not followed
     return where == models or where in models.parents or models in where.parents
+
+
+# --- the work root over months: pruning what ended jobs left, and how much is there
+
+
+# Nothing touched this recently is removed: a job dir this new may be a redelivery starting right now.
+PRUNE_MIN_AGE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class JobDirUsage:
+    """One job directory on disk: its size, its newest change, and whether its job ended (no attempts/)."""
+
+    path: Path
+    bytes: int
+    newest_s: float
+    ended: bool
+
+
+def job_dirs(work_root: Path) -> list[Path]:
+    """``<environment>/<directoryName>/<jobId>`` directories under ``work_root``; dot names (the models,
+    the base model cache) and links are never entered."""
+    found = []
+    for environment in _entries(work_root):
+        if environment.name.startswith(".") or not _real_dir(environment):
+            continue
+        for directory in _entries(environment):
+            if _real_dir(directory):
+                found += [job for job in _entries(directory) if _real_dir(job)]
+    return found
+
+
+def job_dir_usage(job_dir: Path) -> JobDirUsage:
+    """Sizes and times of what ``job_dir`` holds, read without following a link."""
+    total, newest = 0, _mtime(job_dir)
+    for root, dirs, files in os.walk(job_dir):  # os.walk follows no link to a directory by default
+        for name in dirs + files:
+            try:
+                info = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            newest = max(newest, info.st_mtime)
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+    return JobDirUsage(job_dir, total, newest, ended=not (job_dir / ATTEMPTS_DIR).exists())
+
+
+def prune_decisions(jobs: Iterable[JobDirUsage], now_s: float, max_age_s: float, max_bytes: int,
+                    min_age_s: float = PRUNE_MIN_AGE_S) -> list[Path]:
+    """The job directories to remove whole: any not changed for ``max_age_s`` (0: none by age), then,
+    oldest first, ended ones while the ended ones left hold more than ``max_bytes`` (0: no bound).
+    Never one changed within ``min_age_s``."""
+    settled = [job for job in jobs if now_s - job.newest_s >= min_age_s]
+    doomed = [job for job in settled if max_age_s > 0 and now_s - job.newest_s >= max_age_s]
+    if max_bytes > 0:
+        kept_ended = sorted((job for job in jobs if job.ended and job not in doomed), key=lambda j: j.newest_s)
+        total = sum(job.bytes for job in kept_ended)
+        for job in kept_ended:
+            if total <= max_bytes:
+                break
+            if job in settled:
+                doomed.append(job)
+                total -= job.bytes
+    return [job.path for job in doomed]
+
+
+def prune_work_root(work_root: Path, now_s: float, max_age_s: float, max_bytes: int,
+                    models_root: Path | None = None) -> tuple[list[Path], list[str]]:
+    """Remove the job directories ``prune_decisions`` names (none inside or holding ``models_root``),
+    and the parents they leave empty; (the directories removed, one line per entry left behind)."""
+    models = Path(models_root).resolve() if models_root is not None else None
+    doomed = [path for path in prune_decisions([job_dir_usage(job) for job in job_dirs(work_root)], now_s,
+                                               max_age_s, max_bytes)
+              if models is None or not _overlaps(path, models)]
+    failures = _remove_entries(doomed)
+    for path in doomed:
+        for parent in (path.parent, path.parent.parent):
+            _remove_entries([parent], empty_dirs_only=True)
+    return doomed, failures
+
+
+@dataclass(frozen=True)
+class WorkRootUsage:
+    bytes: int
+    jobs: int
+    ended_jobs: int
+    free_bytes: int
+
+
+def work_root_usage(work_root: Path) -> WorkRootUsage:
+    """What the job directories under ``work_root`` hold, and the file system's free space."""
+    usages = [job_dir_usage(job) for job in job_dirs(work_root)]
+    try:
+        info = os.statvfs(work_root)
+        free = info.f_bavail * info.f_frsize
+    except OSError:
+        free = 0
+    return WorkRootUsage(sum(u.bytes for u in usages), len(usages), sum(u.ended for u in usages), free)
+
+
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return 0.0

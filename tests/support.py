@@ -118,7 +118,7 @@ class FaultyClient:
 
 # Store calls that change records; reads are not writes.
 STORE_WRITES = frozenset({"claim", "renew_lease", "set_progress", "record_mirror", "record_note", "record_error", "write_paths",
-                          "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease",
+                          "mark_profile_completed", "mark_job_completed", "mark_cancelled", "release_lease", "release_for_host_fault",
                           "record_quality", "mark_refused", "write_profile_quality", "record_base_model",
                           "write_profile_base_model"})
 

@@ -235,7 +235,8 @@ def test_the_app_protects_jobs_from_scale_in_only_on_ecs(queues, tmp_path, agent
         **({"ECS_AGENT_URI": agent_uri} if agent_uri else {})})
     app = build_app(settings)
     try:
-        assert isinstance(app.worker._activity.inner, TaskProtection if agent_uri else NoActivity)
+        # Outermost the presence record's tracking, then systemd's STATUS, then the protection.
+        assert isinstance(app.worker._activity.inner.inner, TaskProtection if agent_uri else NoActivity)
     finally:
         app.close()
 

@@ -165,7 +165,7 @@ def test_the_core_defines_no_error_of_a_layer_above():
     core = {name for name, (_base, file) in error_classes().items() if file.startswith("worker/core/")}
     assert core == {"WorkerError", "ConfigError", "RetryableError", "QueueError", "UnexpectedError",
                     "PermanentError", "InvalidMessage", "TimeLimitExceeded", "RetriesExhausted", "LeaseLost",
-                    "Stopped"}
+                    "Stopped", "HostFault"}
 
 
 def module_paths() -> dict[str, Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,6 +13,7 @@ import structlog
 
 from pipeline.config import load_pipeline_config
 from pipeline.stage_env import stage_env_problems, stage_environment
+from worker import __version__
 from worker.core.aws import LazyClient, lease_client_config, make_client, new_session, notice_client_config
 from worker.core.ecs_agent import task_protection
 from worker.core.errors import ConfigError
@@ -21,9 +23,10 @@ from worker.core.health import Liveness
 from worker.core.imds import InstanceMetadata, SpotWatch
 from worker.core.loop import Worker
 from worker.core.metrics import Metrics
+from worker.core.presence import Identity, Presence
 from worker.core.queue import Queue
 from worker.core.reporting import Reporter
-from worker.settings import Settings, daemon_targets
+from worker.settings import Settings, daemon_targets, settings_warnings
 from worker.voice.message import log_fields as message_log_fields
 from worker.voice.records import Store, open_store
 from worker.voice.records.rules import clock_skew_problem
@@ -33,7 +36,8 @@ if TYPE_CHECKING:
 
     from pipeline.config import PipelineConfig
     from pipeline.remote_work import RemoteWorkConfig
-    from worker.voice.job import VoiceJobHandler
+    from worker.core.core_config import AwsConfig
+    from worker.voice.job import Trainer, VoiceJobHandler
 
 log = structlog.get_logger(__name__)
 
@@ -44,16 +48,49 @@ class App:
     store: Store
     pulse: Liveness
     spot_watch: SpotWatch | None = None
+    presence: Presence | None = None
 
     def start(self) -> None:
-        """Start what runs beside the loop (the spot watch), just before the loop."""
+        """Start what runs beside the loop (the spot watch, the presence writer), just before the loop."""
+        if self.presence is not None:
+            self.presence.start()
         if self.spot_watch is not None:
             self.spot_watch.start()
 
     def close(self) -> None:
         if self.spot_watch is not None:
             self.spot_watch.close()
+        if self.presence is not None:
+            self.presence.close(remove=clean_exit(self.worker))
         self.store.close()
+
+
+def clean_exit(worker: Worker) -> bool:
+    """The loop ended because a stop or a drain was asked for, on a fit host: its presence goes with it.
+    A crash or an unfit host leaves the record, which goes stale (or says unfit) for operators to see."""
+    asked = worker.shutdown.requested.is_set() or worker.draining.is_set()
+    return asked and getattr(worker, "unfit", None) is None
+
+
+def device_of(config: PipelineConfig) -> str | None:
+    """What the pipeline trains on, for the presence record: cuda when a stage declares it, cpu when
+    every stage that declares a device says cpu, else None (unknown)."""
+    declared = {stage.device for stage in config.stages if stage.device is not None}
+    if "cuda" in declared:
+        return "cuda"
+    return "cpu" if declared else None
+
+
+def log_shipping(settings: Settings, trainer: Trainer, aws: AwsConfig, session) -> Trainer:
+    """The trainer, shipping each attempt's step logs to S3 while it trains (LOG_SHIP_INTERVAL_SECONDS)."""
+    from worker.voice.stage_logs import LogShipping, S3Logs, ShippingTrainer
+
+    config = settings.log_shipping_config()
+    if config is None:
+        return trainer
+    # Short timeouts and few retries: a shipment that fails is tried again at the next interval.
+    s3 = LazyClient(lambda: make_client("s3", aws, session, config=notice_client_config(aws)))
+    return ShippingTrainer(trainer, LogShipping(S3Logs(s3, config.bucket, config.prefix), config))
 
 
 def refuse_clock_skew(store: Store, max_skew_s: float) -> None:
@@ -151,9 +188,10 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
     limits, policy = settings.job_limits(), settings.input_policy()
 
     def job_handler() -> VoiceJobHandler:
-        from pipeline.run import PipelineTrainer
+        from pipeline.run import DATASET_STEP, DOWNLOAD_STEP, PipelineTrainer
         from worker.voice.artifacts import ArtifactUploader
         from worker.voice.job import HandlerConfig, VoiceJobHandler
+        from worker.voice.records.training import plan_of
 
         trainer = PipelineTrainer(config, settings.download_settings(), s3_client=s3, limits=limits,
                                   stage_env=stage_env, grace_s=settings.stage_stop_grace_s,
@@ -166,17 +204,23 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
             models_root=Path(settings.models_root_path),
             keep_work_files=settings.keep_work_files,
             max_failed_attempts=settings.max_failed_attempts,
+            max_host_fault_releases=settings.host_fault_max_releases,
+            work_min_free_bytes=settings.work_min_free_bytes,
+            stage_logs_max_age_s=settings.stage_logs_max_age_days * 86_400.0,
+            stage_logs_max_bytes=settings.stage_logs_max_bytes,
             policy=policy,
             artifacts=config.artifact_keys,
             quality=config.quality,
             refused_environments=stand_in_refusals(config.stand_in, settings.allow_stand_in_trainer),
             base_model=config.base_model.identity.as_record() if config.base_model is not None else None,
+            stage_plan=plan_of(config.stages, (DOWNLOAD_STEP, DATASET_STEP)),
+            progress_log_interval_s=settings.progress_log_interval_s,
         )
         return VoiceJobHandler(
             handler_config,
             store=store,
             uploader=ArtifactUploader(s3, targets.bucket),
-            train=trainer,
+            train=log_shipping(settings, trainer, aws, session),
             crash_points=crash_points,
             metrics=metrics,
             events=events,
@@ -187,13 +231,19 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
     # until then, but a broken install (a module of the job path that does not import) would then
     # crash at a message, holding it invisible, again after every restart, instead of failing here.
     handler = job_handler()
-    pulse = Liveness(settings.liveness_file, settings.notify_socket, max_age_s=settings.liveness_age_limit_s)
+    pulse = Liveness(settings.liveness_file, settings.notify_socket, max_age_s=settings.liveness_age_limit_s,
+                     unreachable_after_s=settings.health_unreachable_limit_s)
+    presence = Presence(Identity(settings.worker_id, socket.gethostname(), __version__, device_of(config)), store,
+                        interval_s=settings.presence_interval_s,
+                        stopping=lambda: worker.shutdown.requested.is_set() or worker.draining.is_set(),
+                        unfit=lambda: getattr(worker, "unfit", None) is not None,
+                        on_written=lambda: pulse.reached("store"))
     lease_sqs = make_client("sqs", aws, session, config=lease_client_config(aws))
     worker = Worker(settings.loop_config(), Queue(sqs, targets.queue_url, lease_client=lease_sqs),
                     handler, reporter=Reporter(settings.sentry_dsn), alive=pulse.beat,
                     crash_points=crash_points, metrics=metrics,
-                    activity=pulse.announcing(task_protection(settings.ecs_agent_uri)),
-                    log_fields=message_log_fields)
+                    activity=presence.activity(pulse.announcing(task_protection(settings.ecs_agent_uri, metrics))),
+                    log_fields=message_log_fields, reached=pulse.reached)
     spot_watch = None
     if settings.spot_interruption_check_s > 0:
         def reclaimed() -> None:  # as SIGTERM does (worker.core.daemon): systemd hears it at once
@@ -202,5 +252,7 @@ def build_app(settings: Settings, *, session=None, wait: Callable[[float], None]
 
         spot_watch = SpotWatch(InstanceMetadata(settings.imds_endpoint), settings.spot_interruption_check_s,
                                on_notice=reclaimed)
-    return App(worker=worker, store=store, pulse=pulse, spot_watch=spot_watch)
+    for warning in settings_warnings(settings):
+        log.warning("settings.suspect", problem=warning)
+    return App(worker=worker, store=store, pulse=pulse, spot_watch=spot_watch, presence=presence)
 

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from pipeline.downloads import DownloadSettings
     from pipeline.remote_work import RemoteWorkConfig
     from worker.voice.records import StoreConfig
+    from worker.voice.stage_logs import LogShippingConfig
 
 # SQS refuses to keep a message invisible for more than 12 hours from its receipt.
 SQS_MAX_VISIBILITY_S = MAX_VISIBILITY_S
@@ -235,6 +236,9 @@ class Settings(BaseModel):
     sqs_wait_time_s: WholeNumber = Field(20, alias="SQS_WAIT_TIME_SECONDS", ge=0, le=SQS_MAX_WAIT_S)
     # Recorded retryable failures before the worker dead-letters a job; releases and crashes spend none.
     max_failed_attempts: WholeNumber = Field(DEFAULT_MAX_FAILED_ATTEMPTS, alias="MAX_FAILED_ATTEMPTS", ge=1)
+    # Releases of one job for host faults (GPU gone, work disk full or gone mid-job) before its next
+    # such fault counts as its own failure (a job can fill a disk itself); 0: never released for them.
+    host_fault_max_releases: WholeNumber = Field(2, alias="HOST_FAULT_MAX_RELEASES", ge=0, le=100)
 
     # --- records
     mongo_uri: str | None = Field(None, alias="MONGO_URI", repr=False)
@@ -262,6 +266,11 @@ class Settings(BaseModel):
     # Mirror each attempt's checkpoints and finished stages to S3 this often (pipeline/remote_work.py),
     # so a retry on another host resumes instead of starting over. 0: off. Off anyway on a shared work root.
     checkpoint_s3_sync_s: Number = Field(0.0, alias="CHECKPOINT_S3_SYNC_SECONDS", ge=0, le=SQS_MAX_VISIBILITY_S)
+    # Each attempt's step logs go to S3 under the job while they are written (worker/voice/stage_logs.py):
+    # at most this long after a line is written, and once more when the attempt's steps end. 0: not shipped.
+    log_ship_interval_s: Number = Field(10.0, alias="LOG_SHIP_INTERVAL_SECONDS", ge=0, le=3600)
+    # A log ships at once when this many KiB are waiting; also the most one shipped chunk holds.
+    log_ship_chunk_kib: WholeNumber = Field(1024, alias="LOG_SHIP_CHUNK_KIB", ge=64, le=64 * 1024)
     # Stages get a secret-free environment: a built-in allow-list (pipeline/stage_env.py) plus these names.
     stage_env_passthrough: Annotated[tuple[str, ...], _on_text(_stage_env_names)] = Field(
         default_factory=tuple, alias="STAGE_ENV_PASSTHROUGH")
@@ -273,6 +282,10 @@ class Settings(BaseModel):
     base_model_cache_dir: str | None = Field(None, alias="BASE_MODEL_CACHE_DIR")
     # Below this much free space on WORK_ROOT's file system the worker refuses to start (host unfit).
     work_min_free_bytes: WholeNumber = Field(2 * 1024**3, alias="WORK_MIN_FREE_BYTES", ge=0)
+    # Jobs' stage logs left on the host are pruned past this age (0: kept whatever their age) ...
+    stage_logs_max_age_days: WholeNumber = Field(14, alias="STAGE_LOGS_MAX_AGE_DAYS", ge=0, le=3650)
+    # ... and, oldest first, while all of them together hold more than this (0: no size bound).
+    stage_logs_max_bytes: WholeNumber = Field(1024**3, alias="STAGE_LOGS_MAX_BYTES", ge=0)
 
     # --- time
     job_time_limit_s: WholeNumber = Field(21_600, alias="JOB_TIME_LIMIT_SECONDS", ge=1, le=SQS_MAX_VISIBILITY_S)
@@ -323,6 +336,12 @@ class Settings(BaseModel):
     # A file the loop and the heartbeat touch while alive; `python -m worker health` checks its age.
     liveness_file: str | None = Field(None, alias="LIVENESS_FILE")
     liveness_max_age_s: Number | None = Field(None, alias="LIVENESS_MAX_AGE_SECONDS", gt=0, le=MAX_AGE_LIMIT_S)
+    # Health fails once the queue or the store has not answered for this long (worker.core.healthcheck).
+    health_unreachable_after_s: Number = Field(300.0, alias="HEALTH_UNREACHABLE_AFTER_SECONDS", gt=0,
+                                               le=MAX_AGE_LIMIT_S)
+    # A running trainer stage logs one `stage.progress` line (step, percent, ETA, latest metrics) this
+    # often, and emits its latest training metrics (worker/voice/records/attempt.py).
+    progress_log_interval_s: Number = Field(60.0, alias="PROGRESS_LOG_INTERVAL_SECONDS", ge=1, le=86_400)
     # Set by systemd for Type=notify units: READY, WATCHDOG and STOPPING go there.
     notify_socket: str | None = Field(None, alias="NOTIFY_SOCKET")
     # CloudWatch embedded metric format, one JSON object per line on stdout (worker/core/metrics.py).
@@ -390,6 +409,20 @@ class Settings(BaseModel):
         return 3 * max(self.sqs_wait_time_s + 10, self.heartbeat_interval_s) + 30
 
     @property
+    def presence_interval_s(self) -> float:
+        """How often a worker writes its presence record: each heartbeat tick, but not more than every
+        few seconds (the test suites' sub-second ticks would only load the store)."""
+        return max(PRESENCE_MIN_INTERVAL_S, self.heartbeat_interval_s)
+
+    @property
+    def health_unreachable_limit_s(self) -> float:
+        """HEALTH_UNREACHABLE_AFTER_SECONDS, raised to two of the longest quiet spells between contacts
+        (a long poll, a heartbeat tick: the presence write and the renewals come once a tick), so a
+        healthy worker with a long heartbeat is never called unreachable."""
+        quiet_s = max(self.sqs_wait_time_s + 10, self.presence_interval_s)
+        return min(MAX_AGE_LIMIT_S, max(self.health_unreachable_after_s, 2 * quiet_s))
+
+    @property
     def mongo_connect_retry_delay_s(self) -> float:
         return self.mongo_connect_retry_delay_ms / 1000.0
 
@@ -434,9 +467,13 @@ class Settings(BaseModel):
         return StoreConfig(sqlite_path=self.sqlite_path, mongo=mongo)
 
     def input_policy(self) -> InputPolicy:
+        from worker.voice.languages import trainer_languages
+
+        # A deployment that runs the real trainers (TRAINER_PYTHON set) takes only the languages they train.
         return InputPolicy(recordings_bucket=self.recordings_s3_bucket,
                            recordings_key_prefix=self.recordings_s3_key_prefix,
-                           max_recordings=self.max_recordings_per_job, max_text_chars=self.max_text_chars)
+                           max_recordings=self.max_recordings_per_job, max_text_chars=self.max_text_chars,
+                           languages=trainer_languages() if self.trainer_python else None)
 
     def job_limits(self) -> JobLimits:
         return JobLimits(max_job_download_bytes=self.max_job_download_bytes,
@@ -452,6 +489,15 @@ class Settings(BaseModel):
             return None
         return RemoteWorkConfig(bucket=self.s3_bucket, prefix=self.s3_prefix,
                                 sync_interval_s=self.checkpoint_s3_sync_s)
+
+    def log_shipping_config(self) -> LogShippingConfig | None:
+        """Where attempts ship their step logs, or None when they do not (no bucket, or the interval 0)."""
+        from worker.voice.stage_logs import LogShippingConfig
+
+        if self.log_ship_interval_s <= 0 or not self.s3_bucket:
+            return None
+        return LogShippingConfig(bucket=self.s3_bucket, prefix=self.s3_prefix, interval_s=self.log_ship_interval_s,
+                                 chunk_bytes=self.log_ship_chunk_kib * 1024)
 
     def download_settings(self) -> DownloadSettings:
         from pipeline.downloads import DownloadSettings  # the download machinery only when it is used
@@ -483,10 +529,39 @@ def consistency_problems(s: Settings) -> list[str]:
     return problems
 
 
+# Below this many milliseconds a heartbeat interval is surely seconds typed into the _MS setting
+# (`=60`): ten renewals a second and more would only hammer SQS and the store. Refused.
+HEARTBEAT_MIN_MS = 100
+PRESENCE_MIN_INTERVAL_S = 5.0
+# Below a second it may be meant (the test suites run such short ticks), or be seconds (`=300` for five
+# minutes): the daemon starts, with a warning saying both readings (``settings_warnings``).
+HEARTBEAT_SUSPECT_BELOW_MS = 1000
+
+
+def heartbeat_unit_problem(interval_ms: int) -> str | None:
+    """Why SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS is surely the wrong unit (below 100 ms), or None."""
+    if interval_ms >= HEARTBEAT_MIN_MS:
+        return None
+    return (f"SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS={interval_ms} is in milliseconds, and a renewal every "
+            f"{interval_ms} ms would hammer SQS and the store: for {interval_ms} s write {interval_ms * 1000} "
+            f"(at least {HEARTBEAT_MIN_MS})")
+
+
+def settings_warnings(s: Settings) -> list[str]:
+    """What the daemon starts with but says at start, one line each: values that may be the wrong unit."""
+    ms = s.sqs_visibility_heartbeat_interval_ms
+    if ms < HEARTBEAT_SUSPECT_BELOW_MS:
+        return [f"SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS={ms} renews every {ms} ms, under a second: if "
+                f"{ms} s was meant, write {ms * 1000}"]
+    return []
+
+
 def _queue_time_problems(s: Settings) -> list[str]:
     """The rules between the heartbeat, the backoff, the time limit and SQS's 12 hours."""
     problems = []
-    if s.sqs_visibility_heartbeat_interval_ms >= s.sqs_visibility_timeout_s * 1000:
+    if problem := heartbeat_unit_problem(s.sqs_visibility_heartbeat_interval_ms):
+        problems.append(problem)
+    elif s.sqs_visibility_heartbeat_interval_ms >= s.sqs_visibility_timeout_s * 1000:
         problems.append(
             f"SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS={s.sqs_visibility_heartbeat_interval_ms} must be "
             f"shorter than SQS_VISIBILITY_TIMEOUT_SECONDS={s.sqs_visibility_timeout_s} "

@@ -10,8 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from structlog.testing import capture_logs
 
+from worker.core import ecs_agent
 from worker.core.ecs_agent import MAX_MINUTES, PATH, TaskProtection, protection_minutes, refusal, task_protection
 from worker.core.loop import busy_for_s
+from worker.core.metrics import PROTECTION_CLEAR_FAILURES
 from worker.settings import load_settings
 
 
@@ -25,6 +27,8 @@ class AgentStandIn:
     def __init__(self):
         self.requests: list[dict] = []
         self.answer: tuple[int, dict | bytes] = (200, {"protection": {"ProtectionEnabled": True}})
+        # Answers given once each, in order, before ``answer`` takes over.
+        self.answers: list[tuple[int, dict | bytes]] = []
         self.hang = False
         self.release = threading.Event()
         stand_in = self
@@ -36,7 +40,7 @@ class AgentStandIn:
                                           "content_type": self.headers["Content-Type"]})
                 if stand_in.hang:
                     stand_in.release.wait(10)
-                status, answer = stand_in.answer
+                status, answer = stand_in.answers.pop(0) if stand_in.answers else stand_in.answer
                 data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -147,7 +151,7 @@ def test_a_refused_protection_is_one_warning_and_the_job_still_completes(agent, 
                                                                        status, answer, shown):
     """An agent error or an ECS failure is logged as a warning with its reason; the job is acked all the same."""
     agent.answer = (status, answer)
-    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(agent.uri))
+    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(agent.uri, sleep=lambda _s: None))
     memory_queue.send()
     with capture_logs() as logs:
         assert worker.run_once() == "ack"
@@ -162,11 +166,12 @@ def test_an_unreachable_agent_is_a_warning_not_a_crash(memory_queue, make_memory
     """Nothing listening at ECS_AGENT_URI: each call logs one warning and the job is acked."""
     with AgentStandIn() as gone:
         uri = gone.uri  # a port that was just closed
-    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(uri))
+    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(uri, sleep=lambda _s: None))
     memory_queue.send()
     with capture_logs() as logs:
         assert worker.run_once() == "ack"
-    assert [e["event"] for e in logs if e["event"].startswith("task_protection.")] == ["task_protection.failed"] * 2
+    assert [e["event"] for e in logs if e["event"] in ("task_protection.failed", "task_protection.clear_failed")] == [
+        "task_protection.failed", "task_protection.failed", "task_protection.clear_failed"]
 
 
 def test_a_hung_agent_costs_at_most_the_timeout(agent):
@@ -225,7 +230,7 @@ def test_a_garbled_error_from_the_agent_is_one_warning_and_the_job_still_complet
                                                                                   make_memory_worker):
     """An HTTP 500 whose body is 60,000 brackets is a warning naming the status; the job is acked."""
     agent.answer = (500, DEEP)
-    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(agent.uri))
+    worker = make_memory_worker(lambda message, lease: None, activity=TaskProtection(agent.uri, sleep=lambda _s: None))
     memory_queue.send()
     with capture_logs() as logs:
         assert worker.run_once() == "ack"
@@ -300,3 +305,61 @@ def test_an_activity_that_raises_is_logged_and_the_loop_goes_on(memory_queue, ma
     assert [e["call"] for e in logs if e["event"] == "worker.activity_failed"] == [
         "busy" if activity.fail_busy else "idle"] * 2
     assert not [t for t in threading.enumerate() if t.name.startswith("heartbeat")]
+
+
+class Counted:
+    """Metrics that keep each count."""
+
+    def __init__(self):
+        self.counts: list[str] = []
+
+    def count(self, name, value=1, **properties):
+        self.counts.append(name)
+
+
+REFUSED = (503, {"error": {"Code": "ServerException", "Message": "agent busy"}})
+
+
+def test_a_clear_that_fails_is_tried_again_until_it_holds(agent):
+    """Two refused clears, then one that holds: three PUTs, two pauses of the backoff, no metric."""
+    agent.answers = [REFUSED, REFUSED]
+    pauses, metrics = [], Counted()
+    protection = TaskProtection(agent.uri, metrics=metrics, sleep=pauses.append)
+    with capture_logs() as logs:
+        protection.idle()
+    assert agent.bodies == [{"ProtectionEnabled": False}] * 3
+    assert pauses == [0.5, 1.0] and metrics.counts == []
+    assert [e["event"] for e in logs] == ["task_protection.retrying"] * 2 + ["task_protection.set"]
+
+
+def test_a_clear_that_never_holds_is_an_error_and_a_metric_within_its_deadline(agent):
+    """Every try refused: the tries stop within CLEAR_DEADLINE_S (tries plus pauses), one error line
+    and one TaskProtectionClearFailures count."""
+    agent.answer = REFUSED
+    pauses, metrics = [], Counted()
+    protection = TaskProtection(agent.uri, metrics=metrics, sleep=pauses.append)
+    with capture_logs() as logs:
+        protection.idle()
+    tries = len(agent.requests)
+    assert tries == len(pauses) + 1 >= 2
+    assert sum(pauses) + tries * ecs_agent.TIMEOUT_S <= ecs_agent.CLEAR_DEADLINE_S
+    assert metrics.counts == [PROTECTION_CLEAR_FAILURES]
+    assert [e["event"] for e in logs if e["log_level"] in ("warning", "error")] == [
+        "task_protection.failed", "task_protection.clear_failed"]
+
+
+def test_setting_the_protection_is_tried_once():
+    """Only the clear retries: a refused set costs the job's start one try."""
+    with AgentStandIn() as stand_in:
+        stand_in.answer = REFUSED
+        pauses = []
+        TaskProtection(stand_in.uri, sleep=pauses.append).busy(60)
+        assert len(stand_in.requests) == 1 and pauses == []
+
+
+@pytest.mark.parametrize(("backoff", "deadline", "pauses"), [
+    ((0.5, 1.0, 2.0, 4.0), 15.0, [0.5, 1.0]), ((1.0,) * 10, 11.0, [1.0, 1.0]), ((5.0,), 3.0, []),
+])
+def test_the_backoff_keeps_only_the_pauses_that_fit_the_deadline(backoff, deadline, pauses):
+    """Each pause is kept while it and one more try of TIMEOUT_S still fit the deadline."""
+    assert ecs_agent.retry_pauses_s(backoff, deadline, try_s=3.0) == pauses

@@ -126,3 +126,16 @@ def test_oldest_message_threshold_outlasts_one_attempt_at_its_time_limit_and_its
     one_attempt_s = settings.job_time_limit_s + settings.sqs_visibility_timeout_s + settings.sqs_retry_visibility_max_s
     default_s = int(load_template()["Parameters"]["OldestMessageAgeThresholdSeconds"]["Default"])
     assert default_s >= one_attempt_s
+
+
+def test_one_protection_clear_that_never_held_fires_its_alarm():
+    """TaskProtectionClearFailuresAlarm watches the metric the ECS agent client counts, with the worker's
+    dimensions, and fires on a single failed clear in 5 minutes; no data (a systemd host) is not an alarm."""
+    from worker.core.metrics import PROTECTION_CLEAR_FAILURES
+
+    alarm = _alarms()["TaskProtectionClearFailuresAlarm"]
+    assert alarm["MetricName"] == PROTECTION_CLEAR_FAILURES
+    assert [d["Name"] for d in alarm["Dimensions"]] == ["Environment", "Queue"]
+    assert (alarm["Statistic"], int(alarm["Period"]), int(alarm["EvaluationPeriods"])) == ("Sum", 300, 1)
+    assert (float(alarm["Threshold"]), alarm["ComparisonOperator"]) == (0.0, "GreaterThanThreshold")
+    assert alarm["TreatMissingData"] == "notBreaching"

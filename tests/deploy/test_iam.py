@@ -14,6 +14,7 @@ import pytest
 from tests.deploy.cfn import ACCOUNT, MODEL_BUCKET, REGION, Resolver, load_template
 from tests.deploy.files import REPO
 from worker.core.queue import Queue
+from worker.voice.stage_logs import AttemptLogShipper, LogShipping, S3Logs, ShippingTrainer, chunk_key, job_logs_prefix
 
 POLICY_JSON = REPO / "config" / "iam-policy.json"
 OPERATOR_POLICY_JSON = REPO / "config" / "iam-operator-policy.json"
@@ -65,9 +66,18 @@ def _canonical(statements) -> list[str]:
     return sorted(json.dumps({**s, "Action": sorted(_actions(s))}, sort_keys=True) for s in statements)
 
 
-def _grants(statements, action: str, resource: str) -> bool:
-    """Whether an unconditional Allow statement grants ``action`` on ``resource`` (IAM's * match)."""
-    return any(s["Effect"] == "Allow" and "Condition" not in s and action in _actions(s)
+def _grants(statements, action: str, resource: str, prefix: str | None = None) -> bool:
+    """Whether an Allow statement grants ``action`` on ``resource`` (IAM's * match): an unconditional one,
+    or, for a listing asking for ``prefix``, one whose only condition is an s3:prefix StringLike it matches."""
+    def applies(statement) -> bool:
+        condition = statement.get("Condition")
+        if condition is None:
+            return True
+        if prefix is None or list(condition) != ["StringLike"] or list(condition["StringLike"]) != ["s3:prefix"]:
+            return False
+        return any(fnmatch.fnmatchcase(prefix, pattern) for pattern in condition["StringLike"]["s3:prefix"])
+
+    return any(s["Effect"] == "Allow" and applies(s) and action in _actions(s)
                and any(fnmatch.fnmatchcase(resource, pattern) for pattern in _resources(s))
                for s in statements)
 
@@ -153,30 +163,46 @@ def test_recordings_statement_is_dropped_without_a_recordings_bucket():
 # ---------------------------------------------------------------- the operator commands' policy
 
 JOB_QUEUE, DLQ = RESOURCES["JobQueue"], RESOURCES["DeadLetterQueue"]
+MODEL_BUCKET_ARN = RESOURCES["ModelListing"]
 OPERATOR_ALLOWED = {
     "JobQueue": {"sqs:SendMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl"},
     "DeadLetterQueue": {"sqs:GetQueueUrl", "sqs:GetQueueAttributes", "sqs:ReceiveMessage",
                         "sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:StartMessageMoveTask"},
     "QueueAge": {"cloudwatch:GetMetricStatistics"},
+    "StageLogs": {"s3:GetObject"},
+    "StageLogListing": {"s3:ListBucket"},
 }
 # GetMetricStatistics has no resource-level permissions: "*" is the only resource it takes.
-OPERATOR_RESOURCES = {"JobQueue": JOB_QUEUE, "DeadLetterQueue": DLQ, "QueueAge": "*"}
-# (IAM action, resource) of every call each command makes, read from its code. The DLQ is found by
-# Queue.dead_letter_url (GetQueueAttributes on the job queue, GetQueueUrl of the DLQ); a peek receives
+OPERATOR_RESOURCES = {"JobQueue": JOB_QUEUE, "DeadLetterQueue": DLQ, "QueueAge": "*",
+                      "StageLogs": f"{MODEL_BUCKET_ARN}/models/v1/.logs/*", "StageLogListing": MODEL_BUCKET_ARN}
+# A job's shipped stage logs, named by the code that writes and reads them (worker/voice/stage_logs.py), so a
+# change of their layout shows here: S3Logs.chunks lists the job's prefix (ListObjectsV2: s3:ListBucket with
+# that s3:prefix), S3Logs.read_chunk gets each chunk.
+_JOB_ID, _ATTEMPT, _LOG = "665f1c2e9b1e8a0012ab34cd", "0002-1a2b3c4d", "20261202T052042.118313Z-train_full.log"
+_JOB_LOGS = job_logs_prefix("models/v1", _JOB_ID)
+_CHUNK = f"{MODEL_BUCKET_ARN}/{chunk_key('models/v1', _JOB_ID, _ATTEMPT, _LOG, 0)}"
+_READ_LOGS = {("s3:ListBucket", MODEL_BUCKET_ARN, _JOB_LOGS), ("s3:GetObject", _CHUNK)}
+# (IAM action, resource[, listed prefix]) of every call each command makes, read from its code. The DLQ is
+# found by Queue.dead_letter_url (GetQueueAttributes on the job queue, GetQueueUrl of the DLQ); a peek receives
 # and resets visibility with ChangeMessageVisibilityBatch (IAM: sqs:ChangeMessageVisibility).
 _FIND_DLQ = {("sqs:GetQueueAttributes", JOB_QUEUE), ("sqs:GetQueueUrl", DLQ)}
 _PEEK = {("sqs:ReceiveMessage", DLQ), ("sqs:ChangeMessageVisibility", DLQ)}
+# Counts of both queues (their attributes), the job queue's oldest-message age from CloudWatch.
+_QUEUE_VIEW = _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("cloudwatch:GetMetricStatistics", "*")}
 COMMAND_CALLS = {
     "submit": {("sqs:SendMessage", JOB_QUEUE)},
     "reconcile": {("sqs:SendMessage", JOB_QUEUE)} | _FIND_DLQ | _PEEK,
     "dlq list": _FIND_DLQ | _PEEK,
-    # Counts of both queues (their attributes), the job queue's oldest-message age from CloudWatch.
-    "queue": _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("cloudwatch:GetMetricStatistics", "*")},
+    "queue": _QUEUE_VIEW,
     # Move task: both queues' QueueArn, then StartMessageMoveTask, which also needs Receive, Delete and
     # GetQueueAttributes on the DLQ and SendMessage on the destination. Fallback: receive, send, delete.
     "dlq redrive": _FIND_DLQ | _PEEK | {
         ("sqs:GetQueueAttributes", DLQ), ("sqs:StartMessageMoveTask", DLQ),
         ("sqs:DeleteMessage", DLQ), ("sqs:SendMessage", JOB_QUEUE)},
+    # The job's shipped stage logs (worker/ops/logs.py); the records come from the store, not AWS.
+    "logs": _READ_LOGS,
+    # The web page: the queue's view (queue_view.look) and the newest log's tail (logs.tail_lines).
+    "ui": _QUEUE_VIEW | _READ_LOGS,
 }
 # Granted though no command calls it (they take SQS_QUEUE_URL): resolving the job queue's URL by name.
 OPERATOR_UNCALLED = {("sqs:GetQueueUrl", JOB_QUEUE)}
@@ -185,10 +211,21 @@ OPERATOR_UNCALLED = {("sqs:GetQueueUrl", JOB_QUEUE)}
 _PROBE = f"arn:aws:s3:::{MODEL_BUCKET}/models/v1/.doctor/0123456789abcdef"
 DOCTOR_CALLS = _FIND_DLQ | {("sqs:GetQueueAttributes", DLQ), ("s3:PutObject", _PROBE),
                             ("s3:DeleteObject", _PROBE)}
-# The modules whose SQS calls the operator commands make (worker/ops/cli.py wires them), each call
-# through a worker.core.queue.Queue, named ``queue`` or ``..._queue`` there, or used where it is made.
+# The modules whose AWS calls the operator commands make (worker/ops/cli.py wires them): SQS through a
+# worker.core.queue.Queue, named ``queue`` or ``..._queue`` there, or used where it is made; S3 through a
+# worker.voice.stage_logs.S3Logs, named ``logs`` or ``..._logs``.
 OPERATOR_CODE = ("worker/voice/submit.py", "worker/ops/reconcile.py", "worker/ops/dlq.py",
-                 "worker/ops/queue_view.py")
+                 "worker/ops/queue_view.py", "worker/ops/logs.py",
+                 *sorted(str(path.relative_to(REPO)) for path in (REPO / "worker" / "ops" / "ui").glob("*.py")))
+# What authorises each S3 operation the code may call (a paginator's operation included). One the table
+# does not know fails the code-grep tests until it is added here and, where needed, to a policy.
+S3_OPERATION_ACTIONS = {
+    "list_objects_v2": "s3:ListBucket", "list_objects": "s3:ListBucket",
+    "get_object": "s3:GetObject", "head_object": "s3:GetObject",
+    "put_object": "s3:PutObject", "create_multipart_upload": "s3:PutObject", "upload_part": "s3:PutObject",
+    "complete_multipart_upload": "s3:PutObject", "abort_multipart_upload": "s3:AbortMultipartUpload",
+    "delete_object": "s3:DeleteObject", "delete_objects": "s3:DeleteObject",
+}
 
 
 @pytest.fixture(params=["cloudformation", "json"])
@@ -198,59 +235,112 @@ def operator_statements(request):
     return _json_statements(OPERATOR_POLICY_JSON)
 
 
+def _camel(op: str) -> str:
+    return "".join(word.title() for word in op.split("_"))
+
+
 def _sqs_actions_called(source: str) -> set[str]:
     """IAM actions of the ``sqs.x(...)``/``self._sqs.x(...)`` calls in source; a batch call needs the
     single call's action."""
-    def camel(op: str) -> str:
-        return "".join(word.title() for word in op.split("_"))
-
-    sqs = {"sqs:" + camel(op).removesuffix("Batch") for op in re.findall(r"\b_?sqs\.([a-z_]+)\(", source)}
-    return sqs | {"cloudwatch:" + camel(op) for op in re.findall(r"\bcloudwatch\.([a-z_]+)\(", source)}
+    sqs = {"sqs:" + _camel(op).removesuffix("Batch") for op in re.findall(r"\b_?sqs\.([a-z_]+)\(", source)}
+    return sqs | {"cloudwatch:" + _camel(op) for op in re.findall(r"\bcloudwatch\.([a-z_]+)\(", source)}
 
 
-def _queue_methods_source(source: str) -> str:
-    """The source of every Queue method ``source`` calls on a queue, and of the Queue methods those call."""
-    methods = {name for name, attr in vars(Queue).items() if inspect.isfunction(attr)}
-    todo = set(re.findall(r"(?:\w*queue|\bQueue\([^()]*\))\.([a-z_]+)\(", source)) & methods
+def _s3_actions_called(source: str) -> set[str]:
+    """IAM actions of the ``s3.x(...)``/``self._s3.x(...)`` calls and the paginators' operations in source."""
+    operations = set(re.findall(r"\b_?s3\.([a-z0-9_]+)\(", source)) - {"get_paginator"}
+    operations |= set(re.findall(r"\b_?s3\.get_paginator\(\s*[\"']([a-z0-9_]+)[\"']", source))
+    unknown = operations - set(S3_OPERATION_ACTIONS)
+    assert not unknown, f"S3 operations S3_OPERATION_ACTIONS does not map to an IAM action: {sorted(unknown)}"
+    return {S3_OPERATION_ACTIONS[op] for op in operations}
+
+
+def _methods_source(cls: type, receiver: str, source: str) -> str:
+    """The source of every method of ``cls`` that ``source`` calls on a ``receiver`` (a regex), and of the
+    methods of ``cls`` those call."""
+    methods = {name for name, attr in vars(cls).items() if inspect.isfunction(attr)}
+    todo = set(re.findall(rf"(?:{receiver})\.([a-z_]+)\(", source)) & methods
     done: set[str] = set()
     while todo:
         name = todo.pop()
         done.add(name)
-        todo |= set(re.findall(r"\.([a-z_]+)\(", inspect.getsource(getattr(Queue, name)))) & methods - done
-    return "\n".join(inspect.getsource(getattr(Queue, name)) for name in sorted(done))
+        todo |= set(re.findall(r"\.([a-z_]+)\(", inspect.getsource(getattr(cls, name)))) & methods - done
+    return "\n".join(inspect.getsource(getattr(cls, name)) for name in sorted(done))
+
+
+def _queue_methods_source(source: str) -> str:
+    """The source of every Queue method ``source`` calls on a queue, and of the Queue methods those call."""
+    return _methods_source(Queue, r"\w*queue|\bQueue\([^()]*\)", source)
+
+
+def _shipped_logs_methods_source(source: str) -> str:
+    """The source of every S3Logs method ``source`` calls on its logs, and of the S3Logs methods those call."""
+    return _methods_source(S3Logs, r"\w*logs|\bS3Logs\([^()]*\)", source)
 
 
 def test_operator_statements_allow_exactly_the_listed_actions(operator_statements):
-    """Every operator statement is an unconditional Allow of exactly the allowed set for its Sid."""
+    """Every operator statement is an Allow of exactly the allowed set for its Sid; the one condition keeps
+    the listing to the shipped logs."""
     assert {s["Sid"]: _actions(s) for s in operator_statements} == OPERATOR_ALLOWED
     assert all(s["Effect"] == "Allow" for s in operator_statements)
-    assert not any({"NotAction", "NotResource", "Condition"} & set(s) for s in operator_statements)
+    assert not any({"NotAction", "NotResource"} & set(s) for s in operator_statements)
+    conditions = {s["Sid"]: s["Condition"] for s in operator_statements if "Condition" in s}
+    assert conditions == {"StageLogListing": {"StringLike": {"s3:prefix": ["models/v1/.logs/*"]}}}
 
 
-def test_operator_policy_has_no_wildcard_and_only_the_two_queues(operator_statements):
-    """No action has a *; the resources are the job queue and the DLQ, nothing else (no bucket), and
-    "*" for the one CloudWatch read, which takes no other."""
+def test_operator_policy_has_no_wildcard_and_only_the_queues_and_the_logs(operator_statements):
+    """No action has a *; the resources are the job queue, the DLQ, the model bucket (listing) and its
+    shipped-logs prefix, nothing else, and "*" for the one CloudWatch read, which takes no other."""
     assert not any("*" in action for s in operator_statements for action in _actions(s))
     assert {s["Sid"]: s["Resource"] for s in operator_statements} == OPERATOR_RESOURCES
 
 
 def test_operator_policy_grants_what_each_command_calls_and_no_more(operator_statements):
-    """submit, reconcile, dlq list and dlq redrive are each granted every call they make; beyond those
-    calls the policy grants only the one documented extra."""
+    """submit, reconcile, queue, dlq list and redrive, logs and ui are each granted every call they make;
+    beyond those calls the policy grants only the one documented extra."""
     for command, calls in COMMAND_CALLS.items():
         missing = {call for call in calls if not _grants(operator_statements, *call)}
         assert not missing, f"{command} is denied {sorted(missing)}"
+    calls = set().union(*COMMAND_CALLS.values()) | OPERATOR_UNCALLED
     granted = {(action, resource) for s in operator_statements
                for action in _actions(s) for resource in _resources(s)}
-    assert granted == set().union(*COMMAND_CALLS.values()) | OPERATOR_UNCALLED
+    unused = {(action, pattern) for action, pattern in granted
+              if not any(call[0] == action and fnmatch.fnmatchcase(call[1], pattern) for call in calls)}
+    assert not unused, f"granted but never called: {sorted(unused)}"
 
 
 def test_operator_call_table_matches_the_code():
-    """The SQS operations the operator modules call are the actions COMMAND_CALLS lists: a new call in
-    the code (say ListMessageMoveTasks) fails here until the policy and the table have it."""
+    """The SQS, CloudWatch and S3 operations the operator modules call are the actions COMMAND_CALLS lists:
+    a new call in the code (say ListMessageMoveTasks, or a HeadObject in the log reader) fails here until
+    the policy and the table have it."""
     source = "\n".join((REPO / path).read_text() for path in OPERATOR_CODE)
     called = _sqs_actions_called(source + _queue_methods_source(source))
-    assert called == {action for calls in COMMAND_CALLS.values() for action, _ in calls}
+    called |= _s3_actions_called(source + _shipped_logs_methods_source(source))
+    assert called == {call[0] for calls in COMMAND_CALLS.values() for call in calls}
+
+
+def test_the_log_readers_s3_calls_are_seen_by_the_code_grep():
+    """The log reader's calls (S3Logs.chunks and read_chunk, which logs.py makes) are in the grepped source,
+    and the shipper's write (put_chunk) is not: the operator policy owes the reader, not the worker."""
+    source = "\n".join((REPO / path).read_text() for path in OPERATOR_CODE)
+    reader = _shipped_logs_methods_source(source)
+    assert "def chunks(" in reader and "def read_chunk(" in reader and "def put_chunk(" not in reader
+    assert _s3_actions_called(reader) == {"s3:ListBucket", "s3:GetObject"}
+
+
+def test_operators_read_the_shipped_logs_and_nothing_else_in_the_bucket(operator_statements):
+    """The operator policy lists and reads under <prefix>/.logs/ only: no model read, no listing of the
+    models' keys, no write or delete anywhere, the logs included."""
+    model = f"{MODEL_BUCKET_ARN}/models/v1/production/p1/j1/{'ab' * 32}/full/model.pth"
+    assert _grants(operator_statements, "s3:GetObject", _CHUNK)
+    assert not _grants(operator_statements, "s3:GetObject", model)
+    assert not _grants(operator_statements, "s3:GetObject", f"{MODEL_BUCKET_ARN}/other/.logs/{_JOB_ID}/x.log")
+    assert _grants(operator_statements, "s3:ListBucket", MODEL_BUCKET_ARN, _JOB_LOGS)
+    for prefix in (None, "", "models/v1/", "models/v1/production/", "models/v1/.work/", ".logs/"):
+        assert not _grants(operator_statements, "s3:ListBucket", MODEL_BUCKET_ARN, prefix), prefix
+    for write in ("s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+        assert not _grants(operator_statements, write, _CHUNK), write
+        assert not _grants(operator_statements, write, model), write
 
 
 def test_cloudformation_and_json_operator_policies_are_the_same():
@@ -260,7 +350,25 @@ def test_cloudformation_and_json_operator_policies_are_the_same():
 
 
 def test_doctor_runs_on_the_worker_policy_not_the_operators(statements, operator_statements):
-    """Every call `doctor` makes is granted by the worker policy; the operator policy grants no S3."""
+    """Every call `doctor` makes is granted by the worker policy; the operator policy grants none of its S3
+    calls (no write under the prefix), so a doctor run with operator credentials fails."""
     missing = {call for call in DOCTOR_CALLS if not _grants(statements, *call)}
     assert not missing, f"doctor is denied {sorted(missing)}"
-    assert not any(a.startswith("s3:") for s in operator_statements for a in _actions(s))
+    assert not any(_grants(operator_statements, *call) for call in DOCTOR_CALLS if call[0].startswith("s3:"))
+
+
+# The worker's side of the stage logs: the shipper's classes and the S3Logs methods they call.
+SHIPPER_CODE = (AttemptLogShipper, LogShipping, ShippingTrainer)
+# What each S3 action the shipper may need is called on: a chunk, or the listing of its job's logs.
+_SHIPPER_CALLS = {"s3:PutObject": (_CHUNK,), "s3:GetObject": (_CHUNK,), "s3:DeleteObject": (_CHUNK,),
+                  "s3:AbortMultipartUpload": (_CHUNK,), "s3:ListBucket": (MODEL_BUCKET_ARN, _JOB_LOGS)}
+
+
+def test_worker_policy_grants_every_call_of_the_log_shipper(statements):
+    """Each S3 call the worker's log shipper makes (today PutObject of a chunk) is granted by the worker
+    policy on the chunk's key: a listing or a read added to the shipper fails here until it is granted."""
+    source = "\n".join(inspect.getsource(cls) for cls in SHIPPER_CODE)
+    called = _s3_actions_called(source + _shipped_logs_methods_source(source))
+    assert "s3:PutObject" in called
+    missing = {action for action in called if not _grants(statements, action, *_SHIPPER_CALLS[action])}
+    assert not missing, f"the log shipper is denied {sorted(missing)}"

@@ -242,13 +242,13 @@ def test_a_warning_does_not_change_the_exit_code_but_a_failure_does():
 def test_health_follows_the_liveness_file(tmp_path):
     """health passes while the liveness file is fresh and fails when it is stale or missing."""
     path = tmp_path / "alive"
-    settings = load_settings({"LIVENESS_FILE": str(path), "LIVENESS_MAX_AGE_SECONDS": "30"})
-    assert cmd_health(settings, out=io.StringIO()) == 1
+    environ = {"LIVENESS_FILE": str(path), "LIVENESS_MAX_AGE_SECONDS": "30"}
+    assert cmd_health(out=io.StringIO(), environ=environ) == 1
     path.touch()
-    assert cmd_health(settings, out=io.StringIO()) == 0
+    assert cmd_health(out=io.StringIO(), environ=environ) == 0
     old = time.time() - 60
     os.utime(path, (old, old))
-    assert cmd_health(settings, out=io.StringIO()) == 1
+    assert cmd_health(out=io.StringIO(), environ=environ) == 1
 
 
 def test_status_watch_goes_on_through_a_retryable_error(store, queues):

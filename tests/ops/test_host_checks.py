@@ -241,3 +241,18 @@ def test_the_probe_json_fields_are_the_documented_ones():
 
     design = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
     assert all(f"`{key}`" in design for key in PROBE_KEYS), json.dumps(PROBE_KEYS)
+
+
+def test_doctor_reports_the_work_roots_use(tmp_path):
+    """`doctor` prints the bytes the job directories hold, how many (and how many ended), and the free space."""
+    from worker.ops.doctor import work_root_use_check
+
+    work = tmp_path / "work"
+    (work / "production" / "voice-1" / "job-a" / "logs").mkdir(parents=True)
+    (work / "production" / "voice-1" / "job-a" / "logs" / "x.log").write_bytes(b"x" * 300)
+    (work / "production" / "voice-1" / "job-b" / "attempts" / "0001-aaaaaaaa").mkdir(parents=True)
+    (work / ".models" / "production").mkdir(parents=True)
+    check = work_root_use_check(load_settings({"WORK_ROOT": str(work)}))
+    assert check.ok and check.name == "work root use"
+    assert check.detail.startswith(f"{work}: 300 bytes in 2 job directories (1 ended, logs only), ")
+    assert "bytes free" in check.detail

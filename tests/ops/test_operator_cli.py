@@ -251,7 +251,10 @@ def long_job_document(store, clock) -> dict:
     store.record_error(job_id, token="t1", error_type="StageFailed", retryable=True, gpu_seconds=1234.5,
                        message="stage train_full exited 1: " + "CUDA out of memory while allocating a tensor " * 5)
     store.claim(job_id, owner="ip-10-0-1-24:4243", token="t2", lease_s=600)
-    store.set_progress(job_id, "t2", "train_full", 42.0, gpu_seconds=321.0)
+    store.set_progress(job_id, "t2", "train_full", 42.0, gpu_seconds=321.0,
+                       detail={"step": 123_456, "stageIndex": 4, "stageCount": 5, "overallPercent": 37.33,
+                               "etaS": 7265.0, "stageElapsedS": 3600.0, "device": "cuda",
+                               "latest": {f"loss_term_{n}": 1 / 3 for n in range(10)}})
     return status_document(store, job_id)
 
 

@@ -40,14 +40,17 @@ def test_a_retry_in_a_new_attempt_dir_reuses_every_verified_stage(tmp_path, job_
     first = run_pipeline(job, job_dir / "attempts" / "0001-aaaaaaaa", StopSignal(), config=default_config,
                          fetch=fetch, progress=lambda s, p: None)
     stage_logs = sorted(p.name for p in (job_dir / "logs").glob("*-t*.log"))
+    first_files = {key: (path.read_bytes(), os.stat(path).st_ino) for key, path in first.items()}
     second = run_pipeline(job, job_dir / "attempts" / "0002-bbbbbbbb", StopSignal(), config=default_config,
                           fetch=fetch, progress=lambda s, p: None)
     assert len(fetch.calls) == len(job.recordings)
     assert sorted(p.name for p in (job_dir / "logs").glob("*-t*.log")) == stage_logs
     for key, path in second.items():
         assert path.is_relative_to(job_dir / "attempts" / "0002-bbbbbbbb" / "output")
-        assert path.read_bytes() == first[key].read_bytes()
-        assert os.stat(path).st_ino != os.stat(first[key]).st_ino  # a copy, not a link
+        assert path.read_bytes() == first_files[key][0]
+        assert os.stat(path).st_ino != first_files[key][1]  # a copy, not a link
+    # Once its last stage adopted what it could, the earlier attempt is gone: one attempt's files.
+    assert [p.name for p in (job_dir / "attempts").iterdir()] == ["0002-bbbbbbbb"]
     for stage in default_config.stages:
         output = job_dir / "attempts" / "0002-bbbbbbbb" / "output"
         assert manifest_problem(manifest_path(output, stage.name), output, stage.name, stage.fingerprint,

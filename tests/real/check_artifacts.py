@@ -6,7 +6,8 @@ virtualenv's interpreter (torch, coqui-tts, onnxruntime and piper-tts live there
 
 Prints one JSON line of facts (the test asserts on them, so a failure shows what was found) and exits
 0; a check that cannot even run (an import, a file that does not load) raises, and the exit is 1.
-Standard library and the trainer's dependencies only: the worker's packages are not importable here.
+Standard library, the trainer's dependencies and its own package (voice_trainers) only: the worker's
+packages are not importable here.
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ def check_full(model_path: Path, config_path: Path) -> dict:
     from TTS.tts.configs.vits_config import VitsConfig
     from TTS.tts.models.vits import Vits
 
+    # The full model phonemises with Piper's espeak-ng (voice_trainers.tokenizer): a consumer registers that
+    # phonemizer with Coqui before building the model and installs the training tokenizer after, as
+    # docs/trainer.md says.
+    from voice_trainers.tokenizer import install, register
+
+    register()
     config = VitsConfig()
     config.load_json(str(config_path))
     model = Vits(config)
     model.load_checkpoint(config, str(model_path), eval=True, strict=False)
+    install(model, config.phoneme_language)
     checkpoint = torch.load(str(model_path), map_location="cpu", weights_only=False)
     saved = checkpoint["model"]
     own = model.state_dict()
@@ -46,16 +54,17 @@ def check_full(model_path: Path, config_path: Path) -> dict:
 
 
 def check_speakers(path: Path) -> dict:
-    """speakers.pth is Coqui's d-vector file: {clip: {"name": speaker, "embedding": [floats]}}."""
+    """speakers.pth is the speaker's file (trainers/voice_trainers/speakers.py): a unit centroid of the
+    kept clips' d-vectors and each embedded clip's cosine to it."""
     import torch
 
-    data = torch.load(str(path), map_location="cpu", weights_only=False)
-    vectors = [entry["embedding"] for entry in data.values()]
-    return {"speaker_entries": len(vectors),
-            "speaker_dimensions": sorted({len(v) for v in vectors}),
-            "speaker_names": sorted({entry["name"] for entry in data.values()}),
-            "speaker_vectors_finite": all(math.isfinite(x) for v in vectors for x in v),
-            "speaker_min_norm": min((math.sqrt(sum(x * x for x in v)) for v in vectors), default=0.0)}
+    data = torch.load(str(path), map_location="cpu", weights_only=True)
+    centroid = data["centroid"]
+    return {"speaker_entries": len(data["clips"]),
+            "speaker_kept": sum(1 for clip in data["clips"].values() if clip["kept"]),
+            "speaker_dimensions": [len(centroid)],
+            "speaker_vectors_finite": all(math.isfinite(x) for x in centroid),
+            "speaker_min_norm": math.sqrt(sum(x * x for x in centroid))}
 
 
 def check_onnx(model_path: Path, config_path: Path) -> dict:

@@ -22,6 +22,7 @@ from tests.real.harness import (
     worker_status,
 )
 from tests.real.speech import speech_clips
+from worker.voice.stage_logs import LOGS_KEY_DIR
 
 JOB_TIMEOUT_S = 1500
 # Above any six-step model's similarity, below nothing a real voice needs: the gate must refuse both models.
@@ -65,11 +66,14 @@ def test_a_model_below_the_bar_ends_the_job_refused_with_the_bars_it_failed(refu
 
 
 def test_a_refused_job_uploads_nothing_names_no_files_and_leaves_no_message(refused):
-    """No object in the model bucket (no version, no delete marker), no paths and no completion on the profile,
-    the queue and the DLQ empty: the message was acknowledged, not dead-lettered."""
+    """No model object in the bucket (no version, no delete marker: only the shipped stage logs), no paths and
+    no completion on the profile, the queue and the DLQ empty: the message was acknowledged, not dead-lettered."""
     job, worker = refused
     listed = job.stack.s3.list_object_versions(Bucket=job.stack.bucket)
-    assert listed.get("Versions", []) == [] and listed.get("DeleteMarkers", []) == [], listed
+    models = [v["Key"] for v in listed.get("Versions", []) + listed.get("DeleteMarkers", [])
+              if f"/{LOGS_KEY_DIR}/" not in v["Key"]]
+    assert models == [], listed
+    assert any(f"/{LOGS_KEY_DIR}/{job.job_id}/" in v["Key"] for v in listed.get("Versions", [])), listed
     profile = job.profile()
     assert not profile.get("s3Paths") and not profile.get("modelPaths"), profile
     assert profile.get("status") != "completed", profile

@@ -2,8 +2,10 @@
 
 Each case runs one job through the real loop, handler, download, dataset child and stage runner on a
 tmpfs the test mounts (``small_fs``), with moto for S3 and SQS and a SQLite store kept off the faulty
-disk. A fault must end the attempt in a recorded retryable error, leave nothing under a final name
-that a retry would trust (``half_written``), and once the disk is whole again the retry completes.
+disk. A fault is the host's, not the job's: it releases the job (no failure recorded, no retry spent),
+the worker takes no other message (it exits 7: a new worker is ``restart``), nothing is left under a
+final name that a retry would trust (``half_written``), and once the disk is whole again the retry on a
+new worker completes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ RECORDINGS = "recordings"
 MODELS = "models"
 LEASE_S = 10
 MODEL_BYTES = 1024 * 1024  # the stage's big output: a quarter of the disk
+# Below this free after a failed step the disk is the host's fault (the worker's WORK_MIN_FREE_BYTES):
+# a trainer that met a full disk exits with a code of its own, and the disk says why afterwards.
+WORK_MIN_FREE_BYTES = 512 * 1024
 TRAIN = "train"
 
 # A stand-in trainer: reads its dataset, says PROGRESS 50 and waits for the test's go (the moment a
@@ -112,7 +117,8 @@ class DiskRig:
         """A new worker process, as an operator's restart gives: nothing remembered from the old one."""
         handler = VoiceJobHandler(HandlerConfig(work_root=self.fs.work_root, s3_prefix="models",
                                                 worker_id="disk-worker", lease_s=LEASE_S,
-                                                policy=InputPolicy(recordings_bucket=RECORDINGS)),
+                                                policy=InputPolicy(recordings_bucket=RECORDINGS),
+                                                work_min_free_bytes=WORK_MIN_FREE_BYTES),
                                   store=self.store, uploader=ArtifactUploader(self.s3, MODELS), train=self._train)
         # No backoff: the retried message is back at once.
         self.worker, _ = self._make_worker(handler, SQS_VISIBILITY_TIMEOUT_SECONDS=LEASE_S,
@@ -235,14 +241,24 @@ def rig(small_fs, tmp_path, queues, make_worker):
     rig.store.close()
 
 
-def assert_retryable_failure(rig: DiskRig, action: str, error_type: str, words: str) -> dict:
+def assert_host_fault(rig: DiskRig, action: str, words: str) -> str:
+    """The attempt ended as a host fault: released, no failure recorded, the worker out of service
+    (it takes no other message), nothing half-written; the reason recorded on the attempt."""
     job = rig.job()
-    assert (action, job["status"]) == ("retry", "error"), job.get("error")
-    assert job["error"]["retryable"] is True
-    assert job["error"]["type"] == error_type, job["error"]
-    assert words in job["error"]["message"], job["error"]["message"]
+    assert (action, job["status"], job.get("error")) == ("release", "processing", None)
+    assert job.get("failedAttempts", 0) == 0 and job["history"][-1]["outcome"] == "host_fault"
+    reason = job["history"][-1]["hostFault"]
+    assert words in reason, reason
+    assert rig.worker.unfit is not None
     assert half_written(rig.fs.work_root, rig.config, rig.recording) == []
-    return job["error"]
+    return reason
+
+
+def restarted(rig: DiskRig) -> DiskRig:
+    """The unfit worker takes no message; a new one (the supervisor's restart after exit 7) does."""
+    assert rig.deliver() == "release" and rig.job()["history"][-1]["outcome"] == "host_fault"
+    rig.restart()
+    return rig
 
 
 # --- disk full
@@ -251,21 +267,22 @@ def assert_retryable_failure(rig: DiskRig, action: str, error_type: str, words: 
 def test_disk_full_during_a_download_is_retried_and_leaves_no_partial_download(rig):
     """A download that runs out of space mid-file is a recorded DownloadError and leaves no file behind."""
     rig.fs.fill(leave_bytes=64 * 1024)
-    assert_retryable_failure(rig, rig.deliver(), "DownloadError", "No space left on device")
+    assert_host_fault(rig, rig.deliver(), "No space left on device")
     assert rig.files_named("*.audio*") == []
     rig.fs.drain()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 
 def test_disk_full_during_the_dataset_is_retried_and_leaves_no_metadata(rig):
-    """A dataset step that runs out of space writes no metadata.csv, and the retry keeps the download."""
+    """A dataset step that runs out of space writes no metadata.csv; the host leaving service frees the
+    disk of the job's work (a download included: the job goes to another host)."""
     rig.at("dataset", 0.0, lambda: rig.fs.fill(leave_bytes=32 * 1024))
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "dataset step ran out of disk space")
+    assert_host_fault(rig, rig.deliver(), "dataset step ran out of disk space")
     assert rig.files_named(METADATA_NAME) == []
-    assert [p.read_bytes() == rig.recording for p in rig.files_named("*.audio")] == [True]
+    assert rig.files_named("*.audio") == []
     rig.fs.drain()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 
@@ -273,20 +290,20 @@ def test_disk_full_during_the_dataset_is_retried_and_leaves_no_metadata(rig):
 def test_disk_full_during_a_stage_is_retried_and_leaves_no_partial_output(rig, leave_bytes):
     """A stage that runs out of space mid-output leaves neither a manifest nor the partial output."""
     rig.at(TRAIN, 50.0, lambda: rig.fs.fill(leave_bytes=leave_bytes))
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
+    assert_host_fault(rig, rig.deliver(), "bytes free, below WORK_MIN_FREE_BYTES")
     assert rig.files_named("model.pth") == []
     rig.fs.drain()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 
 def test_disk_full_as_a_stage_finishes_leaves_neither_manifest_nor_outputs(rig):
     """A stage whose exit or manifest cannot be recorded on a full disk counts as failed: its outputs go too."""
     rig.at(TRAIN, 100.0, lambda: rig.fs.fill(leave_bytes=0))
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "No space left on device")
+    assert_host_fault(rig, rig.deliver(), "No space left on device")
     assert rig.files_named("model.pth") == []
     rig.fs.drain()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 
@@ -323,11 +340,11 @@ def test_disk_full_during_the_publish_is_retried_and_leaves_no_partial_model(rig
     """Publishing the models by copy on a full disk is a retryable error that names no model path and
     leaves no partial file; once there is room the retry publishes files that hold the uploaded bytes."""
     rig.at("trained", 100.0, lambda: rig.fs.fill(leave_bytes=256 * 1024))
-    assert_retryable_failure(rig, rig.deliver(), "StorageError", "No space left on device")
+    assert_host_fault(rig, rig.deliver(), "No space left on device")
     assert not (rig.store.get_profile(rig.profile_id) or {}).get("modelPaths")
     assert_published_files_whole(rig)
     rig.fs.drain()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
     assert_model_paths_hold_the_uploaded_bytes(rig)
 
@@ -351,33 +368,33 @@ def assert_model_paths_hold_the_uploaded_bytes(rig: DiskRig) -> None:
 # --- read-only
 
 
-@pytest.mark.parametrize(("step", "error_type"), [("download", "DownloadError"), ("dataset", "StageFailed")])
-def test_a_work_root_turned_read_only_before_a_step_is_retried(rig, step, error_type):
-    """A work root that turns read-only between steps is a recorded retryable error, not a crash, and
-    the same worker carries on once it is writable again."""
+@pytest.mark.parametrize("step", ["download", "dataset"])
+def test_a_work_root_turned_read_only_before_a_step_is_retried(rig, step):
+    """A work root that turns read-only between steps is a host fault, not a crash, and a new worker
+    carries on once it is writable again."""
     rig.at(step, 0.0, rig.fs.read_only)
-    assert_retryable_failure(rig, rig.deliver(), error_type, "Read-only file system")
+    assert_host_fault(rig, rig.deliver(), "read-only")
     rig.fs.writable_again()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 
 def test_a_work_root_turned_read_only_during_a_stage_is_retried(rig):
-    """A stage whose outputs cannot be created on a read-only work root fails retryably, no manifest written."""
+    """A stage whose outputs cannot be created on a read-only work root is a host fault, no manifest written."""
     rig.at(TRAIN, 50.0, rig.fs.read_only)
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN)
+    assert_host_fault(rig, rig.deliver(), "read-only")
     rig.fs.writable_again()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 
 def test_a_work_root_turned_read_only_after_training_is_retried_at_the_publish(rig):
-    """Publishing onto a read-only work root is a retryable error; writable again, the retry commits."""
+    """Publishing onto a read-only work root is a host fault; writable again, the retry commits."""
     rig.at("trained", 100.0, rig.fs.read_only)
-    assert_retryable_failure(rig, rig.deliver(), "StorageError", "Read-only file system")
+    assert_host_fault(rig, rig.deliver(), "read-only")
     assert not (rig.store.get_profile(rig.profile_id) or {}).get("modelPaths")
     rig.fs.writable_again()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
     assert_model_paths_hold_the_uploaded_bytes(rig)
 
@@ -386,29 +403,25 @@ def test_a_work_root_turned_read_only_after_training_is_retried_at_the_publish(r
 
 
 def test_a_work_root_unmounted_during_a_stage_is_retried_and_never_rebuilt_on_the_disk_below(rig):
-    """A work file system that goes away mid-stage fails the attempt, the retries write nothing under
-    the mount point while it is gone, and once it is mounted again the retry completes."""
+    """A work file system that goes away mid-stage is a host fault: the worker writes nothing under the
+    mount point after it, takes no other message, and once it is mounted again a new worker completes."""
     rig.at(TRAIN, 50.0, rig.fs.vanish)
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN)
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "is gone")
+    assert_host_fault(rig, rig.deliver(), "WORK_ROOT")
+    assert rig.deliver() == "release"  # unfit: the message handed back unworked
     assert list(rig.fs.root.iterdir()) == []  # nothing on the disk below the mount point
-    # Mounted again at its place, a tmpfs has the same device and inode numbers: it counts as back.
     rig.fs.mount()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 
 @pytest.mark.parametrize("when", [(TRAIN, 50.0), ("trained", 100.0)], ids=["during-a-stage", "after-training"])
 def test_a_work_root_removed_mid_job_is_retried_once_the_worker_restarts(rig, when):
-    """A work root deleted mid-job is a recorded retryable error, and so is every retry until the
-    worker restarts: the path may now name another disk."""
+    """A work root deleted mid-job is a host fault: the worker takes no other message (the path may now
+    name another disk) until it is restarted."""
     rig.at(*when, lambda: shutil.rmtree(rig.fs.work_root))
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", TRAIN if when[0] == TRAIN else "missing")
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "is gone")
+    assert_host_fault(rig, rig.deliver(), "WORK_ROOT")
     rig.fs.work_root.mkdir()  # made again by hand: a new directory, so still not the one the worker had
-    assert_retryable_failure(rig, rig.deliver(), "StageFailed", "another directory")
-    rig.restart()
-    assert rig.deliver() == "ack"
+    assert restarted(rig).deliver() == "ack"
     rig.assert_completed()
 
 

@@ -62,3 +62,21 @@ def test_a_vocabulary_piper_cannot_represent_is_refused(vocab, blank):
     """A symbol colliding with Piper's specials, a repeated symbol or a missing blank raises."""
     with pytest.raises(ValueError):
         config(vocab, blank)
+
+
+def test_a_config_with_bos_eos_and_no_blanks_maps_them_to_coqui_s_ids():
+    """BOS/EOS map to Coqui's ids when the model adds them; without blanks Piper's pad adds no id."""
+    vocab = ["<PAD>", "<EOS>", "<BOS>", "a", "b"]
+    ids = piper_voice_config(vocab=vocab, blank=None, add_blank=False, bos="<BOS>", eos="<EOS>",
+                             espeak_voice="en-us", language="en", sample_rate_hz=22050, hop_length=256,
+                             noise_scale=0.667, length_scale=1.0, noise_w=0.8)["phoneme_id_map"]
+    assert ids["^"] == [2] and ids["$"] == [1] and ids["_"] == []
+    piper = ids["^"] + ids["_"] + [i for p in ["a", "b"] for i in ids[p] + ids["_"]] + ids["$"]
+    assert piper == [2, 3, 4, 1]
+
+
+def test_the_normaliser_is_named_for_the_product():
+    """model.onnx.json names the text normaliser and its version, which the product runs before Piper."""
+    data = piper_voice_config(vocab=VOCAB, blank="<BLNK>", espeak_voice="de", language="de-AT", sample_rate_hz=22050,
+                              hop_length=256, noise_scale=0.667, length_scale=1.0, noise_w=0.8, normaliser_version=1)
+    assert data["text_normaliser"] == {"module": "voice_trainers.normalise", "version": 1, "voice": "de"}

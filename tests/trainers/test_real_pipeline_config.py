@@ -26,7 +26,17 @@ def test_the_real_pipeline_runs_the_four_trainer_stages():
         assert list(stage.permanent_exit_codes) == [65]
     outputs = [o for s in config.stages for o in s.outputs]
     assert sorted(outputs) == ["eval/quality.json", "full/config.json", "full/model.pth", "full/speakers.pth",
-                               "light/model.onnx", "light/model.onnx.json"]
+                               "light/model.onnx", "light/model.onnx.json", "prep/clips.tar", "prep/report.json"]
+
+
+def test_embed_prepares_the_dataset_every_later_stage_reads():
+    """embed reads the worker's dataset and writes prep/; train_full, train_light and evaluate read prep/."""
+    stages = load_pipeline_config(REAL, trainer_python=sys.executable).stages
+    datasets = {s.name: s.argv[list(s.argv).index("--dataset") + 1] for s in stages}
+    assert datasets == {"embed": "{dataset_dir}", "train_full": "{output_dir}/prep",
+                        "train_light": "{output_dir}/prep", "evaluate": "{output_dir}/prep"}
+    embed = list(stages[0].argv)
+    assert embed[embed.index("--prepared") + 1] == "{output_dir}/prep"
 
 
 def test_the_gpu_stages_declare_cuda_and_pass_it_to_the_trainer():

@@ -127,5 +127,5 @@ def test_a_failed_attempt_is_wasted_and_the_commit_reports_the_whole_cost(store,
     assert (cost["JobGpuSeconds"], cost["JobWastedGpuSeconds"], cost["JobAttempts"]) == (75, 30, 2)
     doc = status_document(store, JOB_ID)
     assert doc.as_json()["cost"] == {"attempts": 2, "gpuSeconds": 75.0, "wastedGpuSeconds": 30.0, "failedAttempts": 1}
-    assert "75 GPU-s, of which 30 wasted" in render_status(doc)
+    assert "75 CPU-s, of which 30 wasted" in render_status(doc)  # no stage declared cuda
     assert PROFILE_ID in render_status(doc)

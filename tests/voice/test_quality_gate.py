@@ -112,8 +112,9 @@ def test_a_model_below_a_bar_is_refused_acknowledged_and_nothing_is_committed(
     assert job[QUALITY]["gate"] == {"applied": True, "passed": False, "failed": job["error"]["failed"],
                                     "bars": {"minSpeakerSimilarity": 0.7, "maxCer": 0.3, "minDnsmosOvrl": 3.0,
                                              "requireSanity": True}}
-    # The report stays where the record says, for an operator to read.
-    assert json.loads(Path(job[QUALITY]["report"]).read_text())["models"]["full"]["speaker_similarity"] == 0.41
+    # The job ended: its scratch goes, the report with it; the record keeps the report's figures.
+    assert job[QUALITY]["models"]["full"]["speakerSimilarity"] == 0.41
+    assert not Path(job[QUALITY]["report"]).exists()
     [(kind, detail)] = gated.events.events
     assert kind == "JobFailed" and detail["outcome"] == "refused"
     assert detail["error"]["type"] == "QualityBelowBar" and detail["error"]["retryable"] is False

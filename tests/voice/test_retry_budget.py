@@ -65,7 +65,8 @@ def test_a_job_released_six_times_by_shutdown_still_completes(queue, make_memory
 
 def test_a_job_failing_retryably_every_time_is_dead_lettered_by_the_worker_after_five(
         queue, make_memory_worker, handler, raw_store, train):
-    """Four retries, then the fifth recorded failure dead-letters the message with its error attributes."""
+    """Four retries, then the fifth recorded failure dead-letters the message with its error attributes and
+    records on the job, in the same write, that its retries are spent."""
     train.during = failing
     worker = make_memory_worker(handler, queue=queue, **NO_BACKOFF)
     queue.send(message_body())
@@ -79,7 +80,9 @@ def test_a_job_failing_retryably_every_time_is_dead_lettered_by_the_worker_after
     assert copy.message_attributes["ReceiveCount"]["StringValue"] == "5"
     job = raw_store.get_job(JOB_ID)
     assert failed_attempts(job) == 5 and job["status"] == "error"
-    assert job["error"]["type"] == "StageFailed" and job["error"]["retryable"] is True
+    # Said at once on the record (defect 5), not "retryable" until the reconciler applies the DLQ copy.
+    assert job["error"]["type"] == "StageFailed" and job["error"]["retryable"] is False
+    assert job["error"]["retriesSpent"] is True and job["history"][-1]["outcome"] == "error"
 
 
 def test_the_limit_is_the_setting(queue, make_memory_worker, store, s3, train, tmp_path):

@@ -7,4 +7,4 @@ torch; ``embed``, ``full`` and ``light`` import torch, Coqui and Resemblyzer ins
 
 # The adapter's version, part of every checkpoint's fingerprint (pyproject.toml reads it from here): raise it
 # when a change makes an older checkpoint wrong to resume, and a retry after the upgrade starts over.
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -9,7 +9,7 @@
   is not: it holds the generator only.
 - ``config.json``: the VITS config those weights were trained with (the full stage's ``config.json``).
 
-The fine-tune takes the base's tokenizer (characters, cleaner, phonemizer, blanks), audio config and model
+The fine-tune takes the base's vocabulary (characters, blanks, BOS/EOS), audio config and model
 arguments, builds the model from them and loads the weights strictly; a base that does not fit the model
 its own config builds is refused before any training step (``UnfitBase``, exit 65).
 """
@@ -36,7 +36,9 @@ TEXT_EMBEDDING = "text_encoder.emb.weight"
 # The config fields a fine-tune takes from its base: whatever decides the token ids, the features and the
 # tensors' shapes. The rest (batch, clip lengths, the phoneme cache, the espeak voice of the job's
 # language) is the stage's own.
-BASE_FIELDS = ("model_args", "audio", "characters", "text_cleaner", "use_phonemes", "phonemizer", "add_blank",
+# The phonemizer is not the base's: it is always Piper's (voice_trainers.tokenizer), so the light voice is
+# fed what the model trained on; the base's vocabulary decides which of its symbols have ids.
+BASE_FIELDS = ("model_args", "audio", "characters", "text_cleaner", "use_phonemes", "add_blank",
                "enable_eos_bos_chars")
 # Speaker and language conditioning need a speaker or language file of the base; the stage trains one speaker.
 _CONDITIONING = ("use_speaker_embedding", "use_d_vector_file", "use_language_embedding", "use_speaker_encoder_as_loss")

@@ -94,3 +94,35 @@ def run_fingerprint(**parts: Any) -> str:
     """SHA-256 of what a run trains (dataset fingerprint, profile fields, language...), order-independent."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+BEST_NAME = "best.pt"
+
+
+def best_path(checkpoints: Path) -> Path:
+    """The best-scoring generator of the run so far: beside the step checkpoints, never pruned with them."""
+    return checkpoints / BEST_NAME
+
+
+def write_best(checkpoints: Path, fingerprint: str, step: int, score: float, generator: dict[str, Any],
+               save: Callable[[dict[str, Any], IO[bytes]], object]) -> None:
+    state = {"fingerprint": fingerprint, "step": step, "score": score, "model": generator}
+    atomic_write(best_path(checkpoints), lambda handle: save(state, handle))
+
+
+def read_best(checkpoints: Path, fingerprint: str, load: Callable[[Path], Any]) -> dict[str, Any] | None:
+    """This run's best so far (``step``, ``score``, ``model``), or None; another run's or a torn one is removed."""
+    path = best_path(checkpoints)
+    if not path.exists():
+        return None
+    try:
+        state = load(path)
+        usable = isinstance(state, dict) and state.get("fingerprint") == fingerprint and \
+            isinstance(state.get("model"), dict) and isinstance(state.get("step"), int) and \
+            isinstance(state.get("score"), float)
+    except Exception:  # a torn file: as good as none (it is rewritten at the next better validation)
+        usable = False
+    if not usable:
+        path.unlink(missing_ok=True)
+        return None
+    return state

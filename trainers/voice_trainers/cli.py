@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--light-model", type=Path, default=None, help="evaluate: the light stage's model.onnx")
     parser.add_argument("--base-model-dir", type=Path, default=None,
                         help="full: fine-tune from the base model in this directory (model.pth, config.json)")
+    parser.add_argument("--prepared", type=Path, default=None,
+                        help="embed: where the prepared dataset and its report.json go (default: prep/ beside --out)")
     parser.add_argument("--device", choices=DEVICES, default=None,
                         help="embed, full: where to run (default: the profile's); never a fallback to the CPU")
     args = parser.parse_args(argv)
@@ -49,9 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("light needs --full-model")
     if args.mode == "evaluate" and (args.full_model is None or args.light_model is None):
         parser.error("evaluate needs --full-model and --light-model")
+    if args.mode == "embed" and args.prepared is None:
+        args.prepared = args.out.parent / "prep"
     if args.base_model_dir is not None and args.mode != "full":
         parser.error("--base-model-dir is for full only")
-    for name in ("dataset", "out", "checkpoints", "full_model", "light_model", "base_model_dir"):
+    for name in ("dataset", "out", "checkpoints", "full_model", "light_model", "base_model_dir", "prepared"):
         value = getattr(args, name)
         if value is not None and not value.is_absolute():
             parser.error(f"--{name.replace('_', '-')} must be an absolute path (the stage's cwd is the worker's)")
@@ -92,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         if voice is None:
             raise UnusableData(f"no espeak-ng voice for language {args.language[:40]!r}")
         args.out.mkdir(parents=True, exist_ok=True)
+        if args.prepared is not None:
+            args.prepared.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(args.prepared)
         args.checkpoints.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(args.out)
         remove_stale_temps(args.checkpoints)
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "embed":
             from voice_trainers.embed import run_embed
 
-            run_embed(args, profile)
+            run_embed(args, profile, voice)
         elif args.mode == "full":
             from voice_trainers.full import run_full
 

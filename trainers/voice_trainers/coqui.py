@@ -13,6 +13,9 @@ from voice_trainers.threads import torch_threads
 
 # Coqui's model keys the exported full model keeps; the discriminator only matters for training.
 DISCRIMINATOR_PREFIX = "disc."
+# The duration predictor's noise at inference, for the full model (its config) and the light one (Piper's
+# noise_w, read from that config): Piper's usual 0.8 rather than Coqui's 1.0, and the same in both.
+NOISE_SCALE_DP = 0.8
 
 
 def import_torch() -> Any:
@@ -41,15 +44,34 @@ def patch_audio_loader() -> None:
     vits.load_audio = load_audio
 
 
+def piper_characters() -> Any:
+    """A from-scratch model's vocabulary: Coqui's four special tokens, then Piper's symbols in Piper's order.
+
+    Piper's set holds what its espeak-ng writes (tone digits, combining marks, ``;``), which Coqui's default
+    ``IPAPhonemes`` lacks. Explicitly unique and unsorted: Coqui's ``is_unique`` goes through a set, whose
+    order changes from process to process.
+    """
+    from TTS.tts.configs.shared_configs import CharactersConfig
+
+    from voice_trainers.tokenizer import piper_symbols
+
+    return CharactersConfig(characters_class="TTS.tts.utils.text.characters.IPAPhonemes", pad="<PAD>",
+                            eos="<EOS>", bos="<BOS>", blank="<BLNK>", characters="".join(piper_symbols()),
+                            punctuations="", is_unique=False, is_sorted=False)
+
+
 def build_config(profile: Profile, voice: str, *, phoneme_cache: Path | None) -> Any:
     warnings.filterwarnings("ignore", category=FutureWarning)
     from TTS.config.shared_configs import BaseAudioConfig
     from TTS.tts.configs.vits_config import VitsArgs, VitsConfig
 
+    from voice_trainers.tokenizer import PHONEMIZER_NAME, register
+
+    register()
     audio = BaseAudioConfig(sample_rate=SAMPLE_RATE_HZ, fft_size=1024, win_length=1024, hop_length=256,
                             num_mels=80, mel_fmin=0.0, mel_fmax=None)
     return VitsConfig(
-        model_args=VitsArgs(**profile.model_args),
+        model_args=VitsArgs(**{"inference_noise_scale_dp": NOISE_SCALE_DP, **profile.model_args}),
         audio=audio,
         run_name="voice",
         batch_size=profile.batch_size,
@@ -60,9 +82,12 @@ def build_config(profile: Profile, voice: str, *, phoneme_cache: Path | None) ->
         run_eval=False,
         test_delay_epochs=-1,
         mixed_precision=False,
-        text_cleaner="multilingual_phoneme_cleaners",
+        # The text goes through voice_trainers.normalise and Piper's phonemizer (voice_trainers.tokenizer),
+        # not through a Coqui cleaner Piper would not apply at inference.
+        text_cleaner=None,
+        characters=piper_characters(),
         use_phonemes=True,
-        phonemizer="espeak",
+        phonemizer=PHONEMIZER_NAME,
         phoneme_language=voice,
         compute_input_seq_cache=True,
         phoneme_cache_path=str(phoneme_cache) if phoneme_cache is not None else None,

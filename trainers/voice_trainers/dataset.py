@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import soundfile
 
 METADATA_NAME = "metadata.csv"
 WAVS_DIR_NAME = "wavs"
+PACKED_NAME = "clips.tar"
 SAMPLE_RATE_HZ = 22050
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
@@ -99,14 +102,32 @@ def read_metadata(dataset_dir: Path) -> list[tuple[str, str]]:
     return rows
 
 
-def load_clips(dataset_dir: Path, *, min_clip_s: float, max_clip_s: float, min_clips: int) -> list[Clip]:
-    """The clips a trainer can use; fewer than ``min_clips`` of them is unusable data.
+def unpack_prepared(dataset_dir: Path) -> None:
+    """Unpack ``PACKED_NAME`` (the embed stage's prepared dataset, one file so the worker can verify and
+    reuse it as a stage output) into ``dataset_dir`` unless its metadata.csv is there already.
+
+    metadata.csv is written last: a folder without it is an interrupted unpack and is unpacked again.
+    """
+    packed = dataset_dir / PACKED_NAME
+    if not packed.is_file() or (dataset_dir / METADATA_NAME).is_file():
+        return
+    shutil.rmtree(dataset_dir / WAVS_DIR_NAME, ignore_errors=True)
+    with tarfile.open(packed) as archive:
+        members = [m for m in archive.getmembers() if m.name != METADATA_NAME]
+        # The "data" filter refuses links, absolute paths and ".." (the file is an earlier stage's output).
+        archive.extractall(dataset_dir, members=members, filter="data")
+        archive.extract(METADATA_NAME, dataset_dir, filter="data")
+
+
+def read_recordings(dataset_dir: Path) -> list[Clip]:
+    """Every row of the dataset as a clip, whatever its length or text (a prepared dataset is unpacked
+    first).
 
     A WAV that is missing or not mono 22,050 Hz 16-bit PCM breaks the contract, so it fails the whole
-    dataset; a clip that is merely too short, too long or has a blank text is left out.
+    dataset.
     """
+    unpack_prepared(dataset_dir)
     clips: list[Clip] = []
-    skipped: list[str] = []
     for index, (uid, text) in enumerate(read_metadata(dataset_dir)):
         wav_path = dataset_dir / WAVS_DIR_NAME / f"{uid}.wav"
         try:
@@ -118,17 +139,46 @@ def load_clips(dataset_dir: Path, *, min_clip_s: float, max_clip_s: float, min_c
                 f"{uid}.wav: {info.samplerate} Hz, {info.channels} channel(s), {info.subtype};"
                 f" expected {SAMPLE_RATE_HZ} Hz mono PCM_16"
             )
-        duration_s = info.frames / info.samplerate
-        if not text.strip() or not min_clip_s <= duration_s <= max_clip_s:
-            skipped.append(uid)
+        clips.append(Clip(uid=uid, text=text, wav_path=wav_path, duration_s=info.frames / info.samplerate,
+                          index=index))
+    return clips
+
+
+def load_clips(dataset_dir: Path, *, min_clip_s: float, max_clip_s: float, min_clips: int) -> list[Clip]:
+    """The clips a trainer can use; fewer than ``min_clips`` of them is unusable data.
+
+    A clip that is merely too short, too long or has a blank text is left out (data preparation has left
+    out such clips of the prepared dataset already, each with its reason in its report).
+    """
+    clips: list[Clip] = []
+    skipped: list[str] = []
+    for clip in read_recordings(dataset_dir):
+        if not clip.text.strip() or not min_clip_s <= clip.duration_s <= max_clip_s:
+            skipped.append(clip.uid)
             continue
-        clips.append(Clip(uid=uid, text=text, wav_path=wav_path, duration_s=duration_s, index=index))
+        clips.append(clip)
     if skipped:
         # NOTE: the worker keeps the line on the job's record, so a user learns which clips did not count.
         print(f"NOTE left out {len(skipped)} clip(s) (blank text or not {min_clip_s}-{max_clip_s} s): "
               + " ".join(skipped[:10]), flush=True)
     require_enough(len(clips), min_clips, "usable clips")
     return clips
+
+
+def escape_text(text: str) -> str:
+    """A metadata field as the worker writes it (``pipeline.dataset.escape_text``; undone by
+    ``split_metadata_line``)."""
+    out = []
+    for ch in text:
+        if ch in "\\|":
+            out.append("\\" + ch)
+        elif ch in "\n\r":
+            out.append("\\n" if ch == "\n" else "\\r")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F or ch in "\x85\u2028\u2029":
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def require_enough(count: int, minimum: int, what: str) -> None:

@@ -1,54 +1,85 @@
-"""``embed``: Resemblyzer's GE2E d-vectors (256-d, the encoder ships inside the wheel) per clip.
+"""``embed``: data preparation (voice_trainers.prepare) and the speaker's Resemblyzer centroid.
 
-The output is Coqui's d-vector file format: a ``torch.save``'d dict ``{clip key: {"name": speaker,
-"embedding": [256 floats]}}`` (what ``TTS/bin/compute_embeddings.py`` writes and ``SpeakerManager``
-reads with ``d_vector_file``); the key is Coqui's ``audio_unique_name`` of the clip.
+One stage for both because the speaker filter of preparation and ``speakers.pth`` are the same d-vectors:
+Resemblyzer's GE2E encoder (256-d, inside the wheel) runs once per clip. The stage writes the prepared
+dataset and its ``report.json`` into ``--prepared`` (the training and evaluate stages' ``--dataset``)
+and ``speakers.pth`` (voice_trainers.speakers) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import time
+from collections.abc import Callable
+from importlib import metadata
 
-from voice_trainers.checkpoints import atomic_write
+import numpy as np
+
 from voice_trainers.coqui import import_torch
-from voice_trainers.dataset import load_clips, require_enough
+from voice_trainers.dataset import SAMPLE_RATE_HZ, read_recordings
 from voice_trainers.device import select_device
-from voice_trainers.full import SPEAKER
+from voice_trainers.prepare import Judges, TooLittleSpeech, prepare
 from voice_trainers.profiles import Profile
-
-SPEAKERS_NAME = "speakers.pth"
-EMBEDDING_DIM = 256
+from voice_trainers.speakers import SPEAKERS_NAME, speaker_file, write_speakers
 
 
-def clip_key(uid: str) -> str:
-    return f"#wavs/{uid}"
+def phoneme_counter(profile: Profile, voice: str) -> Callable[[str], int]:
+    """The spoken phonemes of a text as the full stage's tokenizer makes them (Coqui's espeak-ng
+    phonemizer and vocabulary, built from the same config): punctuation and spaces do not count."""
+    from TTS.tts.utils.text.tokenizer import TTSTokenizer
+
+    from voice_trainers.coqui import build_config
+
+    tokenizer, _ = TTSTokenizer.init_from_config(build_config(profile, voice, phoneme_cache=None))
+    characters = tokenizer.characters
+    not_spoken = set(characters.punctuations) | {" "}
+
+    def count(text: str) -> int:
+        symbols = (characters.id_to_char(i) for i in tokenizer.text_to_ids(text))
+        return sum(1 for s in symbols if len(s) == 1 and s not in not_spoken)
+
+    return count
 
 
-def run_embed(args: argparse.Namespace, profile: Profile) -> None:
-    clips = load_clips(args.dataset, min_clip_s=profile.min_clip_s, max_clip_s=profile.max_clip_s,
-                       min_clips=profile.min_clips)
+def judges_for(profile: Profile, voice: str) -> tuple[Judges, str]:
+    from voice_trainers.scoring import Utterance
+    from voice_trainers.scoring.asr import Recogniser, error_rates
+    from voice_trainers.scoring.similarity import SpeakerEncoder
+
+    encoder = SpeakerEncoder()
+    recogniser, why_not = Recogniser.for_voice(voice)
+    if recogniser is None:
+        print(f"NOTE no transcript check: {why_not}", flush=True)
+
+    def transcribe(audio: np.ndarray, text: str) -> tuple[float | None, str]:
+        assert recogniser is not None
+        heard = recogniser.transcribe(Utterance(samples=audio, rate_hz=SAMPLE_RATE_HZ, text=text))
+        rates = error_rates([text], [heard])
+        return (rates[0] if rates is not None else None), heard
+
+    judges = Judges(phonemes=phoneme_counter(profile, voice),
+                    transcribe=transcribe if recogniser is not None else None,
+                    embed=lambda audio: encoder.embed(Utterance(samples=audio, rate_hz=SAMPLE_RATE_HZ, text="")))
+    return judges, f"resemblyzer {metadata.version('resemblyzer')} GE2E"
+
+
+def run_embed(args: argparse.Namespace, profile: Profile, voice: str) -> None:
+    # Before torch and the encoders load (seconds of a job's time): a dataset that cannot be read, or whose
+    # recordings are shorter in all than the profile's minimum of speech, is refused at once, since
+    # preparation only trims and leaves out.
+    recorded_s = sum(clip.duration_s for clip in read_recordings(args.dataset))
+    if recorded_s < profile.min_speech_s:
+        raise TooLittleSpeech(f"too little usable speech: {recorded_s:.1f} s recorded in all,"
+                              f" at least {profile.min_speech_s:g} s needed")
     torch = import_torch()
-    import soundfile
-    from resemblyzer import VoiceEncoder, preprocess_wav
-
+    # The encoder runs on the CPU (a few ms a clip), but the stage keeps its contract: a host without the
+    # device asked for is not this job's fault (exit 70), and is found before any work.
+    select_device(torch, profile.device)
     started_s = time.process_time()
-    encoder = VoiceEncoder(device=select_device(torch, profile.device), verbose=False)
-    mapping = {}
-    for number, clip in enumerate(clips, start=1):
-        samples, rate_hz = soundfile.read(str(clip.wav_path), dtype="float32")
-        # Resemblyzer resamples to 16 kHz, normalises the volume and trims long silences.
-        wav = preprocess_wav(samples, source_sr=rate_hz)
-        if len(wav) == 0:
-            print(f"NOTE left out {clip.uid}: nothing but silence to Resemblyzer", flush=True)
-            continue
-        embedding = encoder.embed_utterance(wav)
-        mapping[clip_key(clip.uid)] = {"name": SPEAKER, "embedding": [float(x) for x in embedding]}
-        print(f"PROGRESS {100 * number / len(clips):.1f}", flush=True)
-    require_enough(len(mapping), profile.min_clips, "clips with speech")
-    buffer = io.BytesIO()
-    torch.save(mapping, buffer)
-    atomic_write(args.out / SPEAKERS_NAME, lambda handle: handle.write(buffer.getvalue()))
-    print(f"wrote {SPEAKERS_NAME}: {len(mapping)} d-vectors of {EMBEDDING_DIM} dimensions"
+    judges, encoder = judges_for(profile, voice)
+    outcome, centre, cosines = prepare(args.dataset, args.prepared, profile, judges,
+                                       lambda percent: print(f"PROGRESS {percent:.1f}", flush=True))
+    kept = {piece.uid for piece in outcome.kept}
+    write_speakers(args.out / SPEAKERS_NAME, speaker_file(centre, cosines, kept, encoder))
+    print(f"wrote {SPEAKERS_NAME}: the centroid of {len(kept)} clip(s), {len(cosines)} cosine(s)"
           f" ({time.process_time() - started_s:.1f} CPU-s)", flush=True)

@@ -23,6 +23,7 @@ from typing import Any
 from voice_trainers.checkpoints import atomic_write
 from voice_trainers.dataset import Clip, UnusableData, load_clips
 from voice_trainers.profiles import Profile
+from voice_trainers.speakers import SPEAKERS_NAME, read_centroid
 
 REPORT_NAME = "quality.json"
 REPORT_VERSION = 1
@@ -87,16 +88,19 @@ def synthesise_full(model_path: Path, sentences: list[str]) -> list[Any]:
 
 def synthesise_light(onnx_path: Path, sentences: list[str]) -> list[Any]:
     """The sentences spoken by Piper with the light pair (``model.onnx`` + ``model.onnx.json``) and Piper's
-    default synthesis settings (peak-normalised), what a user of the voice hears."""
+    default synthesis settings (peak-normalised), what a user of the voice hears: each sentence normalised
+    first, as the product must do (Piper reads raw text; the full model's tokenizer normalises itself)."""
     import numpy as np
     from piper import PiperVoice
 
+    from voice_trainers.normalise import normalise
     from voice_trainers.scoring import Utterance
 
     voice = PiperVoice.load(str(onnx_path))
     out = []
     for sentence in sentences:
-        chunks = [chunk.audio_float_array for chunk in voice.synthesize(sentence)]
+        spoken = normalise(sentence, voice.config.espeak_voice)
+        chunks = [chunk.audio_float_array for chunk in voice.synthesize(spoken)]
         samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         out.append(Utterance(samples=samples, rate_hz=voice.config.sample_rate, text=sentence))
     return out
@@ -140,6 +144,16 @@ def note_line(report: Mapping[str, Any]) -> str:
     return text[:NOTE_MAX_CHARS]
 
 
+def speaker_reference(full_model: Path, embeddings: list[Any]) -> Any:
+    """The centroid the models are scored against: the speaker data preparation kept (``speakers.pth``
+    beside ``model.pth`` in the pipeline), or for a stage run without it, that of the clips read here."""
+    from voice_trainers.scoring.similarity import centroid
+
+    speakers = full_model.parent / SPEAKERS_NAME
+    print(f"speaker centroid: {speakers.name if speakers.is_file() else 'the clips read here'}", flush=True)
+    return read_centroid(speakers) if speakers.is_file() else centroid(embeddings)
+
+
 def run_evaluate(args: argparse.Namespace, profile: Profile, voice: str) -> dict[str, Any]:
     started_wall = process_start_time()
     from voice_trainers.sentences import held_out, languages
@@ -168,7 +182,7 @@ def run_evaluate(args: argparse.Namespace, profile: Profile, voice: str) -> dict
     print("PROGRESS 10", flush=True)
     recordings = {clip.uid: read_clip(clip) for clip in speaker_clips}
     embeddings = {uid: scorers.encoder.embed(utterance) for uid, utterance in recordings.items()}
-    speaker = centroid(list(embeddings.values()))
+    speaker = speaker_reference(args.full_model, list(embeddings.values()))
     held, rest = split_reference(speaker_clips, len(sentences))
     print("PROGRESS 25", flush=True)
 

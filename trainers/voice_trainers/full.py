@@ -9,16 +9,17 @@ import io
 import json
 import logging
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 from voice_trainers.base import Base, apply_base_config, load_base_weights, read_base
+from voice_trainers.batching import EpochBatches, held_out_split
 from voice_trainers.checkpoints import (
     atomic_write,
     checkpoint_path,
     list_checkpoints,
     prune,
+    read_best,
     run_fingerprint,
     software_versions,
 )
@@ -32,8 +33,10 @@ from voice_trainers.coqui import (
 )
 from voice_trainers.dataset import Clip, UnusableData, dataset_fingerprint, load_clips
 from voice_trainers.device import select_device
+from voice_trainers.loop import Precision, Run, freeze_text_encoder, should_freeze_text_encoder, train
 from voice_trainers.profiles import Profile
 from voice_trainers.signals import StageSignals
+from voice_trainers.validation import HeldOut, Score, validation_score
 
 MODEL_NAME = "model.pth"
 CONFIG_NAME = "config.json"
@@ -60,7 +63,9 @@ LEFT_OUT_NAMED = 10
 LOG_MESSAGE_MAX_CHARS = 160
 
 
-def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: StageSignals) -> None:
+def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: StageSignals, *,
+             score: Score = validation_score, precision: Precision | None = None) -> None:
+    """``score`` and ``precision`` are for tests: another validation rule, bf16 autocast on the CPU."""
     clips = load_clips(args.dataset, min_clip_s=profile.min_clip_s, max_clip_s=profile.max_clip_s,
                        min_clips=profile.min_clips)
     torch = import_torch()
@@ -68,6 +73,7 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     device = select_device(torch, profile.device)
     base_dir = getattr(args, "base_model_dir", None)
     base = read_base(base_dir, torch) if base_dir is not None else None
+    fine_tune = base is not None
     fingerprint = training_fingerprint(dataset_fingerprint(args.dataset, clips), profile, voice,
                                        software_versions(), base=base.identity if base is not None else None)
     patch_audio_loader()
@@ -84,6 +90,11 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
         config = apply_base_config(config, base.config)
     # Vits builds its audio processor and tokenizer from the config (and fills in the vocabulary).
     model = Vits(config)
+    # Piper's phonemizer, so the light voice is fed the ids trained on; a language the vocabulary (the
+    # base's, with one) cannot carry whole is refused before any training (voice_trainers.tokenizer).
+    from voice_trainers.tokenizer import check_language, install
+
+    check_language(install(model, voice))
     if base is not None:
         load_base_weights(base, model)
         print(f"fine-tuning from the base model in {base.directory} (identity {base.identity[:16]},"
@@ -93,20 +104,60 @@ def run_full(args: argparse.Namespace, profile: Profile, voice: str, signals: St
     model = model.to(device)
     config = model.config
     samples = usable_samples(args.dataset, clips, model.tokenizer, profile.min_clips)
-    print(f"VITS: {parameter_count(model) / 1e6:.1f} M parameters on {device}, {len(samples)} clips", flush=True)
+    split = held_out_split([s["audio_unique_name"] for s in samples], profile.min_clips)
+    train_samples = [samples[i] for i in split.train]
+    held_out = [samples[i] for i in split.held_out]
+    if split.note is not None:
+        print(f"NOTE {split.note}", flush=True)
+    durations_s = {f"#wavs/{clip.uid}": clip.duration_s for clip in clips}
+    speech_s = sum(durations_s[s["audio_unique_name"]] for s in train_samples)
+    print(f"VITS: {parameter_count(model) / 1e6:.1f} M parameters on {device}, {len(train_samples)} clips"
+          f" ({speech_s:.0f} s) train, {len(held_out)} held out for validation", flush=True)
+    if should_freeze_text_encoder(fine_tune, speech_s, profile):
+        frozen = freeze_text_encoder(model)
+        print(f"text encoder frozen ({frozen} tensors): {speech_s:.0f} s of speech, under the"
+              f" {profile.freeze_text_encoder_below_s:.0f} s a fine-tune needs to retrain it", flush=True)
     optimizers = model.get_optimizer()
-    schedulers = model.get_scheduler(optimizers)
+    # The learning rate is a function of the step (voice_trainers.schedule), set before each step.
+    schedulers: list[Any] = [None, None]
     criteria = [criterion.to(device) for criterion in model.get_criterion()]
     step = restore(args.checkpoints, fingerprint, model, optimizers, schedulers, torch, base=base)
+    best = stored_best(args.checkpoints, fingerprint, torch)
+    if best is not None:
+        print(f"best validated step so far: {best['step']} (score {best['score']:.4f})", flush=True)
     # A resumed run draws other noise than the first steps did, not the same again.
     torch.manual_seed(seed + step)
     if step >= profile.total_steps:
         print(f"already at step {step} of {profile.total_steps}", flush=True)
     else:
-        loader = model.get_data_loader(config, is_eval=False, samples=samples, verbose=False)
-        step = train(model, loader, optimizers, schedulers, criteria, config, profile, step, fingerprint,
-                     args.checkpoints, signals, torch, device)
-    write_outputs(args.out, model, config, step, torch)
+        loader, sampler = training_loader(model, config, train_samples, profile.batch_size, seed, torch)
+        measure = None
+        if held_out:
+            measure = HeldOut(model, config, held_out, [s["audio_file"] for s in train_samples], torch, device)
+        peak = profile.fine_tune_learning_rate if fine_tune else profile.learning_rate
+        run = Run(model=model, loader=loader, sampler=sampler, optimizers=optimizers, criteria=criteria,
+                  config=config, profile=profile, fingerprint=fingerprint, checkpoints=args.checkpoints,
+                  signals=signals, torch=torch, device=device, peak_lrs=[peak, peak], measure=measure,
+                  best_score=best["score"] if best is not None else None, score=score, precision=precision,
+                  save_checkpoint=lambda at: save_checkpoint(args.checkpoints, at, fingerprint, model, optimizers,
+                                                             schedulers, profile.keep_checkpoints, torch))
+        step = train(run, step)
+        best = stored_best(args.checkpoints, fingerprint, torch)
+    write_outputs(args.out, model, config, step, torch, best=best)
+
+
+def stored_best(checkpoints: Path, fingerprint: str, torch: Any) -> dict[str, Any] | None:
+    return read_best(checkpoints, fingerprint, lambda path: torch.load(path, map_location="cpu", weights_only=True))
+
+
+def training_loader(model: Any, config: Any, samples: list[dict[str, Any]], batch_size: int, seed: int,
+                    torch: Any) -> tuple[Any, EpochBatches]:
+    """Coqui's dataset (its length filters and phonemes) read in length-bucketed batches reshuffled each epoch."""
+    dataset = model.get_data_loader(config, is_eval=False, samples=samples, verbose=False).dataset
+    sampler = EpochBatches([item["audio_length"] for item in dataset.samples], batch_size, seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=dataset.collate_fn,
+                                         num_workers=0, pin_memory=False)
+    return loader, sampler
 
 
 def training_fingerprint(dataset: str, profile: Profile, voice: str, versions: dict[str, str], *,
@@ -278,50 +329,19 @@ def save_checkpoint(checkpoints: Path, step: int, fingerprint: str, model: Any, 
     print(f"checkpoint saved at step {step} ({path.stat().st_size / 1e6:.0f} MB)", flush=True)
 
 
-def train(model: Any, loader: Any, optimizers: list[Any], schedulers: list[Any], criteria: list[Any], config: Any,
-          profile: Profile, step: int, fingerprint: str, checkpoints: Path, signals: StageSignals, torch: Any,
-          device: Any) -> int:
-    """Train until the global step reaches the profile's total; epochs only decide when schedulers step."""
-    model.train()
-    parameters = [
-        list(model.disc.parameters()),
-        [p for name, p in model.named_parameters() if not name.startswith(DISCRIMINATOR_PREFIX)],
-    ]
-    while step < profile.total_steps:
-        for batch in loader:
-            started_s = time.process_time()
-            batch = model.format_batch(batch)
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            batch = model.format_batch_on_device(batch)
-            losses = []
-            for index in (0, 1):
-                _, loss_dict = model.train_step(batch, criteria[index], index)
-                optimizers[index].zero_grad(set_to_none=True)
-                loss_dict["loss"].backward()
-                torch.nn.utils.clip_grad_norm_(parameters[index], config.grad_clip[index])
-                optimizers[index].step()
-                losses.append(float(loss_dict["loss"].detach()))
-            step += 1
-            print(f"step {step}/{profile.total_steps}: loss_disc {losses[0]:.3f} loss_gen {losses[1]:.3f}"
-                  f" ({time.process_time() - started_s:.1f} CPU-s)", flush=True)
-            print(f"PROGRESS {100 * step / profile.total_steps:.1f}", flush=True)
-            due = step % profile.checkpoint_every_steps == 0 or step == profile.total_steps
-            if signals.take_checkpoint_request() or due:
-                save_checkpoint(checkpoints, step, fingerprint, model, optimizers, schedulers,
-                                profile.keep_checkpoints, torch)
-            if step >= profile.total_steps:
-                break
-        for scheduler in schedulers:
-            if scheduler is not None:
-                scheduler.step()
-    return step
-
-
-def write_outputs(out: Path, model: Any, config: Any, step: int, torch: Any) -> None:
-    """model.pth holds the generator only (the inference checkpoint); config.json has no job paths."""
+def write_outputs(out: Path, model: Any, config: Any, step: int, torch: Any, *,
+                  best: dict[str, Any] | None = None) -> None:
+    """model.pth holds the generator only (the inference checkpoint): the best-validated one when the run
+    validated, else the last step's; ``step`` is how far the run trained, ``best_step`` (when validated) the
+    step whose weights these are. config.json has no job paths."""
     generator = {k: v for k, v in model.state_dict().items() if not k.startswith(DISCRIMINATOR_PREFIX)}
+    saved: dict[str, Any] = {"step": step}
+    if best is not None:
+        generator, saved["best_step"] = best["model"], best["step"]
+        print(f"shipping the best validated step {best['step']} (score {best['score']:.4f}), trained to step {step}",
+              flush=True)
     buffer = io.BytesIO()
-    torch.save({"model": generator, "step": step}, buffer)
+    torch.save({"model": generator, **saved}, buffer)
     atomic_write(out / MODEL_NAME, lambda handle: handle.write(buffer.getvalue()))
     text = json.dumps(portable_config(config), indent=2, sort_keys=True) + "\n"
     atomic_write(out / CONFIG_NAME, lambda handle: handle.write(text.encode()))

@@ -14,7 +14,7 @@ PIPER_EOS = "$"
 def piper_voice_config(
     *,
     vocab: Sequence[str],
-    blank: str,
+    blank: str | None,
     espeak_voice: str,
     language: str,
     sample_rate_hz: int,
@@ -22,15 +22,24 @@ def piper_voice_config(
     noise_scale: float,
     length_scale: float,
     noise_w: float,
+    add_blank: bool = True,
+    bos: str | None = None,
+    eos: str | None = None,
+    normaliser_version: int | None = None,
 ) -> dict[str, Any]:
     """Piper's voice config for Coqui's vocabulary, so Piper's phoneme ids equal Coqui's token ids.
 
-    Coqui (``add_blank``) puts its blank token between the phonemes and at both ends and adds no
-    BOS/EOS; Piper emits BOS, PAD, then each phoneme followed by PAD, then EOS. Mapping PAD to the
-    blank id and BOS/EOS to no id at all gives the same sequence.
+    Coqui (``add_blank``) puts its blank token between the phonemes and at both ends, and its BOS/EOS
+    tokens around them when the config asks (``bos``/``eos`` given); Piper emits BOS, PAD, then each
+    phoneme followed by PAD, then EOS. Mapping PAD to the blank id (no id without blanks) and BOS/EOS to
+    Coqui's (no id without them) gives the same sequence (``voice_trainers.tokenizer``).
     """
-    if blank not in vocab:
-        raise ValueError(f"blank token {blank!r} is not in the vocabulary")
+    specials = {"blank": blank if add_blank else None, "bos": bos, "eos": eos}
+    for name, token in specials.items():
+        if token is not None and token not in vocab:
+            raise ValueError(f"{name} token {token!r} is not in the vocabulary")
+    if add_blank and blank is None:
+        raise ValueError("add_blank needs a blank token")
     phoneme_id_map: dict[str, list[int]] = {}
     for index, symbol in enumerate(vocab):
         # Multi-character entries (<PAD>, <BLNK>, ...) are Coqui's special tokens, never a phoneme.
@@ -41,9 +50,15 @@ def piper_voice_config(
         if symbol in phoneme_id_map:
             raise ValueError(f"vocabulary symbol {symbol!r} appears twice")
         phoneme_id_map[symbol] = [index]
-    phoneme_id_map[PIPER_PAD] = [list(vocab).index(blank)]
-    phoneme_id_map[PIPER_BOS] = []
-    phoneme_id_map[PIPER_EOS] = []
+    ids = list(vocab)
+    phoneme_id_map[PIPER_PAD] = [ids.index(blank)] if add_blank and blank is not None else []
+    phoneme_id_map[PIPER_BOS] = [ids.index(bos)] if bos is not None else []
+    phoneme_id_map[PIPER_EOS] = [ids.index(eos)] if eos is not None else []
+    extra: dict[str, Any] = {}
+    if normaliser_version is not None:
+        # Piper reads raw text: the product must run the same normaliser first (docs/trainer.md).
+        extra["text_normaliser"] = {"module": "voice_trainers.normalise", "version": normaliser_version,
+                                    "voice": espeak_voice}
     return {
         "audio": {"sample_rate": sample_rate_hz, "quality": "custom"},
         "espeak": {"voice": espeak_voice},
@@ -55,4 +70,5 @@ def piper_voice_config(
         "hop_length": hop_length,
         "inference": {"noise_scale": noise_scale, "length_scale": length_scale, "noise_w": noise_w},
         "phoneme_id_map": phoneme_id_map,
+        **extra,
     }

@@ -18,12 +18,26 @@ class Profile:
     min_clips: int
     min_clip_s: float
     max_clip_s: float
+    # Usable speech (the seconds of the clips data preparation keeps) below which the job is refused
+    # (docs/trainer.md, "Data preparation").
+    min_speech_s: float = 0.0
     # Global steps of a fine-tune from a base model (``full --base-model-dir``), in place of total_steps.
     fine_tune_steps: int = 0
     # Where embed and full run unless --device says otherwise; never a silent fallback (docs/trainer.md).
     device: str = "cpu"
     # VitsArgs overrides on top of Coqui's defaults (a base model's own config.json replaces them).
     model_args: dict[str, Any] = field(default_factory=dict)
+    # The training recipe (docs/trainer.md, "The training recipe"): the peak rates of both optimizers (from
+    # scratch: Coqui's and Piper's 2e-4; a fine-tune: half), reached after a linear warm-up over this fraction
+    # of the steps, then a cosine decay to this fraction of the peak at the last step.
+    learning_rate: float = 2e-4
+    fine_tune_learning_rate: float = 1e-4
+    warmup_fraction: float = 0.02
+    final_lr_fraction: float = 0.1
+    # Steps between two validations on the held-out clips (the last step is always validated).
+    validate_every_steps: int = 1_000
+    # A fine-tune on less speech than this keeps the base's text encoder frozen.
+    freeze_text_encoder_below_s: float = 600.0
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """What a checkpoint's meaning depends on: not the device, so a retry on another host resumes it."""
@@ -56,8 +70,13 @@ PROFILES: dict[str, Profile] = {
         min_clips=4,
         min_clip_s=0.5,
         max_clip_s=20.0,
+        # Four of the tests' espeak-ng sentences (2-4 s each): ci trains on what the tests make up.
+        min_speech_s=5.0,
         fine_tune_steps=4,
         device="cpu",
+        validate_every_steps=2,
+        # Above the 6 made-up clips of the tests (about 25 s): a ci fine-tune freezes the text encoder.
+        freeze_text_encoder_below_s=60.0,
         model_args={
             "hidden_channels": 64,
             "hidden_channels_ffn_text_encoder": 256,
@@ -81,9 +100,14 @@ PROFILES: dict[str, Profile] = {
         checkpoint_every_steps=1_000,
         keep_checkpoints=2,
         batch_size=16,
-        min_clips=10,
-        min_clip_s=0.5,
-        max_clip_s=30.0,
+        # Five minutes in at least 50 clips of 1-12 s: below that a fine-tune of a few thousand steps
+        # overfits the few sentences it saw (Piper's fine-tuning guide asks for minutes, not seconds), and a
+        # held-out tenth is too few clips to pick a checkpoint by. VITS drops clips over ~11.6 s (its
+        # recipe) and long clips make the alignment quadratic, hence the 12 s ceiling of segmentation.
+        min_clips=50,
+        min_clip_s=1.0,
+        max_clip_s=12.0,
+        min_speech_s=300.0,
         fine_tune_steps=15_000,
         device="cuda",
         model_args={},

@@ -15,7 +15,8 @@ its next ``wait`` and the process exits 0, having received nothing.
 
 Exit codes: 0 after a requested shutdown or a drain, 1 when the loop ended for any other reason, 2
 when the settings cannot work, 7 when the host cannot (a host check at start-up failed: the base
-model, the trainer's GPU, the work file system; no message was received).
+model, the trainer's GPU, the work file system; no message was received; or a job met a host fault
+mid-way, ``HostFault``: its message was released to another host, and this worker took no other).
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: L
     2. tell systemd we are stopping (unless the stop signal already did);
     3. close the store and other clients;
     4. put the previous signal handlers back;
-    5. return the exit code: 0 for a requested stop or a drain, 1 for anything else.
+    5. return the exit code: 0 for a requested stop or a drain, 7 when a job found the host unfit
+       (the liveness file says ``unfit=``, so the health check fails too), 1 for anything else.
 
     With ``requests``, the relay was installed before the start-up by the caller, who uninstalls it
     (step 4); what was requested since reaches the worker before its first receive."""
@@ -234,6 +236,9 @@ def run_worker(worker: Worker, close: Callable[[], None] | None = None, pulse: L
         except Exception as exc:
             log.exception("worker.crashed", error=f"{type(exc).__name__}: {exc}")
             code = EXIT_CRASHED
+        if code == EXIT_OK and worker.unfit is not None:
+            code = EXIT_HOST_UNFIT
+            pulse.unfit(worker.unfit)
         pulse.stopping()
         if close is not None:
             try:

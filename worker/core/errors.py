@@ -16,6 +16,9 @@ so ``decide`` is a look-up on the branch and knows no class of a layer above.
     │                          (MAX_FAILED_ATTEMPTS): dead-lettered under the type of the error it wraps
     ├── LeaseLost              abandon: our claim on the message or the record is gone: commit nothing,
     │                          delete nothing
+    ├── HostFault              release: the host failed the job mid-way (its GPU gone, its work file system
+    │                          full, read-only or gone): another host takes the message now, no failure is
+    │                          recorded, and this worker takes no other message (the daemon exits 7)
     └── Stopped                the handler was told to stop; its ``reason`` (a ``StopReason``) names the
                                action: shutdown -> release, cancelled -> retry (the redelivery records
                                it), lease_lost -> abandon, time_limit -> dead_letter as TimeLimitExceeded
@@ -126,6 +129,13 @@ class RetriesExhausted(PermanentError):
 
 class LeaseLost(WorkerError):
     action = Action.ABANDON
+
+
+class HostFault(WorkerError):
+    """The host, not the job, ended the attempt: the message is released and the worker stops receiving
+    (``Worker.unfit``), so the daemon exits ``EXIT_HOST_UNFIT`` and its supervisor replaces the host."""
+
+    action = Action.RELEASE
 
 
 class Stopped(WorkerError):

@@ -10,6 +10,8 @@ Settling maps the handler's result to exactly one queue action:
                                         ``retry_budget``)
     PermanentError / time limit      -> copy to the DLQ with why, then delete; no DLQ -> max backoff
     Stopped(shutdown)                -> visibility := 0, another worker takes it now
+    HostFault                        -> visibility := 0, and this worker takes no other message
+                                        (``unfit``: the daemon exits 7, the host is replaced)
     LeaseLost, or a lost lease       -> nothing, whatever the result: the message is not ours to touch
 
 Each error class names its own action (``WorkerError.action``, see ``worker.core.errors``).
@@ -42,7 +44,7 @@ import structlog
 
 from worker.core.broker import Message, Queue
 from worker.core.core_config import Backoff, LeaseTimings, LoopConfig
-from worker.core.errors import Action, QueueError, RetriesExhausted, WorkerError
+from worker.core.errors import Action, HostFault, QueueError, RetriesExhausted, WorkerError
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease, Shutdown
 from worker.core.metrics import (
@@ -136,13 +138,17 @@ def spend_retry(error: WorkerError, failed_attempts: int, limit: int) -> WorkerE
     return error
 
 
-def keep_receiving(shutdown_requested: bool, draining: bool) -> bool:
-    """Whether the loop takes another message: not once a shutdown or a drain was requested."""
-    return not (shutdown_requested or draining)
+def keep_receiving(shutdown_requested: bool, draining: bool, unfit: bool = False) -> bool:
+    """Whether the loop takes another message: not once a shutdown or a drain was requested, nor once
+    a job found the host unfit."""
+    return not (shutdown_requested or draining or unfit)
 
 
-def stop_reason(shutdown_requested: bool, draining: bool) -> str:
-    """Why the loop ended, for the log: a shutdown (also one that came during a drain) or the drain."""
+def stop_reason(shutdown_requested: bool, draining: bool, unfit: bool = False) -> str:
+    """Why the loop ended, for the log: the host found unfit, a shutdown (also one that came during a
+    drain) or the drain."""
+    if unfit:
+        return "host_unfit"
     return "shutdown" if shutdown_requested or not draining else "drain"
 
 
@@ -186,6 +192,7 @@ class Worker:
         wait: Callable[[threading.Event, float], object] = threading.Event.wait,
         activity: Activity | None = None,
         log_fields: Callable[[Message], Mapping[str, object]] | None = None,
+        reached: Callable[[str], None] | None = None,
     ):
         self._config = config
         # What the handler can tell of a message before it parses it (the voice job: its jobId), bound
@@ -199,12 +206,16 @@ class Worker:
         self._reporter = reporter or Reporter(None)
         # Called after every receive and every successful renewal: feeds liveness and the watchdog.
         self._alive = alive or (lambda: None)
+        # Hears "queue" after every receive or renewal SQS answered: health's unreachable clock.
+        self._reached = reached or (lambda _part: None)
         self._crash = crash_points.reached
         self._activity = activity or NoActivity()
         self.shutdown = Shutdown()
         self._in_flight: str | None = None  # the message being worked on, for the shutdown's log line
         # Set once by drain(): no more receives, while the job in flight keeps its own clocks.
         self.draining = threading.Event()
+        # Why the host is unfit, once a job ended in a HostFault: no more receives; the daemon exits 7.
+        self.unfit: str | None = None
 
     # --- public surface
     def run(self) -> None:
@@ -212,7 +223,7 @@ class Worker:
         while self._receiving():
             self.run_once()
         log.info("worker.stopped",
-                 reason=stop_reason(self.shutdown.requested.is_set(), self.draining.is_set()))
+                 reason=stop_reason(self.shutdown.requested.is_set(), self.draining.is_set(), self.unfit is not None))
 
     def stop(self, *, notice: bool = False) -> None:
         """Request a shutdown (a second request skips the grace); from any thread, never from a signal
@@ -234,7 +245,7 @@ class Worker:
         log.info("worker.drain_requested", shutdown_requested=self.shutdown.requested.is_set())
 
     def _receiving(self) -> bool:
-        return keep_receiving(self.shutdown.requested.is_set(), self.draining.is_set())
+        return keep_receiving(self.shutdown.requested.is_set(), self.draining.is_set(), self.unfit is not None)
 
     def run_once(self) -> str | None:
         """Receive at most one message and see it through; returns the action taken, or None."""
@@ -248,6 +259,8 @@ class Worker:
             log.warning("queue.receive_failed", error=str(exc))
             self.shutdown.requested.wait(min(5.0, max(1.0, c.wait_s / 4)))
             return None
+        else:
+            self._reached("queue")
         finally:
             self._alive()
         if message is None:
@@ -265,6 +278,10 @@ class Worker:
         finally:
             structlog.contextvars.unbind_contextvars(*fields)
 
+    def _renewed(self) -> None:
+        self._reached("queue")
+        self._alive()
+
     def _handler_log_fields(self, message: Message) -> dict[str, object]:
         if self._log_fields is None:
             return {}
@@ -276,7 +293,7 @@ class Worker:
     # --- one message
     def _process(self, message: Message) -> str:
         lease = Lease(self._queue, message, self._config.lease, shutdown=self.shutdown, clock=self._clock,
-                      wait=self._wait, on_renewed=self._alive, metrics=self._metrics)
+                      wait=self._wait, on_renewed=self._renewed, metrics=self._metrics)
         log.info("message.received")
         started_s = self._clock()
         outcome: WorkerError | None = None
@@ -305,6 +322,11 @@ class Worker:
             renewals=lease.renewals,
             duration_s=round(self._clock() - started_s, 3),
         )
+        if isinstance(outcome, HostFault):
+            # Before the settle: whatever happens to the message, this host takes no other.
+            self.unfit = str(outcome)
+            log.error("worker.host_fault", error=str(outcome),
+                      note="message released to another host; this worker takes no other and exits 7")
         try:
             self._settle(message, decision, lease_lost=lease.lost)
             self._count_outcome(message, decision.action, label, self._clock() - started_s)

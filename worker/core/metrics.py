@@ -45,6 +45,8 @@ SECONDS, COUNT = "Seconds", "Count"
 JOB_DURATION = "JobDuration"                            # the completing attempt: receipt to delete
 RECEIVE_COUNT_AT_COMPLETION = "ReceiveCountAtCompletion"
 HEARTBEAT_FAILURES = "HeartbeatFailures"                # a renewal (the queue's or a callback's) that failed
+# A scale-in protection clear that still failed after its retries: an idle task may stay protected.
+PROTECTION_CLEAR_FAILURES = "TaskProtectionClearFailures"
 
 # What the loop did with a message -> the count it adds 1 to.
 class Outcome(StrEnum):
@@ -70,7 +72,8 @@ OUTCOME_METRICS: dict[str, str] = {
     Outcome.LEASE_LOST: "JobsLeaseLost",
 }
 # The core's metric names: what the loop and the heartbeat emit.
-METRIC_NAMES = frozenset({JOB_DURATION, RECEIVE_COUNT_AT_COMPLETION, HEARTBEAT_FAILURES, *OUTCOME_METRICS.values()})
+METRIC_NAMES = frozenset({JOB_DURATION, RECEIVE_COUNT_AT_COMPLETION, HEARTBEAT_FAILURES, PROTECTION_CLEAR_FAILURES,
+                          *OUTCOME_METRICS.values()})
 
 MAX_DIMENSIONS = 30  # per dimension set, CloudWatch's limit
 _DIMENSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,249}")  # EMF allows 250

@@ -166,7 +166,29 @@ def cmd_status(settings: Settings, args) -> int:
     if problems := missing(settings, "store"):
         return _fail(problems)
     with _store(settings, "read") as store:
-        return status(store, args.job_id, as_json=args.json, watch_s=args.watch)
+        return status(store, args.job_id, as_json=args.json, watch_s=args.watch, logs_at=_logs_at(settings))
+
+
+def _logs_at(settings: Settings):
+    """Where a job's stage logs are shipped (for `status`), or None when this deployment ships none."""
+    import functools
+
+    from worker.voice.stage_logs import logs_location
+
+    if not settings.s3_bucket or settings.log_ship_interval_s <= 0:
+        return None
+    return functools.partial(logs_location, settings.s3_bucket, settings.s3_prefix)
+
+
+def cmd_logs(settings: Settings, args) -> int:
+    from worker.ops.logs import cmd_logs as logs
+    from worker.voice.stage_logs import S3Logs
+
+    if problems := missing(settings, "store", "bucket"):
+        return _fail(problems)
+    shipped = S3Logs(_client("s3", settings), settings.s3_bucket or "", settings.s3_prefix)
+    with _store(settings, "read") as store:
+        return logs(shipped, store, args.job_id, stage=args.stage, attempt=args.attempt, follow=args.follow)
 
 
 def cmd_cancel(settings: Settings, args) -> int:
@@ -190,10 +212,19 @@ def cmd_doctor(settings: Settings, _args) -> int:
     return report(checks)
 
 
-def cmd_health(settings: Settings, _args) -> int:
+def cmd_health(settings: Settings | None, _args) -> int:
     from worker.ops.commands import cmd_health as health
 
     return health(settings)
+
+
+def cmd_workers(settings: Settings, args) -> int:
+    from worker.ops.workers_view import cmd_workers as workers
+
+    if problems := missing(settings, "store"):
+        return _fail(problems)
+    with _store(settings, "read") as store:
+        return workers(store, as_json=args.json, default_interval_s=settings.presence_interval_s)
 
 
 def cmd_reconcile(settings: Settings, _args) -> int:
@@ -246,6 +277,16 @@ def cmd_queue(settings: Settings, args) -> int:
 
     queue_url = _queue_url(settings)
     return queue(_client("sqs", settings), queue_url, _client("cloudwatch", settings), as_json_output=args.json)
+
+
+def cmd_ui(settings: Settings, args) -> int:
+    from worker.ops.ui.wiring import serve_ui
+
+    if problems := missing(settings, "store"):
+        return _fail(problems)
+    with _store(settings, "read") as store:
+        return serve_ui(settings, store, host=args.host, port=args.port,
+                        clients=lambda service: _client(service, settings))
 
 
 def cmd_schema(_settings, _args) -> int:
@@ -330,16 +371,29 @@ COMMANDS = {
              "python -m worker jobs --status processing --since 2h"),
     "status": (cmd_status, True, "show a job: status, attempts, progress, error, its files",
                "Print the job and profile records, and the files the job committed (a job that did not\n"
-               "complete has none: the profile's belong to another job); --json prints {\"job\": {...},\n"
-               "\"profile\": {...}, \"cost\": {...}, \"files\": {...} or null, \"problems\": [...]}. A field\n"
-               "another writer left malformed shows ?, with a warning line naming it on stderr (in\n"
-               "\"problems\" with --json). --watch polls until the job ends: on a terminal the block is\n"
-               "redrawn in place, elsewhere printed again only when it changed, with the time since the\n"
-               "watch began. Opens a STORE_URL file read-only and never creates one.\n\n"
+               "complete has none: the profile's belong to another job). A running job shows stage k of n,\n"
+               "its percent and the overall percent, the step and latest metrics, the time elapsed in the\n"
+               "stage and the attempt, the ETA, and the worker holding it; the cost is GPU-s when the\n"
+               "trainer ran on cuda, CPU-s otherwise. --json prints {\"job\": {...}, \"progress\": {...},\n"
+               "\"costUnit\": ..., \"profile\": {...}, \"cost\": {...}, \"files\": {...} or null,\n"
+               "\"problems\": [...]}. A field another writer left malformed shows ?, with a warning line\n"
+               "naming it on stderr (in \"problems\" with --json). --watch polls until the job ends: on a\n"
+               "terminal the block is redrawn in place, elsewhere printed again only when it changed,\n"
+               "with the time since the watch began. Opens a STORE_URL file read-only and never creates one.\n\n"
                + _exits("0 shown; 1 store failure; 3 no such job", store_file=True,
                         usage=" or a --watch that is not a positive number"),
                "python -m worker status 665f1c2e9b1e8a0012ab34cd\n"
                "  python -m worker status 665f1c2e9b1e8a0012ab34cd --watch 2"),
+    "logs": (cmd_logs, True, "print a job's stage logs, shipped to S3 while they were written",
+             "Every attempt's step logs (download, dataset, each stage), oldest first, each under a header\n"
+             "naming its attempt and step, read from S3_BUCKET under S3_PREFIX/.logs/JOB_ID/: no access to\n"
+             "the worker's disk is needed, and they outlive its host. Workers ship them every\n"
+             "LOG_SHIP_INTERVAL_SECONDS while a step writes, and once more when the attempt ends. --stage and\n"
+             "--attempt narrow the output; --follow keeps printing what is shipped next until the job ends\n"
+             "(as `status --watch`), or Ctrl-C. Opens a STORE_URL file read-only and never creates one.\n\n"
+             + _exits("0 shown (also none shipped yet, said on stderr); 1 an S3 or store failure; 3 no such job",
+                      store_file=True),
+             "python -m worker logs 665f1c2e9b1e8a0012ab34cd --stage train_full --follow"),
     "cancel": (cmd_cancel, True, "request a job's cancellation",
                "A running attempt stops at its next heartbeat (SQS_VISIBILITY_HEARTBEAT_INTERVAL_MS) and the\n"
                "job ends cancelled; a pending job ends cancelled when a worker receives it, before any\n"
@@ -354,9 +408,14 @@ COMMANDS = {
                "file read-only and never creates one.\n\n"
                + _exits("0 every check passed; 1 a check failed (a missing STORE_URL file is a FAIL)"),
                "python -m worker doctor"),
-    "health": (cmd_health, True, "exit 0 while the running worker's liveness file is fresh",
-               "For container health checks: LIVENESS_FILE must be set for the worker and this command.\n\n"
-               + _exits("0 healthy; 1 unhealthy (file stale or missing, or LIVENESS_FILE unset)"),
+    "health": (cmd_health, False, "exit 0 while the running worker's liveness file is fresh",
+               "For container health checks: LIVENESS_FILE must be set for the worker and this command.\n"
+               "Unhealthy too once the queue or the store has not answered the worker for\n"
+               "HEALTH_UNREACHABLE_AFTER_SECONDS. The same check as python -m worker.core.healthcheck: it\n"
+               "reads only LIVENESS_FILE, LIVENESS_MAX_AGE_SECONDS and HEALTH_UNREACHABLE_AFTER_SECONDS (the\n"
+               "worker writes its limits into the file), so no other setting changes its answer.\n\n"
+               "exit codes: 0 healthy; 1 unhealthy (file stale or missing, LIVENESS_FILE unset, a limit that\n"
+               "is not a number of seconds, the queue or the store unreachable, the host unfit); 130 Ctrl-C",
                "LIVENESS_FILE=/tmp/voice-worker.alive python -m worker health"),
     "reconcile": (cmd_reconcile, True, "one pass over stranded jobs: lost workers, lost messages, dead letters",
                   "A processing job whose lease ended RECONCILE_STALE_AFTER_SECONDS ago -> error (worker lost);\n"
@@ -379,6 +438,24 @@ COMMANDS = {
               "the dead-letter queue's depth. --json prints {\"queue\": {...}, \"deadLetters\": {...} or null}.\n\n"
               + _exits("0 shown; 1 an SQS call failed"),
               "python -m worker queue --json"),
+    "ui": (cmd_ui, True, "serve a read-only web page: jobs, a job's progress and loss curve, workers, queue",
+           "Serve the jobs list (filters: status, since, id text), each job's page (stages, progress and ETA\n"
+           "updating without a reload, loss curves, quality scores, base model, the stage log's tail), the\n"
+           "workers and the queue, on http://HOST:PORT/ until Ctrl-C. GET only (anything else is 405),\n"
+           "no settings or credentials shown; loopback by default. Opens a STORE_URL file read-only and\n"
+           "never creates one; without SQS_QUEUE_URL the queue page says so.\n\n"
+           + _exits("0 stopped by Ctrl-C; 1 store failure, or the port is taken", store_file=True),
+           "python -m worker ui --port 8765"),
+    "workers": (cmd_workers, True, "list the workers: state, job, for how long, last seen; stale ones marked",
+                "Every worker that wrote a presence record (each does on its heartbeat tick, idle or busy,\n"
+                "and deletes it on a clean exit): its id, state (idle, working, stopping, unfit), the job\n"
+                "it runs, how long it has been in that state, when it was last seen, its device, version\n"
+                "and host. A worker silent for over 3 of its ticks and 30 s is marked STALE (crashed,\n"
+                "killed, or cut off from the store); records unseen for a day are dropped. --json prints\n"
+                "{\"now\": ..., \"workers\": [...]} with stale, forS and seenAgoS on each. Opens a STORE_URL\n"
+                "file read-only and never creates one.\n\n"
+                + _exits("0 shown; 1 store failure", store_file=True),
+                "python -m worker workers --json"),
     "schema": (cmd_schema, False, "print the job message's JSON Schema, for the teams that send jobs",
                "Print the JSON Schema (draft 2020-12) of the SQS message body, generated from the model the\n"
                "worker validates every message with (worker/voice/message.py); docs/job-message.schema.json is\n"
@@ -453,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             p.add_argument("file", help="JSON file with the message's fields, or - for stdin")
             p.add_argument("--json", action="store_true", help='print {"jobId": "...", "created": true|false}')
-        elif name in ("status", "cancel"):
+        elif name in ("status", "cancel", "logs"):
             p.add_argument("job_id")
         if name == "dlq":
             # Each action its own parser: its own help, and an option of the other one is an error.
@@ -469,7 +546,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="move at most N messages (receive -> send -> delete)")
             redrive.add_argument("--fallback", action="store_true",
                                  help="receive -> send -> delete even where StartMessageMoveTask exists")
-        if name == "queue":
+        if name == "ui":
+            p.add_argument("--host", default="127.0.0.1",
+                           help="address to listen on (default 127.0.0.1: this machine only)")
+            p.add_argument("--port", type=int, default=8765, help="port to listen on (default 8765)")
+        if name == "logs":
+            p.add_argument("--stage", default=None, metavar="NAME", help="only this step's logs (train_full, dataset)")
+            p.add_argument("--attempt", type=positive_count, default=None, metavar="N", help="only attempt N's logs")
+            p.add_argument("--follow", action="store_true", help="keep printing what is shipped until the job ends")
+        if name in ("queue", "workers"):
             p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -496,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command is None:  # no command after all: the daemon, as before
         return _run_command(cmd_run, "run", None)
+    if args.command == "health":
+        # No settings: the answer must be the container check's, whatever else the environment holds.
+        return _guarded(args.func, args.command, None, args)
     if not args.needs_settings:
         return args.func(None, args)
     return _run_command(args.func, args.command, args)
@@ -517,6 +605,11 @@ def _run_command(func, command: str, args) -> int:
             return _fail(exc.problems)
     if command == "run":
         return func(settings, args)  # the daemon reports its own failures
+    return _guarded(func, command, settings, args)
+
+
+def _guarded(func, command: str, settings: Settings | None, args) -> int:
+    """An operator command's run: every way it can end is one line and an exit code."""
     try:
         code = func(settings, args)
         sys.stdout.flush()  # a reader that has gone is found here, not in Python's flush at exit

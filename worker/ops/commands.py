@@ -14,25 +14,27 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
 from worker.core.errors import InvalidMessage, WorkerError
-from worker.core.health import liveness_problem
+from worker.core.healthcheck import main as healthcheck_main
 from worker.core.logs import scrub
 from worker.core.redact import strip_control
 from worker.ops.dlq import MOVE_TASK, RECEIVE_SEND_DELETE, DeadLetterQueue
 from worker.settings import Settings
 from worker.voice.errors import QUALITY_BAR_PREFIX, IdempotencyMismatch
 from worker.voice.input_policy import SHAPE_ONLY, InputPolicy
+from worker.voice.prep_report import summary_line as dataset_summary
 from worker.voice.records import Store
 from worker.voice.records.rules import (
     BASE_MODEL,
     CANCELLED,
     COMPLETED,
+    DATASET,
     ERROR,
     FINAL_STATUSES,
     PENDING,
@@ -42,6 +44,7 @@ from worker.voice.records.rules import (
     committing,
     lease_live,
 )
+from worker.voice.records.training import progress_summary
 from worker.voice.records.view import JobView, Problem, ProfileView, job_view, shown
 from worker.voice.submit import SUBMISSION_HASH, prepare, submit_prepared
 
@@ -138,6 +141,8 @@ class JobStatus:
 
     job: JobView
     profile: ProfileView | None
+    # Where the job's stage logs are shipped (worker/voice/stage_logs.py), when the deployment ships them.
+    logs: str | None = None
 
     @property
     def files(self) -> tuple[dict[str, str], dict[str, str]] | None:
@@ -151,22 +156,33 @@ class JobStatus:
     def warnings(self) -> list[str]:
         return warning_lines(self.job, self.profile)
 
-    def as_json(self) -> dict:
+    def as_json(self, now: datetime | None = None) -> dict:
+        """The documents as stored, with what `status` draws from them: ``progress`` (how far, how long:
+        ``progress_summary``), the cost and its ``costUnit``, the quality, the files, the problems."""
         files = self.files
         document = self.job.document
         quality = document.get(QUALITY) if isinstance(document, dict) else None
-        return {"job": _jsonable(document),
+        summary = progress_summary(self.job, datetime.now(UTC) if now is None else now)
+        return {"job": _jsonable(document), "progress": _jsonable(summary),
+                "costUnit": cost_unit(self.job.trainer_device()),
                 "profile": None if self.profile is None else _jsonable(self.profile.document), "cost": self.job.cost(),
                 "quality": _jsonable(quality),
                 "files": None if files is None else {"modelPaths": files[0], "s3Paths": files[1]},
+                "logs": None if self.logs is None else {"location": self.logs, "command": self.logs_command},
                 "problems": self.problems()}
 
+    @property
+    def logs_command(self) -> str:
+        return f"python -m worker logs {one_line(self.job.id)}"
 
-def status_document(store: Store, job_id: str) -> JobStatus | None:
+
+def status_document(store: Store, job_id: str, logs_at: Callable[[str], str] | None = None) -> JobStatus | None:
+    """``logs_at(job_id)``: where the job's stage logs are shipped, when they are."""
     job = store.get_job(job_id)
     if job is None:
         return None
-    return JobStatus(job, store.get_profile(job.profile_id) if job.profile_id else None)
+    return JobStatus(job, store.get_profile(job.profile_id) if job.profile_id else None,
+                     logs=logs_at(job_id) if logs_at is not None else None)
 
 
 def warning_lines(job: JobView, profile: ProfileView | None = None) -> list[str]:
@@ -247,7 +263,9 @@ def wrapped(text: Any, indent: str) -> list[str]:
     width = max(20, WIDTH - len(indent))
     lines: list[str] = []
     for line in printable(strip_control(str(text))).split("\n"):
-        lines += [indent + part for part in textwrap.wrap(line, width, break_on_hyphens=False)] or [indent.rstrip()]
+        # At spaces only: a URL or a path longer than the width stays whole (copyable), on a line of its own.
+        lines += [indent + part for part in textwrap.wrap(line, width, break_on_hyphens=False,
+                                                          break_long_words=False)] or [indent.rstrip()]
     return lines
 
 
@@ -264,7 +282,9 @@ def _percent(value: float | None) -> str:
     return "?" if value is None else f"{value:.0f}"
 
 
-def _kind(retryable: bool | None) -> str:
+def _kind(retryable: bool | None, retries_spent: bool | None = None) -> str:
+    if retries_spent:
+        return "dead-lettered: retries spent"
     return "?" if retryable is None else "retryable" if retryable else "permanent"
 
 
@@ -276,12 +296,48 @@ def _path_lines(paths: dict) -> list[str]:
     return lines
 
 
-def render_status(status: JobStatus) -> str:
-    """The job as a block of lines, drawn from the views only: a field that is not valid shows ``?``."""
+# The latest metrics `status` shows (in the order the stage printed them); the record keeps them all.
+LATEST_SHOWN = 8
+
+
+def progress_lines(job: JobView, now: datetime) -> list[str]:
+    """How far (stage k of n, percent, overall percent), how well (step, latest metrics) and how long
+    (elapsed in the stage and the attempt, the ETA) from the record's progress (``progress_summary``)."""
+    summary = progress_summary(job, now)
+    if summary is None:
+        return []
+    where = f"{known(summary['stage'])} {_percent(summary['percent'])} %"
+    if summary["stageIndex"] and summary["stageCount"]:
+        where = f"stage {summary['stageIndex']} of {summary['stageCount']}: {where}"
+    tails = [f"overall {_percent(summary['overallPercent'])} %"] if summary["overallPercent"] is not None else []
+    lines = fitted("progress", where, *tails, f"at {moment(summary['updatedAt'], same_day_as=now)}")
+    shown = [f"step {summary['step']}"] if summary["step"] is not None else []
+    shown += [f"{one_line(name)[:48]} {value:.4g}" for name, value in list(summary["latest"].items())[:LATEST_SHOWN]]
+    if shown:
+        lines += fitted("latest", shown[0], *shown[1:])
+    times = [f"{format_elapsed(summary[key])} {where_}" for key, where_ in
+             (("stageElapsedS", "in this stage"), ("attemptElapsedS", "in this attempt")) if summary[key] is not None]
+    if summary["etaAt"] is not None:
+        left_s = max(0.0, (summary["etaAt"] - now).total_seconds())
+        times.append(f"ETA {moment(summary['etaAt'], same_day_as=now)} (in {format_elapsed(left_s)})")
+    if times:
+        lines += fitted("elapsed", times[0], *times[1:])
+    return lines
+
+
+def cost_unit(device: str | None) -> str:
+    """Trainer seconds are GPU-seconds only where the trainer ran on cuda."""
+    return "GPU-s" if device == "cuda" else "CPU-s"
+
+
+def render_status(status: JobStatus, now: datetime | None = None) -> str:
+    """The job as a block of lines, drawn from the views only: a field that is not valid shows ``?``.
+    ``now`` (default: this host's clock) is what elapsed times and the ETA are counted to."""
     job, profile = status.job, status.profile
+    now = datetime.now(UTC) if now is None else now
     lines = [f"job {known(job.id)}: {known(job.status)}  (attempts: {known(job.attempts)})"]
-    if p := job.progress:
-        lines += fitted("progress", f"{known(p.stage)} {_percent(p.percent)} %", f"at {moment(p.updated_at)}")
+    if job.progress:
+        lines += progress_lines(job, now)
     elif job.invalid("progress"):
         lines += fitted("progress", "?")
     if held := job.lease:
@@ -289,18 +345,21 @@ def render_status(status: JobStatus) -> str:
     elif job.invalid("lease"):
         lines += fitted("lease", "?")
     spent = job.cost()
-    lines += fitted("cost", f"{spent['gpuSeconds']:.0f} GPU-s, of which {spent['wastedGpuSeconds']:.0f} wasted",
+    unit = cost_unit(job.trainer_device())
+    lines += fitted("cost", f"{spent['gpuSeconds']:.0f} {unit}, of which {spent['wastedGpuSeconds']:.0f} wasted",
                     f"failed attempts: {known(spent['failedAttempts'])}")
     if job.cancel_requested is None:
         lines += fitted("cancel", "?")
     elif job.cancel_requested and job.status != CANCELLED:
         lines += fitted("cancel", "requested")
     if e := job.error:
-        lines += fitted("error", f"{known(e.type)} ({_kind(e.retryable)})")
+        lines += fitted("error", f"{known(e.type)} ({_kind(e.retryable, e.retries_spent)})")
         if e.message is not None or job.invalid("error.message"):
             lines += wrapped("?" if e.message is None else e.message, VALUE_INDENT + "| ")
     elif job.invalid("error"):
         lines += fitted("error", "?")
+    if isinstance(job.document, dict) and DATASET in job.document:
+        lines += fitted("dataset", one_line(dataset_summary(job.document[DATASET])))
     if isinstance(job.document, dict) and QUALITY in job.document:
         lines += quality_lines(job.document[QUALITY])
     if isinstance(job.document, dict) and isinstance(base := job.document.get(BASE_MODEL), dict):
@@ -309,7 +368,7 @@ def render_status(status: JobStatus) -> str:
         if h is None:
             lines += fitted(f"attempt {number}", "?")
             continue
-        gpu = "" if h.gpu_seconds is None else f"{h.gpu_seconds:.0f} GPU-s"
+        gpu = "" if h.gpu_seconds is None else f"{h.gpu_seconds:.0f} {cost_unit(h.device or job.trainer_device())}"
         end = moment(h.end, same_day_as=h.start) if h.end or job.invalid(f"history[{number - 1}].end") else "…"
         lines += fitted(f"attempt {number}", f"{moment(h.start)} -> {end}  {known(h.outcome)}",
                         *filter(None, [gpu, f"on {known(h.worker)}"]))
@@ -317,6 +376,8 @@ def render_status(status: JobStatus) -> str:
             lines += wrapped(f"note from {note.stage or '?'}: {note.text or '?'}", VALUE_INDENT + "| ")
     if job.invalid("history") and not job.history:
         lines += fitted("history", "?")
+    if status.logs is not None and job.history:
+        lines += fitted("logs", status.logs_command, one_line(status.logs))
     if job.completed_at or job.invalid("completedAt"):
         lines += fitted("completed", moment(job.completed_at))
     if profile is None:
@@ -418,25 +479,29 @@ class Watch:
 
 def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | None = None,
                out: TextIO | None = None, err: TextIO | None = None, sleep=time.sleep,
-               clock: Callable[[], float] = time.monotonic, tty: bool | None = None) -> int:
+               clock: Callable[[], float] = time.monotonic, tty: bool | None = None,
+               logs_at: Callable[[str], str] | None = None,
+               wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> int:
     """With ``watch_s``, polls until the job ends: --json prints one line per poll, the text layout
-    goes through ``Watch``."""
+    goes through ``Watch``. ``logs_at``: where stage logs are shipped (``status_document``). Elapsed
+    times and the ETA count to ``wall_clock``."""
     out, err = out or sys.stdout, err or sys.stderr
     watch = None
     if watch_s and not as_json:
         watch = Watch(out, watch_s, tty=out.isatty() if tty is None else tty, clock=clock)
     while True:
-        status = status_document(store, job_id)
+        status = status_document(store, job_id, logs_at)
         if status is None:
             print(f"no job {job_id}", file=err)
             return EXIT_NOT_FOUND
+        now = wall_clock()
         if as_json:
-            print(json.dumps(status.as_json()), file=out, flush=True)
+            print(json.dumps(status.as_json(now)), file=out, flush=True)
         elif watch:
             # Under the block, not on stderr: a line written between two draws would spoil the redraw.
-            watch.show("\n".join([render_status(status), *status.warnings()]))
+            watch.show("\n".join([render_status(status, now), *status.warnings()]))
         else:
-            print(render_status(status), file=out, flush=True)
+            print(render_status(status, now), file=out, flush=True)
             for line in status.warnings():
                 print(line, file=err, flush=True)
         job = status.job
@@ -479,7 +544,7 @@ def render_job_line(job: JobView) -> list[str]:
         if job.status == REFUSED:  # final, not a failure: which bars, first
             text = f"  {known(e.type)}: {first.removeprefix(QUALITY_BAR_PREFIX)}" if e else "  error ?"
         else:
-            text = f"  {known(e.type)} ({_kind(e.retryable)}): {first}" if e else "  error ?"
+            text = f"  {known(e.type)} ({_kind(e.retryable, e.retries_spent)}): {first}" if e else "  error ?"
         lines += [text if len(text) <= WIDTH else text[:WIDTH - 1] + "…"]
     if job.cancel_requested and job.status not in FINAL_STATUSES:
         lines += ["  cancel requested"]
@@ -578,14 +643,10 @@ def cmd_cancel(store: Store, job_id: str, *, heartbeat_s: float, out: TextIO | N
     return EXIT_OK
 
 
-def cmd_health(settings: Settings, out: TextIO | None = None) -> int:
-    out = out or sys.stdout
-    problem = liveness_problem(settings.liveness_file, settings.liveness_age_limit_s)
-    if problem:
-        print(f"unhealthy: {problem}", file=out)
-        return EXIT_FAILED
-    print("healthy", file=out)
-    return EXIT_OK
+def cmd_health(_settings: Settings | None = None, out: TextIO | None = None,
+               environ: Mapping[str, str] | None = None) -> int:
+    """``python -m worker.core.healthcheck``'s very answer (the worker's settings are not read: see there)."""
+    return healthcheck_main(environ, out=out)
 
 
 # ------------------------------------------------------------ the dead-letter queue
@@ -608,7 +669,7 @@ def render_letter(summary: dict) -> str:
     lines = [f"job {o(summary['jobId'] or '-')}  receives {o(summary['receiveCount'])}  "
              f"age {format_age(summary['ageSeconds'])}",
              f"  message  {o(summary['messageId'])}"]
-    first, *rest = textwrap.wrap(error, WIDTH - 11, break_on_hyphens=False) or ["-"]
+    first, *rest = textwrap.wrap(error, WIDTH - 11, break_on_hyphens=False, break_long_words=False) or ["-"]
     return "\n".join([*lines, f"  error    {first}", *(" " * 11 + part for part in rest)])
 
 

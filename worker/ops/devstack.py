@@ -39,7 +39,10 @@ def dev_environment(endpoint: str, queue_url: str, state_dir: Path, mongo_uri: s
         "AWS_ACCESS_KEY_ID": "dev",
         "AWS_SECRET_ACCESS_KEY": "dev",
         "SQS_WAIT_TIME_SECONDS": "5",
-        "WORKER_ID": "dev-worker",
+        # Stage logs reach the local S3 within 2 s, so `logs --follow` keeps up with a short dev job.
+        "LOG_SHIP_INTERVAL_SECONDS": "2",
+        # No WORKER_ID: each dev worker takes its own default, <hostname>:<pid>, so two of them are
+        # told apart in the records, the logs and `workers`.
         # The worker touches it and `python -m worker health` (or worker.core.healthcheck) reads it,
         # in any terminal that sourced env.sh.
         "LIVENESS_FILE": str(state_dir.resolve() / "alive"),

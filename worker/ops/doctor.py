@@ -154,7 +154,22 @@ def host_checks(settings: Settings, config, s3) -> list[Check]:
             checks.append(Check(check.name, True, check.run()))
         except HostUnfit as exc:
             checks.append(Check(check.name, False, f"{exc.problem} (the worker would exit 7: host unfit)"))
+    checks.append(work_root_use_check(settings))
     return checks
+
+
+def work_root_use_check(settings: Settings) -> Check:
+    """What the jobs hold under WORK_ROOT (a figure to watch, never a failure): bytes, job directories
+    (ended ones hold only their logs, pruned by STAGE_LOGS_MAX_AGE_DAYS and STAGE_LOGS_MAX_BYTES), free."""
+    from pathlib import Path
+
+    from pipeline.workdir import work_root_usage
+
+    use = work_root_usage(Path(settings.work_root))
+    return Check("work root use", True,
+                 f"{settings.work_root}: {use.bytes} bytes in {use.jobs} job directories ({use.ended_jobs} ended, "
+                 f"logs only), {use.free_bytes} bytes free; ended jobs' logs are kept "
+                 f"{settings.stage_logs_max_age_days} days, {settings.stage_logs_max_bytes} bytes at most")
 
 
 def store_description(settings: Settings) -> str:

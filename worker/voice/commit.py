@@ -248,6 +248,11 @@ class Commit:
         if failures:
             log.warning("job.unpublished_not_removed", failures=failures[:5], count=len(failures))
 
+    def clean_ended(self, job: Job) -> None:
+        """A job that ended without a commit (cancelled, refused, dead-lettered): its scratch goes, its
+        logs stay (pruned later); its models directory and S3 objects are left as they are."""
+        self._remove_work_files(job)
+
     def _remove_work_files(self, job: Job) -> None:
         """The models are in S3 and published, so only the job's logs stay as scratch."""
         if self._keep_work_files:

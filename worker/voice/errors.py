@@ -4,6 +4,8 @@ loop's action; the loop decides on the branch alone and never imports this modul
     WorkerError (core)
     ├── RetryableError (core)    retry: the message comes back after the backoff
     │   ├── StorageError         an S3 upload or check of the artifacts failed
+    │   ├── LogsUnavailable      shipped stage logs could not be written or read (S3): a shipment is
+    │   │                        retried at the next interval, never the job's failure
     │   ├── UnknownJob           no job record for the message (yet): the redrive policy bounds the retries
     │   └── JobBusy              this very message is being worked on under a lapsed SQS lease: come back
     │                            when that record lease ends (``retry_after_s``)
@@ -14,6 +16,10 @@ loop's action; the loop decides on the branch alone and never imports this modul
     │   │                        the DLQ unworked, under the recorded error type
     │   ├── BadQualityReport     the evaluation report the pipeline config names is missing, too large or
     │   │                        not the report's schema (a stage-contract error: fix the stage)
+    │   ├── BadPrepReport        the trainers' data-preparation report (prep/report.json) is too large or
+    │   │                        not the report's schema (a stage-contract error: fix the stage)
+    │   ├── TooLittleSpeech      data preparation kept less usable speech than the profile's minimum:
+    │   │                        the record's dataset says what was left out and why; record more
     │   └── StandInRefused       a staging or production job and the reference stand-in trainer, not
     │                            allowed by ALLOW_STAND_IN_TRAINER: refused before any download
     ├── QualityBelowBar          ack: a trained model is below a bar of [quality.gate]; the job ends
@@ -37,6 +43,10 @@ from worker.core.errors import Action, PermanentError, RetryableError, WorkerErr
 
 class StorageError(RetryableError):
     pass
+
+
+class LogsUnavailable(RetryableError):
+    """Shipped stage logs could not be written or read (``worker.voice.stage_logs``)."""
 
 
 class UnknownJob(RetryableError):
@@ -88,6 +98,16 @@ class IdempotencyMismatch(WorkerError):
 class BadQualityReport(PermanentError):
     """The evaluation stage's report (``[quality] report``) is missing, too large, not JSON or not the
     report's schema: the stage broke its contract, and a retry of the same stage writes the same."""
+
+
+class BadPrepReport(PermanentError):
+    """The data-preparation report (``prep/report.json``, worker.voice.prep_report) is too large, not JSON
+    or not the report's schema: the stage broke its contract, and a retry of it writes the same."""
+
+
+class TooLittleSpeech(PermanentError):
+    """The trainers' data preparation kept less usable speech than the profile's minimum (its report's
+    ``refused``): the user must record more; the record's ``dataset`` says what was left out and why."""
 
 
 class StandInRefused(PermanentError):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pipeline.recording_url import S3, RecordingUrl
 from worker.core.redact import show
+from worker.voice.languages import LanguageTable
 
 # The most one SQS message can carry: anything bigger never came from the queue, and is not parsed.
 SQS_MAX_BODY_BYTES = 1024 * 1024
@@ -44,6 +45,9 @@ class InputPolicy:
     max_text_chars: int | None = 2000
     # False only for SHAPE_ONLY: where s3:// recordings live is then not checked at all.
     scope_s3: bool = True
+    # The languages the trainers accept (worker/voice/languages.json); None: any well-formed code (the
+    # reference trainer reads every language alike).
+    languages: LanguageTable | None = None
 
     def __post_init__(self) -> None:
         # The settings' rule, for a policy built by hand (tests, tools) rather than from the settings.
@@ -85,6 +89,9 @@ class InputPolicy:
             return (f"must list at most {self.max_recordings} recordings (MAX_RECORDINGS_PER_JOB), "
                     f"got {count}")
         return None
+
+    def language_problem(self, language: str) -> str | None:
+        return None if self.languages is None else self.languages.problem(language)
 
     def text_length_problem(self, text: str) -> str | None:
         if self.max_text_chars is not None and len(text) > self.max_text_chars:

@@ -34,6 +34,12 @@ The rules around that path:
   refused job is acknowledged without work, as a completed one's is.
 * A pipeline that is the reference stand-in refuses staging and production jobs (``StandInRefused``,
   permanent) after the claim and before any download, unless ALLOW_STAND_IN_TRAINER allows them.
+* A host fault (a stage's exit 70: its GPU gone; the work file system full, over quota, read-only,
+  failing or gone, also when only found after a stage failed: ``pipeline.host_faults``) releases the
+  job as a shutdown does: no failure recorded, no retry spent, the attempt's history entry ending
+  ``host_fault``, the record's ``hostFaults`` one up; the loop then takes no other message and the
+  daemon exits 7. A job already released HOST_FAULT_MAX_RELEASES times is presumed to cause the fault
+  itself (recordings larger than the disk): the next one is its own retryable failure, the host stays.
 * A message that does not parse or validate changes no record: its jobId is only a claim, and
   another message (the job's own) must not inherit its failure. It is dead-lettered with its own
   reason. So is a valid message whose profileId is not the job record's.
@@ -53,12 +59,37 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from pipeline.config import QualityConfig
-from pipeline.remote_work import Ledger
+from pipeline.host_faults import (
+    DEFAULT_MAX_RELEASES,
+    Verdict,
+    host_fault_of,
+    host_fault_verdict,
+    host_faults_of,
+    work_fs_fault,
+)
+from pipeline.remote_work import Ledger, shared_file_system
 from pipeline.run import OWN_STEPS
-from pipeline.workdir import WorkRoot, attempt_dir_for, default_models_root, work_dir_for, work_layout
+from pipeline.workdir import (
+    WorkRoot,
+    attempt_dir_for,
+    default_models_root,
+    prune_work_root,
+    work_dir_for,
+    work_layout,
+)
 from worker.core import tracing
 from worker.core.core_config import DEFAULT_MAX_FAILED_ATTEMPTS
-from worker.core.errors import InvalidMessage, LeaseLost, Stopped, TimeLimitExceeded, UnexpectedError, WorkerError
+from worker.core.errors import (
+    HostFault,
+    InvalidMessage,
+    LeaseLost,
+    PermanentError,
+    RetryableError,
+    Stopped,
+    TimeLimitExceeded,
+    UnexpectedError,
+    WorkerError,
+)
 from worker.core.events import CANCELLED, COMPLETED, DEAD_LETTERED, FAILED, Events, NoEvents
 from worker.core.faults import NEVER, CrashPoints
 from worker.core.lease import Lease
@@ -67,22 +98,33 @@ from worker.core.metrics import COUNT, NULL_METRICS, SECONDS, Metrics
 from worker.core.queue import Message
 from worker.core.redact import redact_text
 from worker.core.stop import StopSignal
+from worker.voice import prep_report
 from worker.voice import quality as evaluation
 from worker.voice.artifacts import ArtifactUploader
 from worker.voice.commit import Commit, Committed
-from worker.voice.errors import AlreadyFailed, JobBusy, MalformedRecord, QualityBelowBar, StandInRefused, UnknownJob
+from worker.voice.errors import (
+    AlreadyFailed,
+    BadPrepReport,
+    JobBusy,
+    MalformedRecord,
+    QualityBelowBar,
+    StandInRefused,
+    TooLittleSpeech,
+    UnknownJob,
+)
 from worker.voice.input_policy import InputPolicy
 from worker.voice.message import Job, job_id_hint, parse_job
 from worker.voice.metrics import JOB_ATTEMPTS, JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS, WASTED_GPU_SECONDS
 from worker.voice.mirror_ledger import RecordLedger
 from worker.voice.records import ClaimOutcome, Store
-from worker.voice.records.attempt import Attempt, ProgressReporter, StoreLease
+from worker.voice.records.attempt import PROGRESS_LOG_INTERVAL_S, Attempt, ProgressReporter, StoreLease
 from worker.voice.records.errors import StaleWrite, StoreError
 from worker.voice.records.models import JobRecord, ProfileRecord
 from worker.voice.records.rules import (
     ERROR,
     ERROR_MESSAGE_MAX_CHARS,
     FINAL_STATUSES,
+    METRICS,
     QUALITY,
     REQUIRED_ARTIFACTS,
     failed_attempts,
@@ -90,6 +132,7 @@ from worker.voice.records.rules import (
     usage,
     utc_now,
 )
+from worker.voice.records.training import PlannedStage
 from worker.voice.records.view import unworkable
 
 if TYPE_CHECKING:
@@ -141,6 +184,21 @@ class HandlerConfig:
     # The pipeline's pinned base model ({name, digest, licence}), named on every job and on the profile
     # its models are committed to, so a product team knows what each voice was derived from.
     base_model: Mapping[str, str] | None = None
+    # The job's steps in order with their weights (``training.plan_of``): stage k of n, overall percent, ETA.
+    stage_plan: tuple[PlannedStage, ...] = ()
+    # How often a running trainer stage logs `stage.progress` (PROGRESS_LOG_INTERVAL_SECONDS).
+    progress_log_interval_s: float = PROGRESS_LOG_INTERVAL_S
+    # Below this much free space after a failed step the work file system is the host's fault
+    # (WORK_MIN_FREE_BYTES, the start-up check's bar); 0: only a read-only or gone one is.
+    work_min_free_bytes: int = 0
+    # Releases for host faults after which a job's next fault is its own failure (HOST_FAULT_MAX_RELEASES).
+    max_host_fault_releases: int = DEFAULT_MAX_RELEASES
+    # What ended jobs leave under WORK_ROOT (their logs/) is pruned past this age and beyond this total
+    # (STAGE_LOGS_MAX_AGE_DAYS, STAGE_LOGS_MAX_BYTES; 0: no bound of that kind), at most every
+    # ``prune_interval_s``, after a message is handled (pipeline.workdir.prune_work_root).
+    stage_logs_max_age_s: float = 14 * 86_400.0
+    stage_logs_max_bytes: int = 1024**3
+    prune_interval_s: float = 300.0
 
 
 class Acknowledged(StrEnum):
@@ -195,7 +253,9 @@ class VoiceJobHandler:
                               models_root=config.models_root or default_models_root(config.work_root),
                               keep_work_files=config.keep_work_files, forget_remote_work=forget_remote_work,
                               crash_points=crash_points, artifacts=config.artifacts)
-        self._settle = Settlement(events or NoEvents(), metrics, config.max_failed_attempts)
+        self._settle = Settlement(events or NoEvents(), metrics, config.max_failed_attempts,
+                                  config.max_host_fault_releases)
+        self._pruned_at_s: float | None = None
 
     def __call__(self, message: Message, lease: Lease) -> str:
         try:
@@ -208,8 +268,29 @@ class VoiceJobHandler:
             raise
         # Bound for the job's lines, and restored after (the loop may have bound the same hint already,
         # for its own lines up to the message's delete).
-        with structlog.contextvars.bound_contextvars(job_id=job.job_id):
-            return self._traced(job, message, lease)
+        try:
+            with structlog.contextvars.bound_contextvars(job_id=job.job_id):
+                return self._traced(job, message, lease)
+        finally:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Keep the host's disk bounded over months: remove what ended jobs left past its age or beyond
+        the total (never fails the message: a line at most)."""
+        now_s = time.monotonic()
+        if self._pruned_at_s is not None and now_s - self._pruned_at_s < self.config.prune_interval_s:
+            return
+        self._pruned_at_s = now_s
+        config = self.config
+        try:
+            removed, failures = prune_work_root(config.work_root, time.time(), config.stage_logs_max_age_s,
+                                                config.stage_logs_max_bytes,
+                                                config.models_root or default_models_root(config.work_root))
+        except OSError as exc:
+            log.warning("work_root.prune_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        if removed or failures:
+            log.info("work_root.pruned", job_dirs=len(removed), left=failures[:5])
 
     def _traced(self, job: Job, message: Message, lease: Lease) -> str:
         try:
@@ -244,14 +325,19 @@ class VoiceJobHandler:
             self._refuse_stand_in(job)  # before any download
             if self.config.base_model is not None:
                 claimed.attempt.record_base_model(dict(self.config.base_model))
-            paths = self._artifacts(claimed, attempt_dir, lease.stop)
+            try:
+                paths = self._artifacts(claimed, attempt_dir, lease.stop)
+            except PermanentError as exc:
+                self._refuse_too_little_speech(claimed, attempt_dir, exc)
+                raise
+            self._record_dataset(claimed, attempt_dir)
             self._evaluate(claimed, attempt_dir)  # the gate: below a bar, QualityBelowBar, nothing uploaded
             with tracing.span("commit"):
                 committed = self._commit.persist(job, claimed.attempt, paths, attempt_dir, lease,
                                                  claimed.store_lease, quality=claimed.quality or None,
                                                  base_model=self.config.base_model)
         except Exception as exc:
-            return self._settle.ended_short(claimed, exc)
+            return self._ended_short(claimed, exc)
         finally:
             if committed is None:  # whatever ended the attempt short of its commit: time bought nothing
                 self._settle.wasted(claimed)
@@ -259,6 +345,34 @@ class VoiceJobHandler:
         self._commit.clean_up(job, committed.s3_paths, committed.model_paths.values())
         log.info("job.completed")
         return Acknowledged.COMPLETED
+
+    def _ended_short(self, claimed: Claimed, exc: Exception) -> str:
+        """Settle an attempt that ended short of its commit; a job that ended there (cancelled, refused,
+        dead-lettered) leaves only its logs on this host."""
+        try:
+            acknowledged = self._settle.ended_short(claimed, exc, host_fault=self._host_fault(exc))
+        except PermanentError:
+            self._commit.clean_ended(claimed.job)
+            raise
+        except HostFault:
+            # This host leaves service and the job goes elsewhere: what it holds here only keeps a full
+            # disk full for the next worker on it. A shared root's files stay, for the host taking it.
+            if shared_file_system(self.config.work_root) is None:
+                self._commit.clean_ended(claimed.job)
+            raise
+        self._commit.clean_ended(claimed.job)
+        return acknowledged
+
+    def _host_fault(self, exc: Exception) -> str | None:
+        """Why the host, not the job, ended the attempt, or None (``pipeline.host_faults``)."""
+        if isinstance(exc, (Stopped, LeaseLost)):
+            return None
+        if (found := host_fault_of(exc)) is not None:
+            return found
+        if isinstance(exc, RetryableError) or not isinstance(exc, WorkerError):
+            # A trainer that met a full disk exits with a code of its own: the disk says it afterwards.
+            return work_fs_fault(self.config.work_root, self.config.work_min_free_bytes)
+        return None
 
     def _already_complete(self, job: Job, profile: ProfileRecord) -> str:
         log.info("job.already_complete", note="redelivery acknowledged without work")
@@ -298,7 +412,9 @@ class VoiceJobHandler:
             log.warning("job.cancel_too_late", note="an earlier attempt began the commit: finishing it")
         elif claim.cancel_requested:
             store_lease.end()
-            return self._settle.cancelled(claimed, when="at claim")
+            cancelled = self._settle.cancelled(claimed, when="at claim")
+            self._commit.clean_ended(job)  # an earlier attempt's files
+            return cancelled
         return claimed
 
     def _refuse_stand_in(self, job: Job) -> None:
@@ -307,6 +423,33 @@ class VoiceJobHandler:
                 f"environment {job.environment!r}: this worker's pipeline is the reference stand-in "
                 "([pipeline] stand_in = true), which never trains a staging or production voice; point "
                 "PIPELINE_CONFIG at the real trainer (ALLOW_STAND_IN_TRAINER=true only for a load test)")
+
+    def _record_dataset(self, claimed: Claimed, attempt_dir: Path) -> None:
+        """Keep on the job record what the trainers' data preparation kept and left out, and why
+        (worker.voice.prep_report); nothing when the stages wrote no report, or when an earlier attempt's
+        commit is finished (it recorded its own)."""
+        if claimed.reused is not None:
+            return
+        report = prep_report.read_prep_report(work_layout(attempt_dir).output)
+        if report is None:
+            return
+        claimed.attempt.record_dataset(prep_report.dataset_record(report))
+        log.info("job.dataset", kept=report.totals.keptClips, kept_s=report.totals.keptS,
+                 left_out=report.totals.leftOutClips, reasons=report.totals.leftOutByReason)
+
+    def _refuse_too_little_speech(self, claimed: Claimed, attempt_dir: Path, exc: PermanentError) -> None:
+        """A stage that failed for good after data preparation refused the data (its report's
+        ``refused``): record what was kept and left out, and fail as ``TooLittleSpeech`` (typed, the
+        stage's error chained) rather than a bare stage exit."""
+        try:
+            report = prep_report.read_prep_report(work_layout(attempt_dir).output)
+        except BadPrepReport:
+            return  # the stage's own failure stays the reason
+        if report is None or report.refused is None:
+            return
+        claimed.attempt.record_dataset(prep_report.dataset_record(report))
+        raise TooLittleSpeech(f"too little usable speech: {report.refused}; "
+                              f"{prep_report.summary_line(prep_report.dataset_record(report))}") from exc
 
     def _evaluate(self, claimed: Claimed, attempt_dir: Path) -> None:
         """Read the evaluation report the pipeline config names, keep its figures on the job record
@@ -342,7 +485,9 @@ class VoiceJobHandler:
         if claimed.reused is not None:
             log.info("job.reusing_verified_artifacts")
             return claimed.reused
-        progress = ProgressReporter(claimed.attempt, stop, metrics=self._metrics, own_steps=OWN_STEPS)
+        progress = ProgressReporter(claimed.attempt, stop, metrics=self._metrics, own_steps=OWN_STEPS,
+                                    plan=self.config.stage_plan, log_interval_s=self.config.progress_log_interval_s,
+                                    earlier=claimed.record.document.get(METRICS) if claimed.record else None)
         log.info("job.attempt_dir", attempt_dir=attempt_dir.name)
         return self._train(claimed.job, attempt_dir, stop, progress, ledger)
 
@@ -350,10 +495,12 @@ class VoiceJobHandler:
 class Settlement:
     """How a claimed attempt ends: its final record write (fenced), its state-change event, its cost."""
 
-    def __init__(self, events: Events, metrics: Metrics, max_failed_attempts: int):
+    def __init__(self, events: Events, metrics: Metrics, max_failed_attempts: int,
+                 max_host_fault_releases: int = DEFAULT_MAX_RELEASES):
         self._events = events
         self._metrics = metrics
         self._max_failed_attempts = max_failed_attempts
+        self._max_host_fault_releases = max_host_fault_releases
 
     def completed(self, claimed: Claimed, committed: Committed) -> None:
         self._report_cost(claimed)
@@ -378,8 +525,9 @@ class Settlement:
     def wasted(self, claimed: Claimed) -> None:
         self._metrics.seconds(WASTED_GPU_SECONDS, claimed.attempt.trainer_clock.seconds(), jobId=claimed.job.job_id)
 
-    def ended_short(self, claimed: Claimed, exc: Exception) -> str:
-        """Settle an attempt that ended before its commit marker: what to acknowledge (a cancel), or raise."""
+    def ended_short(self, claimed: Claimed, exc: Exception, *, host_fault: str | None = None) -> str:
+        """Settle an attempt that ended before its commit marker: what to acknowledge (a cancel), or raise.
+        ``host_fault``: why the host, not the job, ended it (see the module docstring)."""
         if isinstance(exc, LeaseLost):
             raise exc  # not ours any more: write nothing
         claimed.store_lease.end()
@@ -396,10 +544,29 @@ class Settlement:
             # be ours: let go of it (fenced: a no-op if not ours) so the job need not wait for it to lapse.
             release(claimed.attempt)
             raise exc
+        if host_fault is not None:
+            self._host_fault(claimed, host_fault, exc)
         settled = self._failed(claimed, exc if isinstance(exc, WorkerError) else unexpected(exc))
         if settled is exc:
             raise exc
         raise settled from exc
+
+    def _host_fault(self, claimed: Claimed, reason: str, exc: Exception) -> None:
+        """Release the job for a host fault (raises ``HostFault``), unless the job was released for host
+        faults often enough: then return, and the fault is settled as the job's own failure."""
+        released_before = host_faults_of(claimed.record.document if claimed.record is not None else None)
+        if host_fault_verdict(released_before, self._max_host_fault_releases) is Verdict.JOBS_OWN:
+            log.warning("job.host_fault_counted_as_failure", reason=reason, host_faults=released_before,
+                        note="released for host faults HOST_FAULT_MAX_RELEASES times: this one is the job's")
+            return
+        try:
+            released = claimed.attempt.release_for_host_fault(reason)
+        except WorkerError as release_exc:  # the lease lapses instead; the message is released all the same
+            log.warning("job.release_failed", error=str(release_exc))
+            released = False
+        log.error("job.host_fault", reason=reason, host_faults=released_before + 1, recorded=released,
+                  note="released to another host: no failure recorded, no retry spent")
+        raise HostFault(f"host fault: {reason}") from exc
 
     def _stopped(self, claimed: Claimed, exc: Stopped) -> str:
         if exc.reason == Stopped.CANCELLED:
@@ -420,11 +587,13 @@ class Settlement:
     def _failed(self, claimed: Claimed, exc: WorkerError) -> WorkerError:
         """Record the attempt's failure; the error to end with: ``exc``, or ``RetriesExhausted`` once this
         recorded failure spent the job's last retry. An unrecorded failure spends none."""
-        if not record_error(claimed.attempt, exc):
-            return exc
         # The claimed record's count plus this failure: our fenced write is the only one since the claim.
         failed = failed_attempts(claimed.record) + (1 if exc.retryable else 0)
         settled = spend_retry(exc, failed, self._max_failed_attempts)
+        # One write, saying at once that the message is being dead-lettered when it is (not "retryable"
+        # until the reconciler applies the DLQ copy): status and jobs show it from now on.
+        if not record_error(claimed.attempt, exc, retries_spent=settled is not exc):
+            return exc
         if settled is not exc:
             log.warning("job.retries_exhausted", failed_attempts=failed, error_type=exc.error_type,
                         note="dead-lettered by the worker: MAX_FAILED_ATTEMPTS reached")
@@ -562,11 +731,12 @@ def release(attempt: Attempt) -> None:
         log.warning("job.release_failed", error=str(release_exc))
 
 
-def record_error(attempt: Attempt, exc: WorkerError) -> bool:
+def record_error(attempt: Attempt, exc: WorkerError, *, retries_spent: bool = False) -> bool:
     """Record the failure on the job; whether it was written. A failure to record never hides the
-    original error."""
+    original error. ``retries_spent``: it spent the job's last retry (``rules.errored``)."""
     try:
-        return attempt.fail(exc.error_type, str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable)
+        return attempt.fail(exc.error_type, str(exc)[:ERROR_MESSAGE_MAX_CHARS], retryable=exc.retryable,
+                            retries_spent=retries_spent)
     except Exception as record_exc:  # noqa: BLE001 - a record another writer mangled may fail any way
         log.error("job.record_error_failed", error=f"{type(record_exc).__name__}: {record_exc}",
                   original=str(exc))

@@ -242,6 +242,12 @@ def _in_scope(url: RecordingUrl, info: ValidationInfo) -> RecordingUrl:
     return url
 
 
+def _language_supported(language: str, info: ValidationInfo) -> str:
+    if problem := _policy(info).language_problem(language):
+        raise _refusal(problem)
+    return language
+
+
 def _text_not_too_long(text: str, info: ValidationInfo) -> str:
     if problem := _policy(info).text_length_problem(text):
         raise _refusal(problem)
@@ -321,7 +327,7 @@ class JobMetadata(_Wire):
         description="The directory the voice's files are published under: " + _NAME_RULE,
         examples=["user-123-voice-1"],
     )
-    language: Language | None = Field(
+    language: Annotated[Language, AfterValidator(_language_supported)] | None = Field(
         default=None, title="Language",
         description=("The language of the recordings, a code like 'en', 'pt-BR' or 'zh_Hans': 2-3 letters, then "
                      "up to three '-' or '_' parts of 1-8 letters or digits. Absent or null: 'en'."),

@@ -8,7 +8,7 @@ config/cloudwatch-dashboard.json graphs and config/cloudwatch-alarms.yaml may wa
 from __future__ import annotations
 
 from worker.core import metrics as core
-from worker.voice.records.attempt import STAGE_DIMENSION, STAGE_DURATION
+from worker.voice.records.attempt import STAGE_DIMENSION, STAGE_DURATION, TRAINING_METRICS
 
 # What a job cost in trainer-stage time (GPU-seconds); at the commit, over all its attempts:
 JOB_GPU_SECONDS = "JobGpuSeconds"
@@ -31,15 +31,17 @@ RECONCILE_METRICS = {
     "dead_lettered": "ReconciledDeadLettered",
     "failed": "ReconcileFailures",
 }
-VOICE_METRIC_NAMES = frozenset({STAGE_DURATION, JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS, JOB_ATTEMPTS,
-                                WASTED_GPU_SECONDS, *QUALITY_METRICS, *RECONCILE_METRICS.values()})
+# The latest of a trainer stage's METRIC values, per Stage (TrainingLoss, ValidationLoss, LearningRate, StepTime):
+TRAINING_METRIC_NAMES = frozenset(TRAINING_METRICS)
+VOICE_METRIC_NAMES = frozenset({STAGE_DURATION, *TRAINING_METRIC_NAMES, JOB_GPU_SECONDS, JOB_WASTED_GPU_SECONDS,
+                                JOB_ATTEMPTS, WASTED_GPU_SECONDS, *QUALITY_METRICS, *RECONCILE_METRICS.values()})
 METRIC_NAMES = core.METRIC_NAMES | VOICE_METRIC_NAMES
 # Dimensions the voice worker adds to metrics of its own (StageDuration's Stage, the quality scores' Model).
 DIMENSIONS = frozenset({STAGE_DIMENSION, MODEL_DIMENSION})
 
 __all__ = ["DIMENSIONS", "JOB_ATTEMPTS", "JOB_GPU_SECONDS", "JOB_WASTED_GPU_SECONDS", "METRIC_NAMES",
            "MODEL_CER", "MODEL_DIMENSION", "MODEL_DNSMOS", "MODEL_SPEAKER_SIMILARITY", "QUALITY_METRICS",
-           "RECONCILE_METRICS", "STAGE_DIMENSION", "STAGE_DURATION", "VOICE_METRIC_NAMES",
+           "RECONCILE_METRICS", "STAGE_DIMENSION", "STAGE_DURATION", "TRAINING_METRIC_NAMES", "VOICE_METRIC_NAMES",
            "WASTED_GPU_SECONDS", "parse_dimensions"]
 
 

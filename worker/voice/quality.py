@@ -14,16 +14,14 @@ file reached without a symlink, JSON of exactly the schema below with finite num
 
 from __future__ import annotations
 
-import json
-import os
-import stat
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from pipeline.config import QualityGate
 from worker.core.metrics import Metrics
+from worker.voice import stage_report
 from worker.voice.errors import BadQualityReport
 from worker.voice.metrics import MODEL_CER, MODEL_DIMENSION, MODEL_DNSMOS, MODEL_SPEAKER_SIMILARITY
 
@@ -97,36 +95,12 @@ class QualityReport(_Strict):
 
 def read_report(path: Path, shown_as: str) -> QualityReport:
     """The report at ``path`` (``shown_as`` names it in the error), or ``BadQualityReport``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise BadQualityReport(f"quality report {shown_as}: the stages wrote no report") from None
-    except OSError as exc:
-        raise BadQualityReport(f"quality report {shown_as}: cannot be opened ({exc.strerror or exc}; "
-                               "a symlink is refused)") from None
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise BadQualityReport(f"quality report {shown_as}: not a regular file")
-        raw = handle.read(MAX_REPORT_BYTES + 1)
-    if len(raw) > MAX_REPORT_BYTES:
-        raise BadQualityReport(f"quality report {shown_as}: larger than {MAX_REPORT_BYTES} bytes")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadQualityReport(f"quality report {shown_as}: not JSON ({exc})") from None
-    try:
-        return QualityReport.model_validate(data)
-    except ValidationError as exc:
-        raise BadQualityReport(f"quality report {shown_as}: {first_problem(exc)}") from None
-
-
-def first_problem(exc: ValidationError) -> str:
-    """One line for a failed validation: the first problem's place and message, and how many more."""
-    errors = exc.errors(include_url=False, include_input=False)
-    first = errors[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(the report)"
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    return f"{where}: {first['msg']}"[:300] + more
+    what = f"quality report {shown_as}"
+    report = stage_report.read_report(path, QualityReport, what=what, max_bytes=MAX_REPORT_BYTES,
+                                      error=BadQualityReport)
+    if report is None:
+        raise BadQualityReport(f"{what}: the stages wrote no report")
+    return report
 
 
 def _number(value: float, bar: float) -> str:

@@ -155,7 +155,7 @@ def test_hex_ids_are_object_ids_and_others_strings(mongo):
 
 
 def test_collections_use_majority_write_concern():
-    """Both collections are written with majority write concern."""
+    """Both record collections are written with majority write concern; presence, advisory, with one."""
     seen: dict[str, object] = {}
 
     class RecordingCollection:
@@ -171,7 +171,7 @@ def test_collections_use_majority_write_concern():
             return RecordingCollection(name)
 
     MongoStore(RecordingDb(), jobs_collection="jobs", profiles_collection="profiles")
-    assert seen == {"jobs": {"w": "majority"}, "profiles": {"w": "majority"}}
+    assert seen == {"jobs": {"w": "majority"}, "profiles": {"w": "majority"}, "voiceworkers": {"w": 1}}
 
 
 def test_idempotency_key_has_a_unique_partial_index(mongo):
@@ -248,7 +248,8 @@ class DownDatabase(dict):
     """A database whose collections and server (the clock's ``hello``) all fail as ``DownCollection``."""
 
     def __init__(self):
-        super().__init__(voiceclonings=DownCollection(), useraudioprofiles=DownCollection())
+        super().__init__(voiceclonings=DownCollection(), useraudioprofiles=DownCollection(),
+                         voiceworkers=DownCollection())
         self.client = type("DownClient", (), {"admin": DownCollection()})()
 
 
@@ -269,6 +270,9 @@ class DownDatabase(dict):
     lambda s: s.submit({"_id": JOB_ID}, {"_id": PROFILE_ID}),
     lambda s: s.find_stale(),
     lambda s: s.ensure_indexes(),
+    lambda s: s.upsert_worker({"workerId": "w"}),
+    lambda s: s.list_workers(),
+    lambda s: s.remove_worker("w"),
 ])
 def test_pymongo_errors_become_store_error(call):
     """Every operation turns a pymongo failure into StoreError with the cause chained."""

@@ -21,6 +21,7 @@ document, the shape the stores returned before the models, so callers that inspe
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -127,6 +128,23 @@ def _percent(value: object) -> float:
     raise ValueError(f"{shown(value)}, not a percentage (0-100)")
 
 
+def _percent_or_none(value: object) -> float | None:
+    return None if value is None else _percent(value)
+
+
+def _count_or_none(value: object) -> int | None:
+    return None if value is None else _count(value)
+
+
+def _latest(value: object) -> dict[str, float]:
+    # Never a problem: only (name, finite number) pairs are shown; the series are the record of a run.
+    if not isinstance(value, dict):
+        return {}
+    return {name: float(v) for name, v in value.items()
+            if isinstance(name, str) and isinstance(v, int | float) and not isinstance(v, bool)
+            and math.isfinite(v)}
+
+
 def _flag(value: object) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
@@ -192,6 +210,9 @@ Count = Annotated[int | None, BeforeValidator(_count)]
 Seconds = Annotated[float | None, BeforeValidator(_seconds)]
 SomeSeconds = Annotated[float | None, BeforeValidator(_seconds_or_none)]
 Percent = Annotated[float | None, BeforeValidator(_percent)]
+SomePercent = Annotated[float | None, BeforeValidator(_percent_or_none)]
+SomeCount = Annotated[int | None, BeforeValidator(_count_or_none)]
+Latest = Annotated[dict[str, float], BeforeValidator(_latest)]
 Flag = Annotated[bool | None, BeforeValidator(_flag)]
 FalseUnlessSet = Annotated[bool | None, BeforeValidator(_false_unless_set)]
 Time = Annotated[datetime | None, BeforeValidator(_time)]
@@ -230,6 +251,14 @@ class Progress(Part):
     stage: RequiredText = None
     percent: Percent = None
     updated_at: RequiredTime = Field(None, alias="updatedAt")
+    # What ``ProgressReporter.detail`` adds (absent on an older worker's writes and the commit's own):
+    step: SomeCount = None
+    stage_index: SomeCount = Field(None, alias="stageIndex")  # 1-based, among stageCount steps
+    stage_count: SomeCount = Field(None, alias="stageCount")
+    stage_started_at: Time = Field(None, alias="stageStartedAt")
+    overall_percent: SomePercent = Field(None, alias="overallPercent")
+    eta_s: SomeSeconds = Field(None, alias="etaS")  # from updatedAt
+    latest: Latest = Field(default_factory=dict)  # the latest value of each METRIC name
 
 
 class DeadLetter(Part):
@@ -249,6 +278,8 @@ class RecordedError(Part):
     at: Time = None
     message_id: Text = Field(None, alias="messageId")
     dead_letter: DeadLetter | None = Field(None, alias="deadLetter")
+    # The worker dead-lettered the message for spending the job's retries (rules.errored).
+    retries_spent: Flag = Field(None, alias="retriesSpent")
 
     @property
     def dead_lettered(self) -> bool:
@@ -273,6 +304,7 @@ class HistoryEntry(Part):
     gpu_seconds: SomeSeconds = Field(None, alias="gpuSeconds")
     mirror: Mirror = Field(default_factory=dict)
     notes: tuple[Note, ...] = ()  # what its stages noted (rules.with_note)
+    device: Text = None  # what its trainer stages ran on (rules.with_device): cuda, cpu, or None (unknown)
 
 
 class Record(Part):
@@ -365,6 +397,11 @@ class JobRecord(Record):
             if entry is not None and entry.outcome not in ("completed", "running"):
                 wasted += seconds
         return {"attempts": self.attempts or 0, "gpuSeconds": round(total, 3), "wastedGpuSeconds": round(wasted, 3)}
+
+    def trainer_device(self) -> str:
+        """What the job's trainer time was spent on: "cuda" once any attempt's stages ran on one (its
+        seconds are GPU-seconds), else "cpu" (a CPU host, or a record that does not say)."""
+        return "cuda" if any(entry is not None and entry.device == "cuda" for entry in self.history) else "cpu"
 
     def cost(self) -> dict[str, Any]:
         """``usage`` with the failed attempts, as the commands show it: unreadable counts are None."""

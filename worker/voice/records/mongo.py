@@ -14,7 +14,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
@@ -29,12 +29,15 @@ from worker.core.errors import ConfigError
 from worker.voice.records import recovery, rules
 from worker.voice.records.errors import StoreError
 from worker.voice.records.models import JobRecord, ProfileRecord, read_job, read_profile
+from worker.voice.records.presence import LAST_SEEN, PRESENCE_KEPT_S, WORKER_ID, presence_record
 from worker.voice.records.store import Clock
 from worker.voice.records.store_config import MongoConfig
 from worker.voice.records.transitions import TransitionStore
 
 log = structlog.get_logger(__name__)
 
+# Where presence records live, beside the product's collections (no setting: the worker owns it).
+WORKERS_COLLECTION = "voiceworkers"
 _OBJECT_ID = re.compile(r"[0-9a-fA-F]{24}")
 _REV = "_rev"
 # Each lost swap follows another writer's successful change. Writers that lose together would read
@@ -186,7 +189,8 @@ class ServerClock:
 class MongoStore(TransitionStore):
     def __init__(self, db: Any, *, jobs_collection: str = "voiceclonings",
                  profiles_collection: str = "useraudioprofiles", clock: Clock | None = None,
-                 client: Any = None, sleep: Callable[[float], None] = time.sleep):
+                 client: Any = None, sleep: Callable[[float], None] = time.sleep,
+                 workers_collection: str = WORKERS_COLLECTION):
         """``client``, when given, is owned by this store and closed by ``close()``.
 
         ``clock`` is the store's clock; by default the server's (``ServerClock`` over ``hello``).
@@ -198,6 +202,10 @@ class MongoStore(TransitionStore):
                                                       read_preference=ReadPreference.PRIMARY)
         self._profiles = db[profiles_collection].with_options(write_concern=majority,
                                                               read_preference=ReadPreference.PRIMARY)
+        # Presence records: plain upserts, no revision; a lost write is the next tick's to repeat, so
+        # one acknowledgement is enough (a majority wait would only slow the tick).
+        self._workers = db[workers_collection].with_options(write_concern=WriteConcern(w=1),
+                                                            read_preference=ReadPreference.PRIMARY)
         self._clock = clock or ServerClock(lambda: server_local_time(db))
         self._client = client
         self._sleep = sleep
@@ -218,6 +226,8 @@ class MongoStore(TransitionStore):
             self._jobs.create_index(
                 [("status", pymongo.ASCENDING), ("createdAt", pymongo.DESCENDING), ("_id", pymongo.DESCENDING)],
                 name="status_createdAt_id")
+            # The pruning of presence records a day unseen (upsert_worker).
+            self._workers.create_index([(LAST_SEEN, pymongo.ASCENDING)], name="lastSeen")
 
     # ------------------------------------------------------------ plumbing
 
@@ -342,6 +352,26 @@ class MongoStore(TransitionStore):
                  "createdAt": {"$lte": to_bson(recovery.cutoff(self._now(), older_than_s))}}
         with translated("find_unenqueued"):
             raws = list(self._jobs.find(query).sort("createdAt", pymongo.ASCENDING).limit(int(limit)))
+        return [from_bson(raw) for raw in raws]
+
+    # ------------------------------------------------------------ presence
+
+    def upsert_worker(self, presence: Mapping[str, object]) -> None:
+        now = self._now()
+        record = presence_record(presence, now)
+        with translated("upsert_worker"):
+            self._workers.replace_one({"_id": record[WORKER_ID]}, to_bson(record), upsert=True)
+            # On the store's clock, as SQLite does (not a TTL index: that one judges on the server's
+            # clock alone, which a test's store clock is not).
+            self._workers.delete_many({LAST_SEEN: {"$lt": to_bson(recovery.cutoff(now, PRESENCE_KEPT_S))}})
+
+    def remove_worker(self, worker_id: str) -> None:
+        with translated("remove_worker"):
+            self._workers.delete_one({"_id": str(worker_id)})
+
+    def list_workers(self) -> list[dict]:
+        with translated("list_workers"):
+            raws = list(self._workers.find({}, {"_id": 0}).sort(WORKER_ID, pymongo.ASCENDING))
         return [from_bson(raw) for raw in raws]
 
     def close(self) -> None:

@@ -14,9 +14,10 @@ typed records of ``worker.voice.records.models``.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
+from typing import Any
 
 from pipeline.config import REQUIRED_ARTIFACTS
 from worker.core.errors import InvalidMessage
@@ -64,6 +65,11 @@ ARTIFACTS = "artifacts"
 # Attempts that ended in a recorded retryable failure: what MAX_FAILED_ATTEMPTS is counted against.
 # A release (shutdown, drain, lease handover) or a crash that recorded nothing never adds to it.
 FAILED_ATTEMPTS = "failedAttempts"
+# Releases because the host failed the attempt (its GPU gone, its work file system full or gone): no
+# failure, no retry spent; the history entry ends HOST_FAULT with its HOST_FAULT_REASON, and the count
+# (kept here: the history is trimmed) bounds how often a job may pass a fault as the host's
+# (pipeline.host_faults.host_fault_verdict).
+HOST_FAULTS, HOST_FAULT, HOST_FAULT_REASON = "hostFaults", "host_fault", "hostFault"
 # Trainer-stage wall time (GPU-seconds): each history entry carries its attempt's, kept up by the
 # attempt's own fenced writes; entries dropped by HISTORY_LIMIT are folded into these job totals.
 GPU_SECONDS, EARLIER_GPU_SECONDS, EARLIER_WASTED_GPU_SECONDS = (
@@ -71,11 +77,16 @@ GPU_SECONDS, EARLIER_GPU_SECONDS, EARLIER_WASTED_GPU_SECONDS = (
 # An attempt's history entry: what it mirrored to S3, by item, as the SHA-256 of the listing or manifest
 # it wrote there (with_mirror); the only thing a restore from the mirror believes.
 MIRROR = "mirror"
+# The job's metric series ({stage: {name: [[step, value], ...]}}, worker.voice.records.training) and the
+# device a history entry's trainer stages ran on (what its gpuSeconds are seconds of).
+METRICS, DEVICE = "metrics", "device"
 # An attempt's history entry: its stages' NOTE lines (what they left out of the data, say), the last few.
 NOTES, NOTES_KEPT, NOTE_MAX_CHARS = "notes", 10, 500
 # The evaluation's figures (worker.voice.quality builds them): on the job record (with_quality, fenced
 # on the attempt's token; kept by a refusal) and on the profile at the commit.
 QUALITY = "quality"
+# What the trainers' data preparation kept and left out, and why (with_dataset, fenced like the quality).
+DATASET = "dataset"
 # The base model a job's stages started from (pipeline.base_model.BaseModelIdentity.as_record()).
 BASE_MODEL = "baseModel"
 _HEX_TOKEN = re.compile(r"[0-9a-f]{8,64}")
@@ -291,13 +302,52 @@ def renewed(job: dict, lease_s: float, now: datetime, *, token: str = "", gpu_se
 
 
 def with_progress(job: dict, stage: str, percent: float, now: datetime, *, token: str = "",
-                  gpu_seconds: float | None = None) -> dict:
-    return with_gpu_seconds({**job, "progress": {"stage": stage, "percent": float(percent), "updatedAt": now}},
-                            token, gpu_seconds)
+                  gpu_seconds: float | None = None, detail: Mapping[str, Any] | None = None,
+                  series: Mapping[str, list] | None = None) -> dict:
+    """The job's ``progress``: the stage and percent, and what ``detail`` adds (``ProgressReporter.
+    detail``: step, stageIndex, stageCount, overallPercent, etaS, latest; its stage's elapsed seconds
+    become ``stageStartedAt`` on the store's clock, and its device goes onto the attempt's own history
+    entry, where the cost's unit is read). ``series``: the stage's metric series, replacing that
+    stage's under ``metrics`` (the other stages' stay: a retry that skips a stage keeps its curve)."""
+    progress: dict[str, Any] = {"stage": stage, "percent": float(percent), "updatedAt": now}
+    device = None
+    for key, value in (detail or {}).items():
+        if key == "stageElapsedS":
+            progress["stageStartedAt"] = now - timedelta(seconds=float(value))
+        elif key == "device":
+            device = value
+        elif value is not None:
+            progress[key] = value
+    job = {**job, "progress": progress}
+    if series is not None:
+        kept = job.get(METRICS)
+        job[METRICS] = {**(kept if isinstance(kept, dict) else {}), stage: dict(series)}
+    return with_device(with_gpu_seconds(job, token, gpu_seconds), token, device)
+
+
+def with_device(job: dict, token: str, device: str | None) -> dict:
+    """The device the attempt's trainer stages ran on, on its own history entry: "cuda" once any did
+    (its trainer time is GPU time), else what they declared; unchanged without one or for another token."""
+    history = job.get("history") or []
+    last = history[-1] if isinstance(history, list) and history else None
+    if device is None or not isinstance(last, dict) or last.get("token") != token:
+        return job
+    if last.get(DEVICE) == "cuda" or last.get(DEVICE) == device:
+        return job
+    return {**job, "history": [*history[:-1], {**last, DEVICE: device}]}
+
+
+# On a job's error: the worker dead-lettered the job's message for spending its retries (``errored``).
+RETRIES_SPENT = "retriesSpent"
 
 
 def errored(job: dict, *, token: str | None, error_type: str, message: str, retryable: bool,
-            now: datetime) -> dict:
+            now: datetime, retries_spent: bool = False) -> dict:
+    """The job ``error``. ``retries_spent``: the attempt's retryable failure spent the job's last retry,
+    so the worker dead-letters its message now: recorded as such at once (``retriesSpent``, not
+    retryable), and it still counts as a failed attempt."""
+    if retries_spent:
+        retryable = False
     if token is not None:
         history = close_attempt(job.get("history"), "retry" if retryable else "error", now, token)
     else:
@@ -310,7 +360,9 @@ def errored(job: dict, *, token: str | None, error_type: str, message: str, retr
         error["messageId"] = job["lease"]["messageId"]
     # Only an attempt's own retryable failure spends the retry budget: an error found outside any
     # attempt (no token) did not run the job, and a permanent one is dead-lettered anyway.
-    failed = failed_attempts(read_job(job)) + (1 if token is not None and retryable else 0)
+    if retries_spent:
+        error[RETRIES_SPENT] = True
+    failed = failed_attempts(read_job(job)) + (1 if token is not None and (retryable or retries_spent) else 0)
     return {**job, "status": ERROR, "error": error, "lease": None, "history": history,
             FAILED_ATTEMPTS: failed}
 
@@ -323,6 +375,11 @@ def completed(job: dict, token: str, now: datetime, gpu_seconds: float | None = 
     if artifacts is not None:
         marked[ARTIFACTS] = list(artifacts)
     return marked
+
+
+def with_dataset(job: dict, dataset: dict) -> dict:
+    """The job with what data preparation kept and left out (worker.voice.prep_report.dataset_record)."""
+    return {**job, DATASET: dict(dataset)}
 
 
 def with_quality(job: dict, quality: dict) -> dict:
@@ -355,6 +412,18 @@ def released(job: dict, token: str, now: datetime) -> dict:
     # Status stays processing: the job is unfinished, and with no lease any worker may claim it now.
     history = close_attempt(job.get("history"), "released", now, token)
     return {**job, "lease": None, "history": history}
+
+
+def released_for_host_fault(job: dict, token: str, now: datetime, reason: str) -> dict:
+    """Released (status stays processing) because the host failed the attempt: the history entry ends
+    ``host_fault`` and says why, and ``hostFaults`` counts the job's releases for host faults (what
+    ``pipeline.host_faults.host_fault_verdict`` decides on; kept outside the history, which is trimmed)."""
+    history = close_attempt(job.get("history"), HOST_FAULT, now, token)
+    if history and history[-1].get("token") == token:
+        history[-1][HOST_FAULT_REASON] = redact_text(str(reason))[:ERROR_MESSAGE_MAX_CHARS]
+    count = job.get(HOST_FAULTS)
+    count = count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0
+    return {**job, "lease": None, "history": history, HOST_FAULTS: count + 1}
 
 
 def cancel_requested(job: dict) -> dict:

@@ -13,7 +13,7 @@ import os
 import sqlite3
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
@@ -23,6 +23,7 @@ from worker.core.errors import ConfigError
 from worker.voice.records import recovery, rules
 from worker.voice.records.errors import StoreError
 from worker.voice.records.models import JobRecord, ProfileRecord, read_job, read_profile
+from worker.voice.records.presence import PRESENCE_KEPT_S, WORKER_ID, presence_record
 from worker.voice.records.store import Clock
 from worker.voice.records.transitions import TransitionStore
 
@@ -44,6 +45,12 @@ _SCHEMA = (
         id TEXT PRIMARY KEY,
         doc TEXT NOT NULL,
         status TEXT NOT NULL
+    )""",
+    # Presence (worker.voice.records.presence): one row per worker; last_seen_ms serves the pruning.
+    """CREATE TABLE IF NOT EXISTS workers (
+        id TEXT PRIMARY KEY,
+        doc TEXT NOT NULL,
+        last_seen_ms INTEGER NOT NULL
     )""",
 )
 
@@ -278,6 +285,35 @@ class SqliteStore(TransitionStore):
         jobs = [job for job in map(_decode, (row[0] for row in rows))
                 if recovery.awaiting_enqueue(job, now, older_than_s)]
         return sorted(jobs, key=lambda job: job["createdAt"])[:int(limit)]
+
+    # ------------------------------------------------------------ presence
+
+    def upsert_worker(self, presence: Mapping[str, object]) -> None:
+        with self._transaction("upsert_worker") as conn:
+            now = self._now()
+            record = presence_record(presence, now)
+            now_ms = _epoch_ms(now)
+            assert now_ms is not None  # the store's clock is aware
+            conn.execute("INSERT INTO workers (id, doc, last_seen_ms) VALUES (?, ?, ?) "
+                         "ON CONFLICT (id) DO UPDATE SET doc = excluded.doc, last_seen_ms = excluded.last_seen_ms",
+                         (record[WORKER_ID], _encode(record), now_ms))
+            conn.execute("DELETE FROM workers WHERE last_seen_ms < ?", (now_ms - PRESENCE_KEPT_S * 1000,))
+
+    def remove_worker(self, worker_id: str) -> None:
+        with self._transaction("remove_worker") as conn:
+            conn.execute("DELETE FROM workers WHERE id = ?", (str(worker_id),))
+
+    def list_workers(self) -> list[dict]:
+        with self._guarded("list_workers") as conn:
+            try:
+                rows = conn.execute("SELECT doc FROM workers ORDER BY id").fetchall()
+            except sqlite3.OperationalError as exc:
+                # A file no worker of this release has opened for writing (read-only opens create
+                # nothing): no table, so no worker has ever said it is there.
+                if "no such table" in str(exc):
+                    return []
+                raise
+        return [_decode(row[0]) for row in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ documents, and change only the fields they name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -65,7 +65,10 @@ class Store(ABC):
 
     @abstractmethod
     def set_progress(self, job_id: str, token: str, stage: str, percent: float,
-                     gpu_seconds: float | None = None) -> None: ...
+                     gpu_seconds: float | None = None, *, detail: Mapping[str, Any] | None = None,
+                     series: Mapping[str, list] | None = None) -> None:
+        """The job's progress (``rules.with_progress``): with ``detail`` (step, stage k of n, overall
+        percent, ETA, latest metrics, device) and the stage's metric ``series``, in one fenced write."""
 
     @abstractmethod
     def record_note(self, job_id: str, token: str, stage: str, text: str) -> None:
@@ -78,6 +81,10 @@ class Store(ABC):
     @abstractmethod
     def record_quality(self, job_id: str, token: str, quality: dict) -> None:
         """Keep the attempt's evaluation figures on the job (``rules.with_quality``), fenced on the token."""
+
+    @abstractmethod
+    def record_dataset(self, job_id: str, token: str, dataset: dict) -> None:
+        """Keep what data preparation kept and left out on the job (``rules.with_dataset``), fenced."""
 
     @abstractmethod
     def mark_refused(self, job_id: str, token: str, *, error_type: str, message: str, failed: Sequence[str],
@@ -98,7 +105,9 @@ class Store(ABC):
 
     @abstractmethod
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
-                     retryable: bool, gpu_seconds: float | None = None) -> bool: ...
+                     retryable: bool, gpu_seconds: float | None = None, retries_spent: bool = False) -> bool:
+        """The job ``error`` (``rules.errored``); fenced on ``token`` when given. ``retries_spent``: the
+        failure spent the last retry and the message is being dead-lettered (recorded as such at once)."""
 
     @abstractmethod
     def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
@@ -120,6 +129,11 @@ class Store(ABC):
 
     @abstractmethod
     def release_lease(self, job_id: str, token: str, gpu_seconds: float | None = None) -> bool: ...
+
+    @abstractmethod
+    def release_for_host_fault(self, job_id: str, token: str, reason: str, gpu_seconds: float | None = None) -> bool:
+        """Release the lease as ``release_lease`` does, the attempt's history entry ending ``host_fault``
+        with ``reason``, and the job's ``hostFaults`` count one up; False when the lease is not ours."""
 
     @abstractmethod
     def request_cancel(self, job_id: str) -> bool: ...
@@ -154,6 +168,21 @@ class Store(ABC):
     @abstractmethod
     def record_dead_letter(self, job_id: str, *, dead_letter: dict, worker: str) -> bool:
         """Job not final and not leased, this DLQ message not yet applied -> error "dead-lettered …"."""
+
+    # --- fleet presence (worker.core.presence; rules in worker.voice.records.presence)
+
+    @abstractmethod
+    def upsert_worker(self, presence: Mapping[str, object]) -> None:
+        """Write the worker's presence record (``presence.presence_record``: lastSeen on the store's
+        clock), replacing its earlier one, and drop records not seen for ``PRESENCE_KEPT_S``."""
+
+    @abstractmethod
+    def remove_worker(self, worker_id: str) -> None:
+        """Delete the worker's presence record (a clean exit); none there is no error."""
+
+    @abstractmethod
+    def list_workers(self) -> list[dict]:
+        """Every presence record, by workerId."""
 
     @abstractmethod
     def close(self) -> None: ...

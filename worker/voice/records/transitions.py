@@ -23,8 +23,9 @@ way (a job's profile may not exist yet). ``_swap_job`` never creates a job: jobs
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 import structlog
 
@@ -136,10 +137,11 @@ class TransitionStore(Store):
         return bool(job.get("cancelRequested"))
 
     def set_progress(self, job_id: str, token: str, stage: str, percent: float,
-                     gpu_seconds: float | None = None) -> None:
+                     gpu_seconds: float | None = None, *, detail: Mapping[str, Any] | None = None,
+                     series: Mapping[str, list] | None = None) -> None:
         self._fenced_job("set_progress", job_id, token,
                          lambda j, now: rules.with_progress(j, stage, percent, now, token=token,
-                                                            gpu_seconds=gpu_seconds))
+                                                            gpu_seconds=gpu_seconds, detail=detail, series=series))
 
     def record_note(self, job_id: str, token: str, stage: str, text: str) -> None:
         self._fenced_job("record_note", job_id, token, lambda j, _now: rules.with_note(j, token, stage, text))
@@ -150,6 +152,9 @@ class TransitionStore(Store):
 
     def record_quality(self, job_id: str, token: str, quality: dict) -> None:
         self._fenced_job("record_quality", job_id, token, lambda j, _now: rules.with_quality(j, quality))
+
+    def record_dataset(self, job_id: str, token: str, dataset: dict) -> None:
+        self._fenced_job("record_dataset", job_id, token, lambda j, _now: rules.with_dataset(j, dataset))
 
     def mark_refused(self, job_id: str, token: str, *, error_type: str, message: str, failed: Sequence[str],
                      quality: dict | None = None, gpu_seconds: float | None = None) -> None:
@@ -170,12 +175,13 @@ class TransitionStore(Store):
         self._fenced_profile("write_profile_quality", profile_id, job_id, token, {rules.QUALITY: dict(quality)})
 
     def record_error(self, job_id: str, *, token: str | None, error_type: str, message: str,
-                     retryable: bool, gpu_seconds: float | None = None) -> bool:
+                     retryable: bool, gpu_seconds: float | None = None, retries_spent: bool = False) -> bool:
         return self._swap_job(
             "record_error", job_id,
             lambda j, now: rules.may_record_error(j, token, now),
             lambda j, now: rules.errored(_with_time(j, token, gpu_seconds), token=token, error_type=error_type,
-                                         message=message, retryable=retryable, now=now))[1]
+                                         message=message, retryable=retryable, now=now,
+                                         retries_spent=retries_spent))[1]
 
     def write_paths(self, profile_id: str, token: str, model_paths: dict, s3_paths: dict, *,
                     job_id: str) -> None:
@@ -197,6 +203,11 @@ class TransitionStore(Store):
     def release_lease(self, job_id: str, token: str, gpu_seconds: float | None = None) -> bool:
         return self._swap_job("release_lease", job_id, lambda j, _now: rules.holds_lease(j, token),
                               lambda j, now: rules.released(_with_time(j, token, gpu_seconds), token, now))[1]
+
+    def release_for_host_fault(self, job_id: str, token: str, reason: str, gpu_seconds: float | None = None) -> bool:
+        return self._swap_job("release_for_host_fault", job_id, lambda j, _now: rules.holds_lease(j, token),
+                              lambda j, now: rules.released_for_host_fault(_with_time(j, token, gpu_seconds),
+                                                                           token, now, reason))[1]
 
     def request_cancel(self, job_id: str) -> bool:
         return self._swap_job("request_cancel", job_id, lambda j, now: rules.may_request_cancel(j, now),
