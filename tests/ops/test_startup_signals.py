@@ -86,10 +86,13 @@ def test_sigusr1_during_the_start_up_dumps_stacks_and_sigterm_then_stops_it(moto
     try:
         lines_until(proc, "store.mongo_ping_failed")
         proc.send_signal(signal.SIGUSR1)
-        dump = lines_until(proc, "in connect_mongo")
-        assert any("most recent call first" in line for line in dump), "".join(dump)
-        # The next attempt's failure: the worker lived through the dump and is still starting.
-        assert "store.mongo_ping_failed" in lines_until(proc, "store.mongo_ping_failed")[-1]
+        # The dump, then the next attempt's failure: the worker lived through the dump and is still starting.
+        # Read as one stretch (faulthandler writes from the signal handler, between log lines), and shown
+        # whole when it is not as expected.
+        seen = lines_until(proc, "store.mongo_ping_failed")
+        text = "".join(seen)
+        assert "most recent call first" in text and "in connect_mongo" in text, text
+        assert seen and "store.mongo_ping_failed" in seen[-1], text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         rest = proc.stderr.read()
