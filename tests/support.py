@@ -69,6 +69,15 @@ def create_queues(sqs, name: str = "jobs", with_dlq: bool = True) -> Queues:
     return Queues(sqs, url, dlq_url)
 
 
+def moto_bucket(bucket: str):
+    """A moto-backed S3 client (inside the ``aws`` fixture's mock) with ``bucket`` created."""
+    import boto3
+
+    client = boto3.client("s3", region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    return client
+
+
 def on_the_clock(handler, clock):
     """The handler, started only once the heartbeat thread is parked on ``clock`` (a FakeClock).
 

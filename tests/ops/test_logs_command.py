@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 import json
 
-import boto3
 import pytest
 
+from tests.support import moto_bucket
 from worker.ops.cli import main
 from worker.ops.commands import cmd_status
 from worker.ops.logs import cmd_logs, tail_lines
@@ -25,9 +25,7 @@ TRAIN_2 = "20261202T060001.000000Z-train_full.log"
 
 @pytest.fixture
 def s3(aws):
-    client = boto3.client("s3", region_name="us-east-1")
-    client.create_bucket(Bucket=BUCKET)
-    return client
+    return moto_bucket(BUCKET)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 from pipeline.errors import StageFailed
 from pipeline.stages import open_step_log
 from pipeline.workdir import attempt_dir_for, work_layout
+from tests.support import moto_bucket
 from worker.core.stop import StopSignal
 from worker.voice.stage_logs import (
     LogShipping,
@@ -32,9 +33,7 @@ JOB_ID = "665f1c2e9b1e8a0012ab34cd"
 
 @pytest.fixture
 def s3(aws):
-    client = boto3.client("s3", region_name="us-east-1")
-    client.create_bucket(Bucket=BUCKET)
-    return client
+    return moto_bucket(BUCKET)
 
 
 @pytest.fixture

@@ -67,7 +67,8 @@ def run_embed(args: argparse.Namespace, profile: Profile, voice: str) -> None:
     # Before torch and the encoders load (seconds of a job's time): a dataset that cannot be read, or whose
     # recordings are shorter in all than the profile's minimum of speech, is refused at once, since
     # preparation only trims and leaves out.
-    recorded_s = sum(clip.duration_s for clip in read_recordings(args.dataset))
+    recordings = read_recordings(args.dataset)
+    recorded_s = sum(clip.duration_s for clip in recordings)
     if recorded_s < profile.min_speech_s:
         raise TooLittleSpeech(f"too little usable speech: {recorded_s:.1f} s recorded in all,"
                               f" at least {profile.min_speech_s:g} s needed")
@@ -77,7 +78,7 @@ def run_embed(args: argparse.Namespace, profile: Profile, voice: str) -> None:
     select_device(torch, profile.device)
     started_s = time.process_time()
     judges, encoder = judges_for(profile, voice)
-    outcome, centre, cosines = prepare(args.dataset, args.prepared, profile, judges,
+    outcome, centre, cosines = prepare(recordings, args.prepared, profile, judges,
                                        lambda percent: print(f"PROGRESS {percent:.1f}", flush=True))
     kept = {piece.uid for piece in outcome.kept}
     write_speakers(args.out / SPEAKERS_NAME, speaker_file(centre, cosines, kept, encoder))

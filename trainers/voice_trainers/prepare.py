@@ -28,10 +28,10 @@ from voice_trainers.dataset import (
     Clip,
     UnusableData,
     escape_text,
-    read_recordings,
     unpack_prepared,
 )
 from voice_trainers.profiles import Profile
+from voice_trainers.scoring.similarity import centroid, unit
 
 REPORT_NAME = "report.json"
 REPORT_VERSION = 1
@@ -143,12 +143,6 @@ def judge(pieces: list[Piece], judges: Judges, outcome: Outcome) -> dict[str, np
     return {piece.uid: judges.embed(piece.audio) for piece in pieces}
 
 
-def unit_mean(vectors: list[np.ndarray]) -> np.ndarray:
-    mean = np.mean(np.stack(vectors), axis=0)
-    norm = float(np.linalg.norm(mean))
-    return mean / norm if norm > 0 else mean
-
-
 def speaker(embeddings: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, float], dict[str, str]]:
     """The centroid of the clips that are the speaker, every clip's cosine to it and the clips of another
     speaker. Each clip is judged by its cosine to the centroid of the others: in a small dataset a clip
@@ -157,10 +151,10 @@ def speaker(embeddings: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, fl
     if not embeddings:
         return np.zeros(0), {}, {}
     total = np.sum(np.stack(list(embeddings.values())), axis=0)
-    others = {uid: float(e @ unit_mean([total - e])) if len(embeddings) > 1 else 1.0
+    others = {uid: float(e @ unit(total - e)) if len(embeddings) > 1 else 1.0
               for uid, e in embeddings.items()}
     odd = prep_rules.other_speakers(others)
-    centre = unit_mean([e for uid, e in embeddings.items() if uid not in odd])
+    centre = centroid([e for uid, e in embeddings.items() if uid not in odd])
     return centre, {uid: float(e @ centre) for uid, e in embeddings.items()}, odd
 
 
@@ -216,12 +210,11 @@ def note_line(outcome: Outcome) -> str:
     return f"NOTE prepared {len(outcome.kept)} clip(s), {kept_s:.1f} s of speech{left}"[:NOTE_MAX_CHARS]
 
 
-def prepare(dataset: Path, out: Path, profile: Profile, judges: Judges,
+def prepare(recordings: list[Clip], out: Path, profile: Profile, judges: Judges,
             progress: Callable[[float], None]) -> tuple[Outcome, np.ndarray, dict[str, float]]:
-    """Prepare ``dataset`` into ``out`` (metadata.csv, wavs/, report.json): the outcome, the speaker's
-    centroid and every embedded clip's cosine to it. Too little speech left raises ``TooLittleSpeech``
-    once the report is written."""
-    recordings = read_recordings(dataset)
+    """Prepare the dataset's ``recordings`` (``dataset.read_recordings``) into ``out`` (metadata.csv, wavs/,
+    report.json): the outcome, the speaker's centroid and every embedded clip's cosine to it. Too little
+    speech left raises ``TooLittleSpeech`` once the report is written."""
     outcome = Outcome()
     pieces: list[Piece] = []
     for number, clip in enumerate(recordings, start=1):

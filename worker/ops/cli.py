@@ -182,11 +182,12 @@ def _logs_at(settings: Settings):
 
 def cmd_logs(settings: Settings, args) -> int:
     from worker.ops.logs import cmd_logs as logs
-    from worker.voice.stage_logs import S3Logs
+    from worker.ops.logs import shipped_logs
 
     if problems := missing(settings, "store", "bucket"):
         return _fail(problems)
-    shipped = S3Logs(_client("s3", settings), settings.s3_bucket or "", settings.s3_prefix)
+    shipped = shipped_logs(settings, _client("s3", settings))
+    assert shipped is not None  # the bucket was checked above
     with _store(settings, "read") as store:
         return logs(shipped, store, args.job_id, stage=args.stage, attempt=args.attempt, follow=args.follow)
 

@@ -176,6 +176,13 @@ class JobStatus:
         return f"python -m worker logs {one_line(self.job.id)}"
 
 
+def job_over(job: Any) -> bool:
+    """Whether nothing more will happen to the job (no progress, no logs, no retry): a final status, or
+    an error no retry follows. What `status --watch`, `logs --follow` and the web page stop on."""
+    error = job.error
+    return job.status in FINAL_STATUSES or (job.status == ERROR and not (error is not None and error.retryable))
+
+
 def status_document(store: Store, job_id: str, logs_at: Callable[[str], str] | None = None) -> JobStatus | None:
     """``logs_at(job_id)``: where the job's stage logs are shipped, when they are."""
     job = store.get_job(job_id)
@@ -504,9 +511,7 @@ def cmd_status(store: Store, job_id: str, *, as_json: bool, watch_s: float | Non
             print(render_status(status, now), file=out, flush=True)
             for line in status.warnings():
                 print(line, file=err, flush=True)
-        job = status.job
-        permanent_error = job.status == ERROR and not (job.error and job.error.retryable)
-        if not watch_s or job.status in FINAL_STATUSES or permanent_error:
+        if not watch_s or job_over(status.job):
             return EXIT_OK
         sleep(watch_s)
 

@@ -14,9 +14,8 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any, TextIO
 
-from worker.ops.commands import EXIT_NOT_FOUND, EXIT_OK, one_line
+from worker.ops.commands import EXIT_NOT_FOUND, EXIT_OK, job_over, one_line
 from worker.voice.records import Store
-from worker.voice.records.rules import ERROR, FINAL_STATUSES
 from worker.voice.stage_logs import LOG_NAME, Chunk, S3Logs, ShippedLogs
 
 FOLLOW_POLL_S = 2.0
@@ -92,13 +91,6 @@ class LogPrinter:
         if not self._ends_line:
             self._out.write("\n")
             self._out.flush()
-
-
-def job_over(job: Any) -> bool:
-    """Whether the job will ship no more logs: a final status, or an error no retry follows."""
-    status = getattr(job, "status", None)
-    error = getattr(job, "error", None)
-    return status in FINAL_STATUSES or (status == ERROR and not (error is not None and error.retryable))
 
 
 def cmd_logs(logs: ShippedLogs, store: Store, job_id: str, *, stage: str | None = None, attempt: int | None = None,

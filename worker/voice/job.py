@@ -447,9 +447,10 @@ class VoiceJobHandler:
             return  # the stage's own failure stays the reason
         if report is None or report.refused is None:
             return
-        claimed.attempt.record_dataset(prep_report.dataset_record(report))
+        dataset = prep_report.dataset_record(report)
+        claimed.attempt.record_dataset(dataset)
         raise TooLittleSpeech(f"too little usable speech: {report.refused}; "
-                              f"{prep_report.summary_line(prep_report.dataset_record(report))}") from exc
+                              f"{prep_report.summary_line(dataset)}") from exc
 
     def _evaluate(self, claimed: Claimed, attempt_dir: Path) -> None:
         """Read the evaluation report the pipeline config names, keep its figures on the job record

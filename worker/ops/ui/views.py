@@ -16,9 +16,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from worker.core.redact import redact_text
-from worker.ops.commands import format_elapsed, job_files, moment, score_text
-from worker.voice.records.presence import is_stale
-from worker.voice.records.rules import BASE_MODEL, COMPLETED, ERROR, FINAL_STATUSES, METRICS, QUALITY
+from worker.ops import workers_view
+from worker.ops.commands import format_elapsed, job_files, job_over, moment, score_text
+from worker.voice.records.rules import BASE_MODEL, COMPLETED, FINAL_STATUSES, METRICS, QUALITY
 from worker.voice.records.training import progress_summary
 from worker.voice.records.view import JobView, ProfileView
 
@@ -110,7 +110,7 @@ def progress_view(job: JobView, now: datetime) -> dict[str, Any] | None:
         "step": "-" if s["step"] is None else str(s["step"]),
         "elapsed": _duration(s["stageElapsedS"]),
         "attemptElapsed": _duration(s["attemptElapsedS"]),
-        "eta": _duration(max(0.0, (eta_at - now).total_seconds())) if eta_at else "-" if finished(job) else "?",
+        "eta": _duration(max(0.0, (eta_at - now).total_seconds())) if eta_at else "-" if job_over(job) else "?",
         "updatedAt": moment(s["updatedAt"]),
         "device": known(s["device"]),
         "latest": latest or "-",
@@ -119,12 +119,6 @@ def progress_view(job: JobView, now: datetime) -> dict[str, Any] | None:
 
 def _duration(seconds: float | None) -> str:
     return "-" if seconds is None else format_elapsed(seconds)
-
-
-def finished(job: JobView) -> bool:
-    """Whether nothing more will happen to the job: a final status, or an error no retry follows."""
-    error = job.error
-    return job.status in FINAL_STATUSES or (job.status == ERROR and not (error is not None and error.retryable))
 
 
 def error_view(job: JobView) -> dict[str, str] | None:
@@ -261,7 +255,7 @@ def job_detail(job: JobView, profile: ProfileView | None, now: datetime,
     return {
         "id": known(job.id),
         "status": known(job.status),
-        "final": finished(job),
+        "final": job_over(job),
         "attempts": known(job.attempts),
         "profileId": known(job.profile_id),
         "createdAt": moment(job.created_at),
@@ -288,15 +282,14 @@ PRESENCE_FIELDS = ("workerId", "host", "version", "state", "jobId", "since", "la
 
 
 def worker_rows(presences: Iterable[Any], now: datetime, default_interval_s: float) -> list[dict[str, str]]:
-    """Each worker's presence, stale ones marked (``presence.is_stale``: a few of its own ticks
-    missed, judged on ``now``, the store's clock, which stamped ``lastSeen``)."""
+    """The ``workers`` command's rows (``workers_view.worker_rows``: stale judged on ``now``, the store's
+    clock, which stamped ``lastSeen``; live ones first) as display strings."""
     rows = []
-    for presence in presences:
-        fields = _mapping(presence)
-        row = {name: moment(_time(fields.get(name))) if name in ("since", "lastSeen") else
-               known(fields.get(name)) if fields.get(name) is not None else "-" for name in PRESENCE_FIELDS}
-        row["stale"] = "stale" if is_stale(fields, now, default_interval_s) else ""
-        rows.append(row)
+    for row in workers_view.worker_rows([dict(_mapping(p)) for p in presences], now, default_interval_s):
+        shown = {name: moment(_time(row.get(name))) if name in ("since", "lastSeen") else
+                 known(row.get(name)) if row.get(name) is not None else "-" for name in PRESENCE_FIELDS}
+        shown["stale"] = "stale" if row["stale"] else ""
+        rows.append(shown)
     return rows
 
 
