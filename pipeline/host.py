@@ -85,8 +85,8 @@ def check_host(checks: list[HostCheck]) -> None:
 def work_root_check(work_root: Path, min_free_bytes: int) -> str:
     """``WORK_ROOT`` exists or can be made, takes a synced write, and has ``min_free_bytes`` free.
 
-    A job that meets a full or read-only disk mid-way still records a retryable failure (a disk can
-    fill while a job runs); this check keeps a host whose disk is already unusable from taking jobs."""
+    A job that meets a full or read-only disk mid-way is released to another host as a host fault
+    (``pipeline.host_faults``); this check keeps a host whose disk is already unusable from taking jobs."""
     try:
         work_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

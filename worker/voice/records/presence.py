@@ -4,7 +4,8 @@ page read them), shared by both stores as the job rules are.
 A record is keyed by ``workerId`` and holds only the fields below, each text clipped: the store keeps
 what a worker said, never more. ``lastSeen`` is stamped by the store, on its own clock, so every
 reader judges staleness against one clock. A record not seen for ``PRESENCE_KEPT_S`` is dropped
-(SQLite on each write, MongoDB by a TTL index): a fleet that scaled in leaves no trace for ever.
+(by both stores on each write, on the store's clock: not a MongoDB TTL index, which judges on the
+server's): a fleet that scaled in leaves no trace for ever.
 """
 
 from __future__ import annotations
